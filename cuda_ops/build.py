@@ -1,0 +1,249 @@
+"""Build, cache and load dmfx's kernel extensions.
+
+All CPU kernels live in one extension module and all CUDA kernels in another. Each is compiled once
+with ``torch.utils.cpp_extension.load_inline`` and named by a hash of its sources, flags, the torch
+build and the machine, so a change to any of them builds a new module and an old one is never loaded
+by mistake. Builds land in the torch extensions directory (``TORCH_EXTENSIONS_DIR`` or
+``~/.cache/torch_extensions``; ``DMFX_CACHE_DIR`` overrides it) and are shared across processes:
+
+* a file lock serialises concurrent builds of the same module (the second process waits, then loads);
+* a build is only trusted once ``dmfx_ok.json`` records the SHA-256 of the finished library, so a
+  build that was killed half-way, or a library that was corrupted later, is detected and rebuilt;
+* a warm load imports the finished library directly (no compiler, no ninja), well under a second;
+* a cache directory that cannot be written falls back to a temporary one, with a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from filelock import FileLock
+
+log = logging.getLogger("dmfx")
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+HEADERS = ("dmfx_common.h", "kernel_api.h")
+MARKER = "dmfx_ok.json"
+
+
+class KernelBuildError(RuntimeError):
+    """A kernel extension could not be built or loaded (no compiler, compile error, bad cache)."""
+
+
+@dataclass(frozen=True)
+class Flavor:
+    kind: str  # "cpu" | "cuda"
+    cpp_source: str
+    cuda_source: str | None
+    cflags: tuple[str, ...]
+    cuda_cflags: tuple[str, ...] = ()
+    ldflags: tuple[str, ...] = ()
+
+
+FLAVORS = {
+    "cpu": Flavor(
+        kind="cpu",
+        cpp_source="cpu_kernels.cpp",
+        cuda_source=None,
+        cflags=("-O3", "-march=native", "-fopenmp"),
+        ldflags=("-fopenmp",),
+    ),
+    "cuda": Flavor(
+        kind="cuda",
+        cpp_source="cuda_bindings.cpp",
+        cuda_source="cuda_kernels.cu",
+        cflags=("-O3",),
+        cuda_cflags=("-O3", "-lineinfo"),
+    ),
+}
+
+_loaded: dict[str, ModuleType] = {}
+_failed: dict[str, KernelBuildError] = {}
+
+
+def _read(name: str) -> str:
+    return (CSRC / name).read_text()
+
+
+def _machine_tag() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return os.uname().machine
+    keep = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    return os.uname().machine + "|" + "|".join(keep)
+
+
+def source_hash(flavor: Flavor) -> str:
+    h = hashlib.sha256()
+    for name in (flavor.cpp_source, flavor.cuda_source, *HEADERS):
+        if name:
+            h.update(name.encode())
+            h.update(_read(name).encode())
+    for part in (flavor.cflags, flavor.cuda_cflags, flavor.ldflags):
+        h.update(repr(part).encode())
+    h.update(torch.__version__.encode())
+    h.update(str(torch.version.cuda).encode())
+    h.update(sys.version.encode())
+    if flavor.kind == "cpu":
+        h.update(_machine_tag().encode())
+    else:
+        h.update(os.environ.get("TORCH_CUDA_ARCH_LIST", "").encode())
+    return h.hexdigest()[:16]
+
+
+def module_name(kind: str) -> str:
+    return f"dmfx_{kind}_{source_hash(FLAVORS[kind])}"
+
+
+def cache_root() -> Path:
+    """The directory that holds one sub-directory per built module; writable, or a temp fallback."""
+    env = os.environ.get("DMFX_CACHE_DIR")
+    if env:
+        root = Path(env)
+    else:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".dmfx_write_probe_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+        return root
+    except OSError as e:
+        fallback = Path(tempfile.gettempdir()) / f"dmfx_extensions_{os.getuid()}"
+        fallback.mkdir(parents=True, exist_ok=True)
+        log.warning("dmfx: kernel cache %s is not writable (%s); using %s instead", root, e, fallback)
+        return fallback
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _library_path(build_dir: Path, name: str) -> Path:
+    return build_dir / f"{name}.so"
+
+
+def _is_valid(build_dir: Path, name: str) -> bool:
+    lib, marker = _library_path(build_dir, name), build_dir / MARKER
+    if not (lib.is_file() and marker.is_file()):
+        return False
+    try:
+        return json.loads(marker.read_text()).get("sha256") == _sha256(lib)
+    except (OSError, ValueError):
+        return False
+
+
+def _import(name: str, lib: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, lib)
+    if spec is None or spec.loader is None:
+        raise KernelBuildError(f"cannot import {lib}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compile(flavor: Flavor, name: str, build_dir: Path) -> None:
+    from torch.utils.cpp_extension import load_inline
+
+    if flavor.kind == "cuda" and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        # No GPU to detect the architecture from (e.g. a compile-only check): build for Hopper.
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+    load_inline(
+        name=name,
+        cpp_sources=[_read(flavor.cpp_source)],
+        cuda_sources=[_read(flavor.cuda_source)] if flavor.cuda_source else None,
+        extra_cflags=list(flavor.cflags),
+        extra_cuda_cflags=list(flavor.cuda_cflags) or None,
+        extra_ldflags=list(flavor.ldflags),
+        extra_include_paths=[str(CSRC)],
+        build_directory=str(build_dir),
+        with_cuda=flavor.cuda_source is not None,
+        is_python_module=True,
+        verbose=False,
+    )
+
+
+def load(kind: str) -> ModuleType:
+    """The extension module of `kind` ("cpu" or "cuda"), built on first use and cached on disk.
+
+    Raises KernelBuildError (once per process and kind; later calls re-raise it quickly).
+    """
+    if kind in _loaded:
+        return _loaded[kind]
+    if kind in _failed:
+        raise _failed[kind]
+    try:
+        module = _build_or_load(kind)
+    except KernelBuildError as e:
+        _failed[kind] = e
+        raise
+    except Exception as e:  # compiler missing, compile error, import error, ...
+        err = KernelBuildError(f"dmfx could not build its {kind.upper()} kernels: {_summarize(e)}")
+        _failed[kind] = err
+        raise err from e
+    _loaded[kind] = module
+    return module
+
+
+def _summarize(e: BaseException, limit: int = 1500) -> str:
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= limit else text[:300] + " ... " + text[-(limit - 300):]
+
+
+def _build_or_load(kind: str) -> ModuleType:
+    flavor = FLAVORS[kind]
+    name = module_name(kind)
+    root = cache_root()
+    build_dir = root / name
+    start = time.perf_counter()
+    if _is_valid(build_dir, name):
+        module = _import(name, _library_path(build_dir, name))
+        log.info("dmfx: loaded %s kernels %s from cache in %.2fs", kind.upper(), name, time.perf_counter() - start)
+        return module
+    with FileLock(str(root / f"{name}.lock")):
+        if not _is_valid(build_dir, name):  # nobody built it while we waited
+            if build_dir.exists():
+                log.warning("dmfx: discarding incomplete or corrupted kernel build in %s", build_dir)
+                shutil.rmtree(build_dir, ignore_errors=True)
+            build_dir.mkdir(parents=True)
+            print(
+                f"dmfx: building {kind.upper()} kernels {name} (happens once per machine and version; "
+                f"cached in {build_dir})",
+                file=sys.stderr,
+                flush=True,
+            )
+            _compile(flavor, name, build_dir)
+            lib = _library_path(build_dir, name)
+            if not lib.is_file():
+                raise KernelBuildError(f"the build of {name} produced no library at {lib}")
+            (build_dir / MARKER).write_text(json.dumps({"sha256": _sha256(lib), "torch": torch.__version__}))
+            module = sys.modules.get(name) or _import(name, lib)
+            log.info("dmfx: built %s kernels %s in %.1fs", kind.upper(), name, time.perf_counter() - start)
+            return module
+    module = _import(name, _library_path(build_dir, name))
+    log.info("dmfx: loaded %s kernels %s (built by another process) in %.2fs", kind.upper(), name, time.perf_counter() - start)
+    return module
+
+
+def kernels_for(device: torch.device | str) -> ModuleType:
+    """The extension holding the kernels for tensors on `device`."""
+    dev = torch.device(device)
+    if dev.type not in FLAVORS:
+        raise KernelBuildError(f"dmfx has no kernels for device type {dev.type!r} (only cpu and cuda)")
+    return load(dev.type)

@@ -1,0 +1,303 @@
+// dmfx CPU kernels: one fused "bias + dropout + residual + normalization" kernel pair (LayerNorm and
+// RMSNorm are its special cases) and a standalone dropout kernel.
+//
+// Every tensor is seen as [rows, H] with unit stride along H; the leading dimensions may have any
+// strides (RowIndexer), so permuted/sliced activations are read in place. Outputs are contiguous.
+// Accumulation is in at::opmath_type (float for fp16/bf16/fp32, double for fp64).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Dispatch.h>
+
+#include <vector>
+
+#include "dmfx_common.h"
+#include "kernel_api.h"
+
+namespace dmfx {
+namespace {
+
+// Keep flags of the H elements starting at logical index `first` (one Philox call per 4 elements).
+void fill_keep(const DropoutParams& d, uint64_t first, int64_t H, std::vector<uint8_t>& keep) {
+  keep.resize(H);
+  if (!d.active) { std::fill(keep.begin(), keep.end(), 1); return; }
+  if (d.drop_all) { std::fill(keep.begin(), keep.end(), 0); return; }
+  const uint64_t g0 = first >> 2, g1 = (first + H - 1) >> 2;
+  const int64_t skip = static_cast<int64_t>(first & 3);
+  for (uint64_t g = g0; g <= g1; ++g) {
+    const Philox4 r = philox4x32_10(g, d.offset, d.seed);
+    const uint32_t words[4] = {r.x, r.y, r.z, r.w};
+    const int64_t base = static_cast<int64_t>((g - g0) * 4) - skip;
+    for (int lane = 0; lane < 4; ++lane) {
+      const int64_t j = base + lane;
+      if (j >= 0 && j < H) keep[j] = words[lane] >= d.threshold;
+    }
+  }
+}
+
+template <typename scalar_t>
+struct RowView {
+  const scalar_t* data = nullptr;
+  RowIndexer idx;
+  const scalar_t* row(int64_t r) const { return data + idx.offset(r); }
+  explicit operator bool() const { return data != nullptr; }
+};
+
+template <typename scalar_t>
+RowView<scalar_t> rows_of(const c10::optional<at::Tensor>& t) {
+  RowView<scalar_t> v;
+  if (t.has_value() && t->defined()) {
+    v.data = t->data_ptr<scalar_t>();
+    v.idx = RowIndexer::of(*t);
+  }
+  return v;
+}
+
+template <typename scalar_t>
+const scalar_t* ptr_or_null(const c10::optional<at::Tensor>& t) {
+  return (t.has_value() && t->defined()) ? t->data_ptr<scalar_t>() : nullptr;
+}
+
+// s = dropout(x + bias) + residual for one row, into `s` (accumulation type).
+template <typename scalar_t, typename acc_t>
+inline void load_row(const NormArgs& a, const RowView<scalar_t>& x, const scalar_t* bias,
+                     const RowView<scalar_t>& res, int64_t r, std::vector<uint8_t>& keep,
+                     acc_t* s) {
+  const int64_t H = a.H;
+  const scalar_t* xr = x.row(r);
+  if (bias) {
+    for (int64_t j = 0; j < H; ++j) s[j] = static_cast<acc_t>(xr[j]) + static_cast<acc_t>(bias[j]);
+  } else {
+    for (int64_t j = 0; j < H; ++j) s[j] = static_cast<acc_t>(xr[j]);
+  }
+  if (a.dropout.active) {
+    fill_keep(a.dropout, static_cast<uint64_t>(r) * H, H, keep);
+    const acc_t scale = static_cast<acc_t>(a.scale);
+    for (int64_t j = 0; j < H; ++j) s[j] = keep[j] ? s[j] * scale : acc_t(0);
+  }
+  if (res) {
+    const scalar_t* rr = res.row(r);
+    for (int64_t j = 0; j < H; ++j) s[j] += static_cast<acc_t>(rr[j]);
+  }
+}
+
+template <typename scalar_t>
+void norm_fwd_impl(const NormArgs& a, const at::Tensor& x, const c10::optional<at::Tensor>& bias,
+                   const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& weight,
+                   const c10::optional<at::Tensor>& norm_bias, at::Tensor& out, at::Tensor& sum_out,
+                   at::Tensor& mean, at::Tensor& rstd) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t H = a.H;
+  const auto xv = rows_of<scalar_t>(x);
+  const auto rv = rows_of<scalar_t>(residual);
+  const scalar_t* b = ptr_or_null<scalar_t>(bias);
+  const scalar_t* w = ptr_or_null<scalar_t>(weight);
+  const scalar_t* nb = ptr_or_null<scalar_t>(norm_bias);
+  scalar_t* o = out.data_ptr<scalar_t>();
+  scalar_t* so = sum_out.defined() ? sum_out.data_ptr<scalar_t>() : nullptr;
+  acc_t* mp = a.rms ? nullptr : mean.data_ptr<acc_t>();
+  acc_t* rp = rstd.data_ptr<acc_t>();
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(H, 1));
+  at::parallel_for(0, a.rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> s(H);
+    std::vector<uint8_t> keep;
+    for (int64_t r = begin; r < end; ++r) {
+      load_row<scalar_t, acc_t>(a, xv, b, rv, r, keep, s.data());
+      acc_t mu = 0, var = 0;
+      if (a.rms) {
+        for (int64_t j = 0; j < H; ++j) var += s[j] * s[j];
+        var /= H;
+      } else {
+        for (int64_t j = 0; j < H; ++j) mu += s[j];
+        mu /= H;
+        for (int64_t j = 0; j < H; ++j) { const acc_t c = s[j] - mu; var += c * c; }
+        var /= H;
+      }
+      const acc_t rs = acc_t(1) / std::sqrt(var + static_cast<acc_t>(a.eps));
+      if (mp) mp[r] = mu;
+      rp[r] = rs;
+      scalar_t* orow = o + r * H;
+      if (so) {
+        scalar_t* srow = so + r * H;
+        for (int64_t j = 0; j < H; ++j) srow[j] = static_cast<scalar_t>(s[j]);
+      }
+      for (int64_t j = 0; j < H; ++j) {
+        acc_t y = (s[j] - mu) * rs;
+        if (w) y *= static_cast<acc_t>(w[j]);
+        if (nb) y += static_cast<acc_t>(nb[j]);
+        orow[j] = static_cast<scalar_t>(y);
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+void norm_bwd_impl(const NormArgs& a, const at::Tensor& grad_out,
+                   const c10::optional<at::Tensor>& grad_sum, const at::Tensor& x,
+                   const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
+                   const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& mean,
+                   const at::Tensor& rstd, NormGrads& g) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t H = a.H;
+  const auto gv = rows_of<scalar_t>(grad_out);
+  const auto gsv = rows_of<scalar_t>(grad_sum);
+  const auto xv = rows_of<scalar_t>(x);
+  const auto rv = rows_of<scalar_t>(residual);
+  const scalar_t* b = ptr_or_null<scalar_t>(bias);
+  const scalar_t* w = ptr_or_null<scalar_t>(weight);
+  const acc_t* mp = a.rms ? nullptr : mean->data_ptr<acc_t>();
+  const acc_t* rp = rstd.data_ptr<acc_t>();
+  scalar_t* dx = g.dx.defined() ? g.dx.data_ptr<scalar_t>() : nullptr;
+  scalar_t* dres = g.dresidual.defined() ? g.dresidual.data_ptr<scalar_t>() : nullptr;
+  const bool need_dw = g.dweight.defined(), need_dnb = g.dnorm_bias.defined(),
+             need_db = g.dbias.defined();
+  // Column sums (dweight, dnorm_bias, dbias) accumulate per thread, then reduce.
+  const int64_t nthreads = at::get_num_threads();
+  const int ncols = 3;
+  std::vector<acc_t> partial(static_cast<size_t>(nthreads) * ncols * H, acc_t(0));
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(H, 1));
+  at::parallel_for(0, a.rows, grain, [&](int64_t begin, int64_t end) {
+    const int64_t tid = at::get_thread_num();
+    acc_t* pw = partial.data() + (tid * ncols + 0) * H;
+    acc_t* pnb = partial.data() + (tid * ncols + 1) * H;
+    acc_t* pb = partial.data() + (tid * ncols + 2) * H;
+    std::vector<acc_t> s(H), gw(H);
+    std::vector<uint8_t> keep;
+    for (int64_t r = begin; r < end; ++r) {
+      load_row<scalar_t, acc_t>(a, xv, b, rv, r, keep, s.data());
+      const acc_t mu = mp ? mp[r] : acc_t(0), rs = rp[r];
+      const scalar_t* dy = gv.row(r);
+      acc_t c1 = 0, c2 = 0;
+      for (int64_t j = 0; j < H; ++j) {
+        const acc_t xhat = (s[j] - mu) * rs;
+        const acc_t gy = static_cast<acc_t>(dy[j]);
+        const acc_t gj = w ? gy * static_cast<acc_t>(w[j]) : gy;
+        gw[j] = gj;
+        c1 += gj * xhat;
+        c2 += gj;
+        if (need_dw) pw[j] += gy * xhat;
+        if (need_dnb) pnb[j] += gy;
+        s[j] = xhat;
+      }
+      c1 /= H;
+      c2 = a.rms ? acc_t(0) : c2 / H;
+      const acc_t scale = static_cast<acc_t>(a.scale);
+      scalar_t* dxr = dx ? dx + r * H : nullptr;
+      scalar_t* drr = dres ? dres + r * H : nullptr;
+      const scalar_t* gsr = gsv ? gsv.row(r) : nullptr;
+      for (int64_t j = 0; j < H; ++j) {
+        acc_t ds = rs * (gw[j] - c2 - s[j] * c1);
+        if (gsr) ds += static_cast<acc_t>(gsr[j]);
+        if (drr) drr[j] = static_cast<scalar_t>(ds);
+        const acc_t dxj = a.dropout.active ? (keep[j] ? ds * scale : acc_t(0)) : ds;
+        if (dxr) dxr[j] = static_cast<scalar_t>(dxj);
+        if (need_db) pb[j] += dxj;
+      }
+    }
+  });
+  auto reduce_col = [&](int col, at::Tensor& dst) {
+    if (!dst.defined()) return;
+    scalar_t* d = dst.data_ptr<scalar_t>();
+    for (int64_t j = 0; j < H; ++j) {
+      acc_t acc = 0;
+      for (int64_t t = 0; t < nthreads; ++t) acc += partial[(t * ncols + col) * H + j];
+      d[j] = static_cast<scalar_t>(acc);
+    }
+  };
+  reduce_col(0, g.dweight);
+  reduce_col(1, g.dnorm_bias);
+  reduce_col(2, g.dbias);
+}
+
+template <typename scalar_t>
+void dropout_impl(const at::Tensor& x, at::Tensor& out, const DropoutParams& d, double p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const int64_t n = x.numel();
+  const int64_t ngroups = (n + 3) / 4;
+  const acc_t scale = static_cast<acc_t>(p >= 1.0 ? 0.0 : 1.0 / (1.0 - p));
+  at::parallel_for(0, ngroups, 2048, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const Philox4 r = philox4x32_10(static_cast<uint64_t>(g), d.offset, d.seed);
+      const uint32_t words[4] = {r.x, r.y, r.z, r.w};
+      for (int lane = 0; lane < 4; ++lane) {
+        const int64_t i = g * 4 + lane;
+        if (i >= n) break;
+        const bool keep = !d.drop_all && words[lane] >= d.threshold;
+        op[i] = keep ? static_cast<scalar_t>(static_cast<acc_t>(xp[i]) * scale) : scalar_t(0);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+std::vector<at::Tensor> norm_fwd_cpu(const at::Tensor& x_in, const c10::optional<at::Tensor>& bias_in,
+                                     const c10::optional<at::Tensor>& residual_in,
+                                     const c10::optional<at::Tensor>& weight_in,
+                                     const c10::optional<at::Tensor>& norm_bias_in, int64_t seed,
+                                     int64_t offset, double p, double eps, bool rms,
+                                     bool return_sum) {
+  const NormArgs a = check_norm_args("norm_fwd", x_in, bias_in, residual_in, weight_in,
+                                     norm_bias_in, p, eps, rms, seed, offset, at::kCPU);
+  const at::Tensor x = rowable(x_in);
+  const auto residual = rowable(residual_in);
+  const auto bias = contiguous(bias_in), weight = contiguous(weight_in),
+             norm_bias = contiguous(norm_bias_in);
+  auto outs = alloc_norm_outputs(x, a, return_sum);
+  if (a.rows > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dmfx_norm_fwd", [&] {
+      norm_fwd_impl<scalar_t>(a, x, bias, residual, weight, norm_bias, outs[0], outs[1], outs[2],
+                              outs[3]);
+    });
+  }
+  return outs;
+}
+
+std::vector<at::Tensor> norm_bwd_cpu(const at::Tensor& grad_out_in,
+                                     const c10::optional<at::Tensor>& grad_sum_in,
+                                     const at::Tensor& x_in,
+                                     const c10::optional<at::Tensor>& bias_in,
+                                     const c10::optional<at::Tensor>& residual_in,
+                                     const c10::optional<at::Tensor>& weight_in,
+                                     const c10::optional<at::Tensor>& mean_in,
+                                     const at::Tensor& rstd_in, int64_t seed, int64_t offset,
+                                     double p, bool rms, std::vector<bool> output_mask) {
+  const NormArgs a = check_norm_bwd_args("norm_bwd", grad_out_in, grad_sum_in, x_in, bias_in, residual_in,
+                                         weight_in, mean_in, rstd_in, p, rms, seed, offset,
+                                         output_mask, at::kCPU);
+  const at::Tensor x = rowable(x_in), grad_out = rowable(grad_out_in), rstd = rstd_in.contiguous();
+  const auto residual = rowable(residual_in), grad_sum = rowable(grad_sum_in);
+  const auto bias = contiguous(bias_in), weight = contiguous(weight_in), mean = contiguous(mean_in);
+  NormGrads g = alloc_norm_grads(x, bias, weight, a, output_mask);
+  if (a.rows > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dmfx_norm_bwd", [&] {
+      norm_bwd_impl<scalar_t>(a, grad_out, grad_sum, x, bias, residual, weight, mean, rstd, g);
+    });
+  } else {
+    zero_param_grads(g);
+  }
+  return g.as_list();
+}
+
+at::Tensor dropout_cpu(const at::Tensor& x_in, int64_t seed, int64_t offset, double p) {
+  check_dropout_args("dropout", x_in, p, at::kCPU);
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const DropoutParams d = make_dropout_params(p, seed, offset);
+  if (x.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dmfx_dropout", [&] {
+      dropout_impl<scalar_t>(x, out, d, p);
+    });
+  }
+  return out;
+}
+
+}  // namespace dmfx
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("norm_fwd", &dmfx::norm_fwd_cpu, "fused bias+dropout+residual+LayerNorm/RMSNorm forward (CPU)");
+  m.def("norm_bwd", &dmfx::norm_bwd_cpu, "fused bias+dropout+residual+LayerNorm/RMSNorm backward (CPU)");
+  m.def("dropout", &dmfx::dropout_cpu, "Philox inverted dropout (CPU); also its own backward");
+}

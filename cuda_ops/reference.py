@@ -1,0 +1,82 @@
+"""Pure-PyTorch (and NumPy) references for dmfx's fused ops, used by the tests.
+
+``philox_keep`` reimplements the kernels' Philox4x32-10 mask in NumPy, so the tests can check the
+CPU and CUDA kernels bit for bit without trusting either.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+_M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+_W0, _W1 = np.uint32(0x9E3779B9), np.uint32(0xBB67AE85)
+_LO = np.uint64(0xFFFFFFFF)
+
+
+def philox4x32_10(group: np.ndarray, offset: int, seed: int) -> np.ndarray:
+    """Philox4x32-10 of counters (group, offset) under key seed: array [n, 4] of uint32 words."""
+    g = group.astype(np.uint64)
+    c0 = (g & _LO).astype(np.uint32)
+    c1 = (g >> np.uint64(32)).astype(np.uint32)
+    c2 = np.full_like(c0, offset & 0xFFFFFFFF)
+    c3 = np.full_like(c0, (offset >> 32) & 0xFFFFFFFF)
+    k0, k1 = np.uint32(seed & 0xFFFFFFFF), np.uint32((seed >> 32) & 0xFFFFFFFF)
+    with np.errstate(over="ignore"):
+        for _ in range(10):
+            p0 = _M0 * c0.astype(np.uint64)
+            p1 = _M1 * c2.astype(np.uint64)
+            hi0, lo0 = (p0 >> np.uint64(32)).astype(np.uint32), (p0 & _LO).astype(np.uint32)
+            hi1, lo1 = (p1 >> np.uint64(32)).astype(np.uint32), (p1 & _LO).astype(np.uint32)
+            c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+            k0, k1 = k0 + _W0, k1 + _W1
+    return np.stack([c0, c1, c2, c3], axis=1)
+
+
+def philox_keep(numel: int, p: float, seed: Tensor) -> Tensor:
+    """The kernels' keep-mask (bool, flat) for `numel` elements in logical order."""
+    if p <= 0:
+        return torch.ones(numel, dtype=torch.bool)
+    if p >= 1:
+        return torch.zeros(numel, dtype=torch.bool)
+    s, o = (int(v) for v in seed.tolist())
+    idx = np.arange(numel, dtype=np.uint64)
+    words = philox4x32_10(idx >> np.uint64(2), o, s)[np.arange(numel), (idx & np.uint64(3)).astype(np.int64)]
+    threshold = min(int(np.floor(p * 2.0**32)), 0xFFFFFFFF)
+    return torch.from_numpy(words >= np.uint32(threshold))
+
+
+def dropout(x: Tensor, seed: Tensor, p: float) -> Tensor:
+    keep = philox_keep(x.numel(), p, seed).reshape(x.shape).to(x.device)
+    scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
+    return torch.where(keep, x * scale, torch.zeros_like(x))
+
+
+def bias_dropout_residual_norm(x, bias, residual, weight, norm_bias, seed, p, eps, rms):
+    """(out, sum) computed in float32 (float64 for float64 input), out cast back to x's dtype."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    s = x.to(acc)
+    if bias is not None:
+        s = s + bias.to(acc)
+    if p > 0:
+        s = dropout(s, seed, p)
+    if residual is not None:
+        s = s + residual.to(acc)
+    if rms:
+        y = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
+    else:
+        y = torch.nn.functional.layer_norm(s, s.shape[-1:], eps=eps)
+    if weight is not None:
+        y = y * weight.to(acc)
+    if norm_bias is not None:
+        y = y + norm_bias.to(acc)
+    return y.to(x.dtype), s.to(x.dtype)
+
+
+def layer_norm(x, weight, bias, eps):
+    return bias_dropout_residual_norm(x, None, None, weight, bias, None, 0.0, eps, False)[0]
+
+
+def rms_norm(x, weight, eps):
+    return bias_dropout_residual_norm(x, None, None, weight, None, None, 0.0, eps, True)[0]

@@ -1,0 +1,46 @@
+"""dmfx: a torch.compile backend that moves less data (Ivanov et al., "Data Movement Is All You Need",
+MLSys 2021). ``torch.compile(model, backend="dmfx")`` works without importing this package once it
+is installed; import it for the records of what was fused and for the fused ops as Python functions.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .backend import GraphRecord, dmfx_backend, records, reset
+from .cuda_ops.build import KernelBuildError
+from .cuda_ops.ops import bias_dropout_residual_layer_norm, dropout, layer_norm, rms_norm
+from .options import Options
+
+__version__ = "0.1.0"
+
+logging.getLogger("dmfx").addHandler(logging.NullHandler())
+
+
+def _register_without_entry_point() -> None:
+    """From a source checkout (no installed entry point) register the backend by hand. With the
+    entry point installed torch registers it itself, and registering twice is an error there."""
+    from importlib.metadata import entry_points
+
+    if any(ep.name == "dmfx" for ep in entry_points(group="torch_dynamo_backends")):
+        return
+    from torch._dynamo.backends import registry
+
+    if "dmfx" not in registry._COMPILER_FNS:
+        registry.register_backend(compiler_fn=dmfx_backend, name="dmfx")
+
+
+_register_without_entry_point()
+
+__all__ = [
+    "GraphRecord",
+    "KernelBuildError",
+    "Options",
+    "bias_dropout_residual_layer_norm",
+    "dmfx_backend",
+    "dropout",
+    "layer_norm",
+    "records",
+    "reset",
+    "rms_norm",
+]

@@ -1,0 +1,207 @@
+"""The dmfx torch.compile backend.
+
+Flow of one Dynamo graph::
+
+    Dynamo FX graph
+      -> ATen forward graph (aot_export_joint_simple, trace_joint=False: functional, no decompositions
+         beyond what ATen itself does, same signature and SymInts as the Dynamo graph)
+      -> pass pipeline (dmfx.passes.PIPELINE): chains of memory-bound ops -> dmfx:: fused ops
+      -> AOTAutograd (aot_module_simplified): derives the backward from each op's autograd formula,
+         so a fused forward op gets its fused backward op; min-cut partitioner
+      -> boxed callables for the forward, backward and inference graphs
+
+Never wrong: if lowering fails, the graph runs as Dynamo gave it; if a pass raises or a kernel cannot
+be built, one warning names it and the graph runs unrewritten.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.fx import GraphModule
+
+from .options import Options
+
+log = logging.getLogger("dmfx")
+
+_graph_ids = itertools.count()
+_records: list["GraphRecord"] = []
+_warned: set[str] = set()
+
+
+@dataclass
+class GraphRecord:
+    """What dmfx did to one Dynamo graph."""
+
+    graph_id: int
+    devices: tuple[str, ...] = ()
+    fired: dict[str, int] = field(default_factory=dict)
+    replaced: dict[str, int] = field(default_factory=dict)
+    missed: list[str] = field(default_factory=list)
+    aten_ops_before: int = 0
+    aten_ops_after: int = 0
+    compiled: dict[str, int] = field(default_factory=dict)  # "forward"/"backward"/"inference" -> node count
+    fallback: str | None = None
+    seconds: float = 0.0
+    forward_graph: GraphModule | None = field(default=None, repr=False)
+    backward_graph: GraphModule | None = field(default=None, repr=False)
+    inference_graph: GraphModule | None = field(default=None, repr=False)
+
+    def summary(self) -> str:
+        if self.fallback:
+            return f"graph {self.graph_id}: left to PyTorch ({self.fallback})"
+        fused = ", ".join(f"{k} x{v}" for k, v in self.fired.items()) or "nothing"
+        absorbed = sum(self.replaced.values())
+        return (
+            f"graph {self.graph_id} [{'/'.join(self.devices) or 'no tensors'}]: fused {fused} "
+            f"(absorbed {absorbed} ATen ops; {self.aten_ops_before} -> {self.aten_ops_after} ops) in {self.seconds:.2f}s"
+        )
+
+
+def records() -> list[GraphRecord]:
+    """Records of every graph dmfx compiled in this process (oldest first)."""
+    return list(_records)
+
+
+def reset() -> None:
+    """Forget the records (torch._dynamo.reset() forgets the compiled code)."""
+    _records.clear()
+
+
+def _warn_once(key: str, msg: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(msg, *args)
+    else:
+        log.info(msg, *args)
+
+
+def _count_ops(gm: GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function")
+
+
+def _devices(example_inputs: Sequence[Any]) -> tuple[str, ...]:
+    return tuple(sorted({t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}))
+
+
+def _copy(gm: GraphModule) -> GraphModule:
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return GraphModule(gm, graph)
+
+
+def lower_to_aten(gm: GraphModule, example_inputs: Sequence[Any]) -> GraphModule:
+    """The Dynamo graph as a functional ATen forward graph with the same signature."""
+    from torch._functorch.aot_autograd import aot_export_joint_simple
+
+    with torch.no_grad():
+        return aot_export_joint_simple(gm, list(example_inputs), trace_joint=False)
+
+
+def rewrite(aten_gm: GraphModule, example_inputs: Sequence[Any], opts: Options, record: GraphRecord) -> GraphModule:
+    """Run the pass pipeline on a copy of `aten_gm`; on failure (with opts.fallback) return it unchanged."""
+    from torch._guards import detect_fake_mode
+
+    from .cuda_ops.build import KernelBuildError, load
+    from .passes import PIPELINE, PassContext, finish
+
+    unsupported = [d for d in record.devices if d not in ("cpu", "cuda")]
+    if unsupported:
+        _warn_once(f"device:{unsupported}", "dmfx: no kernels for device %s; graph %d runs unrewritten", unsupported, record.graph_id)
+        record.fallback = f"no dmfx kernels for {unsupported}"
+        return aten_gm
+    try:
+        for dev in record.devices:
+            load(dev)
+    except KernelBuildError as e:
+        if not opts.fallback:
+            raise
+        _warn_once(f"build:{e}", "dmfx: %s; graph %d runs unrewritten", e, record.graph_id)
+        record.fallback = f"kernel build failed: {e}"
+        return aten_gm
+
+    ctx = PassContext(fake_mode=detect_fake_mode(list(example_inputs)))
+    work = _copy(aten_gm)
+    name = "?"
+    try:
+        for name, fn in PIPELINE.items():
+            if name in opts.skip:
+                continue
+            fn(work, ctx)
+        finish(work)
+    except Exception as e:
+        if not opts.fallback:
+            raise
+        _warn_once(f"pass:{name}:{type(e).__name__}", "dmfx: pass %r failed on graph %d (%s: %s); the graph runs unrewritten", name, record.graph_id, type(e).__name__, e)
+        record.fallback = f"pass {name} failed: {type(e).__name__}: {e}"
+        return aten_gm
+    record.fired, record.replaced, record.missed = ctx.fired, ctx.replaced, ctx.missed
+    for m in ctx.missed:
+        log.debug("dmfx: graph %d: left alone: %s", record.graph_id, m)
+    return work
+
+
+def _compiler(kind: str, record: GraphRecord) -> Callable:
+    from functorch.compile import make_boxed_func
+
+    def compile_fn(gm: GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        record.compiled[kind] = _count_ops(gm)
+        setattr(record, f"{kind}_graph", gm)
+        log.debug("dmfx: graph %d %s graph:\n%s", record.graph_id, kind, gm.code)
+        return make_boxed_func(gm.forward)
+
+    return compile_fn
+
+
+def _partitioner(opts: Options) -> Callable:
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+    return min_cut_rematerialization_partition if opts.partitioner == "min_cut" else default_partition
+
+
+def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict | None = None, **kwargs: Any) -> Callable:
+    """``torch.compile(model, backend="dmfx", options={...})`` lands here once per Dynamo graph."""
+    if kwargs:
+        raise ValueError(f"dmfx: unexpected arguments {sorted(kwargs)}; pass settings as options={{...}}")
+    opts = Options.from_user(options)
+    record = GraphRecord(graph_id=next(_graph_ids), devices=_devices(example_inputs))
+    if opts.record:
+        _records.append(record)
+    if opts.disable:
+        record.fallback = "rewriting disabled (option 'disable' or DMFX_DISABLE)"
+        log.info("dmfx: %s", record.summary())
+        return gm.forward
+
+    start = time.perf_counter()
+    try:
+        aten_gm = lower_to_aten(gm, example_inputs)
+    except Exception as e:  # input mutation, aliased outputs, list inputs, ...
+        if not opts.fallback:
+            raise
+        record.fallback = f"could not lower to a functional ATen graph: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        log.warning("dmfx: %s", record.summary())
+        return gm.forward
+    record.aten_ops_before = _count_ops(aten_gm)
+    rewritten = rewrite(aten_gm, example_inputs, opts, record)
+    record.aten_ops_after = _count_ops(rewritten)
+
+    from torch._dynamo.backends.common import aot_autograd
+
+    compiler = aot_autograd(
+        fw_compiler=_compiler("forward", record),
+        bw_compiler=_compiler("backward", record),
+        inference_compiler=_compiler("inference", record),
+        partition_fn=_partitioner(opts),
+        decompositions={},
+        keep_inference_input_mutations=True,
+    )
+    compiled = compiler(rewritten, example_inputs)
+    record.seconds = time.perf_counter() - start
+    log.info("dmfx: %s", record.summary())
+    return compiled

@@ -1,0 +1,53 @@
+"""Options accepted by ``torch.compile(model, backend="dmfx", options={...})``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Options:
+    #: Turn all rewriting off: graphs run as PyTorch would run them (also: env DMFX_DISABLE=1).
+    disable: bool = False
+    #: Names of passes to skip (see dmfx.passes.PIPELINE).
+    skip: tuple[str, ...] = ()
+    #: AOTAutograd partitioner: "min_cut" (recompute cheap ops, save less) or "default".
+    partitioner: str = "min_cut"
+    #: On a pass error or kernel build failure: warn and run the graph unrewritten (True), or raise.
+    fallback: bool = True
+    #: Collected per-graph records (dmfx.records()) are kept; set False to keep nothing.
+    record: bool = True
+    extra: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name != "extra"]
+
+    @classmethod
+    def from_user(cls, options: dict[str, Any] | None) -> "Options":
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(cls.names()))
+        if unknown:
+            raise ValueError(
+                f"dmfx: unknown option(s) {', '.join(map(repr, unknown))}; valid options are: {', '.join(cls.names())}"
+            )
+        if "skip" in options:
+            skip = options["skip"]
+            options["skip"] = (skip,) if isinstance(skip, str) else tuple(skip)
+            from .passes import PIPELINE
+
+            bad = [s for s in options["skip"] if s not in PIPELINE]
+            if bad:
+                raise ValueError(f"dmfx: option 'skip' names unknown pass(es) {bad}; passes are: {', '.join(PIPELINE)}")
+        if options.get("partitioner", "min_cut") not in ("min_cut", "default"):
+            raise ValueError(f"dmfx: option 'partitioner' must be 'min_cut' or 'default', got {options['partitioner']!r}")
+        opts = cls(**options)
+        if env_disabled():
+            opts = cls(**{**options, "disable": True})
+        return opts
+
+
+def env_disabled() -> bool:
+    return os.environ.get("DMFX_DISABLE", "").strip().lower() not in ("", "0", "false", "no", "off")

@@ -1,0 +1,150 @@
+"""The paper's BDRLN: bias + dropout + residual add + LayerNorm (or RMSNorm) in one kernel.
+
+Runs after the normalization passes, so it starts from a ``dmfx::layer_norm`` / ``dmfx::rms_norm``
+and walks up its input::
+
+    h   = view(addmm(bias, a, w_t), shape)  |  add(view(mm(a, w_t)), bias)  |  any tensor (no bias)
+    d   = native_dropout(h, p, train)[0]    |  h                            (eval / p = 0)
+    s   = add(d, residual)                  (either operand order)
+    out = layer_norm(s)                     -> bias_dropout_residual_norm(mm_out, bias, residual, ...)
+
+The bias is taken out of ``addmm`` (the GEMM then writes its result once instead of first copying the
+bias into it) and added inside the fused kernel. If ``s`` has other users the fused op also returns
+it (``return_sum``); any other intermediate read elsewhere leaves the chain alone.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .graph_utils import (
+    PassContext,
+    aten,
+    commuted,
+    getitem_users,
+    insert_call,
+    insert_getitems,
+    insert_seed,
+    is_getitem,
+    is_op,
+    tensor_meta,
+)
+
+NORMS = (torch.ops.dmfx.layer_norm.default, torch.ops.dmfx.rms_norm.default)
+
+
+def _dropout_of(d: Node) -> tuple[Node, float, Node] | None:
+    """`d` is native_dropout(h, p, True)[0] with the mask unread: (h, p, dropout node)."""
+    if not (isinstance(d, Node) and d.op == "call_function" and d.target is operator.getitem and d.args[1] == 0):
+        return None
+    drop = d.args[0]
+    if not is_op(drop, aten.native_dropout):
+        return None
+    h, p, train = drop.args[0], float(drop.args[1]), drop.args[2]
+    if set(getitem_users(drop)) - {0}:
+        return None
+    if train is False:
+        p = 0.0
+    return h, p, drop
+
+
+def _bias_of(h: Node, H: int) -> tuple[Node, Node, list[Node]] | None:
+    """`h` is a linear layer's output with its bias: (bias-free GEMM node to build, bias, absorbed)."""
+    # view(addmm(bias, a, b), shape) or addmm itself (2-D activations)
+    core, view = (h.args[0], h) if is_op(h, aten.view, aten.reshape, aten._unsafe_view) else (h, None)
+    if is_op(core, aten.addmm) and len(core.args) == 3 and not core.kwargs:
+        bias = core.args[0]
+        bm = tensor_meta(bias)
+        if bm is not None and bm.dim() == 1 and bm.shape[0] == H and len(core.users) == 1:
+            return core, bias, [core] + ([view] if view is not None else [])
+    # add(mm_out, bias) with bias a vector of H
+    for a, b in commuted(h, aten.add):
+        bm = tensor_meta(b)
+        if bm is not None and bm.dim() == 1 and bm.shape[0] == H and isinstance(a, Node):
+            return a, b, [h]
+    return None
+
+
+def fuse_bias_dropout_residual_norm(gm: GraphModule, ctx: PassContext) -> None:
+    graph = gm.graph
+    for norm in list(graph.nodes):
+        if not is_op(norm, *NORMS):
+            continue
+        rms = norm.target is torch.ops.dmfx.rms_norm.default
+        s = norm.args[0]
+        sm = tensor_meta(s)
+        if sm is None or not commuted(s, aten.add):
+            continue
+        H = sm.shape[-1]
+        for d, residual in commuted(s, aten.add):
+            rm, dm = tensor_meta(residual), tensor_meta(d)
+            if rm is None or dm is None or rm.shape != sm.shape or dm.shape != sm.shape or rm.dtype != sm.dtype or dm.dtype != sm.dtype:
+                continue
+            drop = _dropout_of(d)
+            h, p, absorbed = (drop[0], drop[1], [d, drop[2]]) if drop else (d, 0.0, [])
+            if drop and len(d.users) != 1:
+                ctx.miss("bias_dropout_residual_norm", norm, f"dropout output {d.name} has other users")
+                continue
+            bias_hit = _bias_of(h, H) if (len(h.users) == 1 or not drop) else None
+            if drop is None and bias_hit is None:
+                continue  # a plain add: not the chain (the other operand order may be)
+            x, bias = h, None
+            if bias_hit is not None:
+                core, bias, bias_nodes = bias_hit
+                x, absorbed = core, absorbed + bias_nodes
+            # residual and bias must not come from inside the chain
+            with graph.inserting_before(norm):
+                if is_op(x, aten.addmm):  # take the bias out of the GEMM
+                    mm = insert_call(graph, ctx, aten.mm.default, (x.args[1], x.args[2]))
+                    x = insert_call(graph, ctx, aten.view.default, (mm, list(sm.shape))) if mm.meta["val"].shape != sm.shape else mm
+                xm = tensor_meta(x)
+                if xm is None or xm.shape != sm.shape:
+                    ctx.miss("bias_dropout_residual_norm", norm, "bias-free input shape differs")
+                    break
+                seed = insert_seed(graph, ctx) if p > 0 else None
+                weight = norm.args[1]
+                norm_bias = None if rms else norm.args[2]
+                eps = norm.args[2] if rms else norm.args[3]
+                return_sum = any(u is not norm for u in s.users)
+                fused = insert_call(
+                    graph,
+                    ctx,
+                    torch.ops.dmfx.bias_dropout_residual_norm.default,
+                    (x, bias, residual, weight, norm_bias, seed, p, eps, rms, return_sum),
+                )
+                out, total = insert_getitems(graph, fused, 2)
+            for u in list(norm.users):
+                if is_getitem(u, norm, 0):
+                    u.replace_all_uses_with(out)
+            if return_sum:
+                s.replace_all_uses_with(total, delete_user_cb=lambda u: u is not norm)
+            ctx.record("bias_dropout_residual_norm", len(absorbed) + 2)
+            break
+
+
+def fuse_dropout(gm: GraphModule, ctx: PassContext) -> None:
+    """Any remaining aten.native_dropout -> dmfx::dropout (Philox mask regenerated in backward: the
+    bool mask eager saves for backward is never written)."""
+    graph = gm.graph
+    for n in list(graph.nodes):
+        if not is_op(n, aten.native_dropout):
+            continue
+        x, p, train = n.args[0], float(n.args[1]), n.args[2]
+        xm = tensor_meta(x)
+        if xm is None or xm.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            ctx.miss("dropout", n, "unsupported dtype")
+            continue
+        items = getitem_users(n)
+        if set(items) - {0} or train is False or p <= 0.0:
+            if set(items) - {0}:
+                ctx.miss("dropout", n, "its mask is read in the graph")
+            continue
+        with graph.inserting_before(n):
+            seed = insert_seed(graph, ctx)
+            out = insert_call(graph, ctx, torch.ops.dmfx.dropout.default, (x, seed, p))
+        for g in items.get(0, []):
+            g.replace_all_uses_with(out)
+        ctx.record("dropout", 1)

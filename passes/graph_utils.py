@@ -1,0 +1,158 @@
+"""Small helpers the passes share: recognising ATen nodes, reading their metadata, and inserting
+new nodes with their fake values (so later passes can read shapes and dtypes)."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+aten = torch.ops.aten
+
+
+@dataclass
+class PassContext:
+    """What a pass may read (options, fake mode) and where it records what it did."""
+
+    fake_mode: Any = None
+    fired: dict[str, int] = field(default_factory=dict)  # pattern -> matches rewritten
+    replaced: dict[str, int] = field(default_factory=dict)  # pattern -> ATen nodes absorbed
+    missed: list[str] = field(default_factory=list)  # near-misses, with the reason
+
+    def record(self, pattern: str, absorbed: int) -> None:
+        self.fired[pattern] = self.fired.get(pattern, 0) + 1
+        self.replaced[pattern] = self.replaced.get(pattern, 0) + absorbed
+
+    def miss(self, pattern: str, node: Node, why: str) -> None:
+        self.missed.append(f"{pattern} at {node.name}: {why}")
+
+
+def is_op(n: Any, *targets: Any) -> bool:
+    """True when `n` is a call of one of `targets` (OpOverloads or OpOverloadPackets)."""
+    if not isinstance(n, Node) or n.op != "call_function":
+        return False
+    t = n.target
+    for target in targets:
+        if t is target or getattr(t, "overloadpacket", None) is target:
+            return True
+    return False
+
+
+def val(n: Any) -> Any:
+    return n.meta.get("val") if isinstance(n, Node) else n
+
+
+def tensor_meta(n: Any) -> torch.Tensor | None:
+    v = val(n)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def is_getitem(n: Any, source: Node, index: int) -> bool:
+    return isinstance(n, Node) and n.op == "call_function" and n.target is operator.getitem and n.args[0] is source and n.args[1] == index
+
+
+def getitem_users(n: Node) -> dict[int, list[Node]]:
+    """Users of a tuple-returning node grouped by the index they read."""
+    out: dict[int, list[Node]] = {}
+    for u in n.users:
+        if u.op == "call_function" and u.target is operator.getitem:
+            out.setdefault(u.args[1], []).append(u)
+        else:
+            out.setdefault(-1, []).append(u)
+    return out
+
+
+def only_used_by(n: Node, allowed: Iterable[Node]) -> bool:
+    allowed = set(allowed)
+    return all(u in allowed for u in n.users)
+
+
+def is_scalar(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def is_last_dim(dims: Any, ndim: int) -> bool:
+    if isinstance(dims, int):
+        dims = [dims]
+    if not isinstance(dims, (list, tuple)) or len(dims) != 1 or not isinstance(dims[0], int):
+        return False
+    return dims[0] in (-1, ndim - 1)
+
+
+def commuted(n: Node, *targets: Any) -> list[tuple[Any, Any]]:
+    """For a binary call of `targets`, both orderings of its two operands (for commutative ops)."""
+    if not is_op(n, *targets) or len(n.args) < 2:
+        return []
+    if is_op(n, aten.add) and n.kwargs.get("alpha", 1) != 1:
+        return []
+    a, b = n.args[0], n.args[1]
+    return [(a, b), (b, a)]
+
+
+def strip_casts(n: Any) -> Any:
+    """The node under float conversions (`_to_copy` / `convert_element_type` changing only dtype)."""
+    while is_op(n, aten._to_copy, torch.ops.prims.convert_element_type):
+        if is_op(n, aten._to_copy) and set(n.kwargs) - {"dtype"}:
+            break
+        n = n.args[0]
+    return n
+
+
+def insert_call(graph: Graph, ctx: PassContext, target: Callable, args: tuple, kwargs: dict | None = None) -> Node:
+    """Insert `target(*args)` at the current insertion point and fill meta['val'] by fake execution."""
+    kwargs = kwargs or {}
+    node = graph.call_function(target, args, kwargs)
+    fake_args = torch.fx.node.map_arg(args, lambda a: a.meta.get("val"))
+    fake_kwargs = torch.fx.node.map_arg(kwargs, lambda a: a.meta.get("val"))
+    if ctx.fake_mode is not None:
+        with ctx.fake_mode:
+            node.meta["val"] = target(*fake_args, **fake_kwargs)
+    return node
+
+
+def insert_getitems(graph: Graph, node: Node, count: int) -> list[Node]:
+    items = []
+    for i in range(count):
+        g = graph.call_function(operator.getitem, (node, i))
+        v = node.meta.get("val")
+        if v is not None:
+            g.meta["val"] = v[i]
+        items.append(g)
+    return items
+
+
+def insert_seed(graph: Graph, ctx: PassContext) -> Node:
+    """A fresh dropout seed [seed, offset] drawn from torch's default generator at run time."""
+    return insert_call(
+        graph,
+        ctx,
+        aten.randint.low,
+        (0, 2**62, [2]),
+        {"dtype": torch.int64, "device": torch.device("cpu")},
+    )
+
+
+def _impure(n: Node) -> bool:
+    # Random ops whose results nobody reads (a dropout we replaced) are dead, not side effects.
+    try:
+        return n.is_impure(impure_random=False)
+    except TypeError:  # older torch: no impure_random parameter
+        return n.is_impure()
+
+
+def finish(gm: GraphModule) -> GraphModule:
+    gm.graph.eliminate_dead_code(is_impure_node=_impure)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+SUPPORTED_DEVICES = ("cpu", "cuda")
+
+
+def kernel_friendly(t: torch.Tensor | None) -> bool:
+    return t is not None and t.dtype in SUPPORTED_DTYPES and t.device.type in SUPPORTED_DEVICES
