@@ -293,3 +293,14 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
     if not training or p == 0.0:
         return x
     return torch.ops.dmfx.dropout(x, new_seed(), p)
+
+
+def _no_double_backward(ctx, *grads):
+    raise NotImplementedError(
+        "dmfx::norm_backward: double backward (create_graph=True through a dmfx normalization) is not "
+        "supported; compile with options={'skip': ['norm_idioms', 'layer_norm', 'bias_dropout_residual_norm']} "
+        "or without dmfx for higher-order gradients"
+    )
+
+
+torch.library.register_autograd("dmfx::norm_backward", _no_double_backward, setup_context=lambda ctx, inputs, output: None)

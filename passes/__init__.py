@@ -12,7 +12,7 @@ from torch.fx import GraphModule
 
 from ..cuda_ops import ops as _ops  # noqa: F401  (defines the dmfx:: ops the passes emit)
 from .bdrln import fuse_bias_dropout_residual_norm, fuse_dropout
-from .graph_utils import PassContext, finish
+from .graph_utils import PassContext, finish, remove_metadata_asserts
 from .norms import fuse_native_layer_norm, fuse_norm_idioms
 
 Pass = Callable[[GraphModule, PassContext], None]
@@ -20,6 +20,7 @@ Pass = Callable[[GraphModule, PassContext], None]
 # name -> pass, in pipeline order. Normalizations first (they give bdrln its anchor), then the chain
 # that ends in them, then whatever dropout is left on its own.
 PIPELINE: dict[str, Pass] = {
+    "remove_metadata_asserts": remove_metadata_asserts,
     "norm_idioms": fuse_norm_idioms,
     "layer_norm": fuse_native_layer_norm,
     "bias_dropout_residual_norm": fuse_bias_dropout_residual_norm,

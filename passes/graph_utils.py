@@ -156,3 +156,11 @@ SUPPORTED_DEVICES = ("cpu", "cuda")
 
 def kernel_friendly(t: torch.Tensor | None) -> bool:
     return t is not None and t.dtype in SUPPORTED_DTYPES and t.device.type in SUPPORTED_DEVICES
+
+
+def remove_metadata_asserts(gm: GraphModule, ctx: PassContext) -> None:
+    """Drop ``aten._assert_tensor_metadata`` (emitted for ``.to()`` calls): they only re-check dtypes
+    the trace already fixed, and as extra users they would hide every pattern behind a cast."""
+    for n in list(gm.graph.nodes):
+        if is_op(n, getattr(aten, "_assert_tensor_metadata", None)) and not n.users:
+            gm.graph.erase_node(n)
