@@ -109,7 +109,7 @@ def rewrite(aten_gm: GraphModule, example_inputs: Sequence[Any], opts: Options, 
     from torch._guards import detect_fake_mode
 
     from .cuda_ops.build import KernelBuildError, load
-    from .passes import PIPELINE, PassContext, finish
+    from .passes import PassContext, run_pipeline
 
     unsupported = [d for d in record.devices if d not in ("cpu", "cuda")]
     if unsupported:
@@ -128,16 +128,12 @@ def rewrite(aten_gm: GraphModule, example_inputs: Sequence[Any], opts: Options, 
 
     ctx = PassContext(fake_mode=detect_fake_mode(list(example_inputs)))
     work = _copy(aten_gm)
-    name = "?"
     try:
-        for name, fn in PIPELINE.items():
-            if name in opts.skip:
-                continue
-            fn(work, ctx)
-        finish(work)
+        run_pipeline(work, ctx, opts.skip)
     except Exception as e:
         if not opts.fallback:
             raise
+        name = ctx.current
         _warn_once(f"pass:{name}:{type(e).__name__}", "dmfx: pass %r failed on graph %d (%s: %s); the graph runs unrewritten", name, record.graph_id, type(e).__name__, e)
         record.fallback = f"pass {name} failed: {type(e).__name__}: {e}"
         return aten_gm

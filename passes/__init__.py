@@ -12,7 +12,7 @@ from torch.fx import GraphModule
 
 from ..cuda_ops import ops as _ops  # noqa: F401  (defines the dmfx:: ops the passes emit)
 from .bdrln import fuse_bias_dropout_residual_norm, fuse_dropout
-from .graph_utils import PassContext, finish, remove_metadata_asserts
+from .graph_utils import PassContext, dead_code_elimination, finish, remove_metadata_asserts
 from .norms import fuse_native_layer_norm, fuse_norm_idioms
 
 Pass = Callable[[GraphModule, PassContext], None]
@@ -27,4 +27,19 @@ PIPELINE: dict[str, Pass] = {
     "dropout": fuse_dropout,
 }
 
-__all__ = ["PIPELINE", "PassContext", "Pass", "finish"]
+
+
+def run_pipeline(gm: GraphModule, ctx: PassContext, skip: tuple[str, ...] = ()) -> GraphModule:
+    """Run every pass not in `skip`, removing dead code after each (a later pass must not see what an
+    earlier one replaced). Exceptions propagate with the failing pass's name in ctx.current."""
+    for name, fn in PIPELINE.items():
+        if name in skip:
+            continue
+        ctx.current = name
+        fn(gm, ctx)
+        dead_code_elimination(gm)
+    ctx.current = None
+    return finish(gm)
+
+
+__all__ = ["PIPELINE", "PassContext", "Pass", "finish", "run_pipeline"]

@@ -52,7 +52,8 @@ def _dropout_of(d: Node) -> tuple[Node, float, Node] | None:
 
 
 def _bias_of(h: Node, H: int) -> tuple[Node, Node, list[Node]] | None:
-    """`h` is a linear layer's output with its bias: (bias-free GEMM node to build, bias, absorbed)."""
+    """`h` is a linear layer's output with its bias: (bias-free GEMM node to build, bias, absorbed).
+    For ``view(addmm(...))`` the view comes last in `absorbed` (its shape argument is reused)."""
     # view(addmm(bias, a, b), shape) or addmm itself (2-D activations)
     core, view = (h.args[0], h) if is_op(h, aten.view, aten.reshape, aten._unsafe_view) else (h, None)
     if is_op(core, aten.addmm) and len(core.args) == 3 and not core.kwargs:
@@ -99,7 +100,9 @@ def fuse_bias_dropout_residual_norm(gm: GraphModule, ctx: PassContext) -> None:
             with graph.inserting_before(norm):
                 if is_op(x, aten.addmm):  # take the bias out of the GEMM
                     mm = insert_call(graph, ctx, aten.mm.default, (x.args[1], x.args[2]))
-                    x = insert_call(graph, ctx, aten.view.default, (mm, list(sm.shape))) if mm.meta["val"].shape != sm.shape else mm
+                    view = absorbed[-1] if is_op(absorbed[-1], aten.view, aten.reshape, aten._unsafe_view) else None
+                    # reuse the original view's shape argument: it holds SymInt nodes under dynamic shapes
+                    x = insert_call(graph, ctx, aten.view.default, (mm, view.args[1])) if view is not None else mm
                 xm = tensor_meta(x)
                 if xm is None or xm.shape != sm.shape:
                     ctx.miss("bias_dropout_residual_norm", norm, "bias-free input shape differs")
@@ -121,7 +124,7 @@ def fuse_bias_dropout_residual_norm(gm: GraphModule, ctx: PassContext) -> None:
                     u.replace_all_uses_with(out)
             if return_sum:
                 s.replace_all_uses_with(total, delete_user_cb=lambda u: u is not norm)
-            ctx.record("bias_dropout_residual_norm", len(absorbed) + 2)
+            ctx.record("bias_dropout_residual_norm", len(absorbed) + 1 + ctx.take_over(norm), fused)
             break
 
 
@@ -147,4 +150,4 @@ def fuse_dropout(gm: GraphModule, ctx: PassContext) -> None:
             out = insert_call(graph, ctx, torch.ops.dmfx.dropout.default, (x, seed, p))
         for g in items.get(0, []):
             g.replace_all_uses_with(out)
-        ctx.record("dropout", 1)
+        ctx.record("dropout", 1, out)

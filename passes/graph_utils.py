@@ -21,10 +21,25 @@ class PassContext:
     fired: dict[str, int] = field(default_factory=dict)  # pattern -> matches rewritten
     replaced: dict[str, int] = field(default_factory=dict)  # pattern -> ATen nodes absorbed
     missed: list[str] = field(default_factory=list)  # near-misses, with the reason
+    current: str | None = None  # the pass running now (named in errors)
 
-    def record(self, pattern: str, absorbed: int) -> None:
+    def record(self, pattern: str, absorbed: int, node: Node | None = None) -> None:
+        """`node` (the fused op) remembers what it absorbed, so a later pass that fuses it further
+        can take the count over (see take_over)."""
         self.fired[pattern] = self.fired.get(pattern, 0) + 1
         self.replaced[pattern] = self.replaced.get(pattern, 0) + absorbed
+        if node is not None:
+            node.meta["dmfx_fused"] = (pattern, absorbed)
+
+    def take_over(self, node: Node) -> int:
+        """Un-record the fusion `node` came from (it is being absorbed); returns its op count."""
+        pattern, absorbed = node.meta.get("dmfx_fused", (None, 1))
+        if pattern is not None:
+            self.fired[pattern] -= 1
+            self.replaced[pattern] -= absorbed
+            if not self.fired[pattern]:
+                del self.fired[pattern], self.replaced[pattern]
+        return absorbed
 
     def miss(self, pattern: str, node: Node, why: str) -> None:
         self.missed.append(f"{pattern} at {node.name}: {why}")
@@ -143,8 +158,12 @@ def _impure(n: Node) -> bool:
         return n.is_impure()
 
 
-def finish(gm: GraphModule) -> GraphModule:
+def dead_code_elimination(gm: GraphModule) -> None:
     gm.graph.eliminate_dead_code(is_impure_node=_impure)
+
+
+def finish(gm: GraphModule) -> GraphModule:
+    dead_code_elimination(gm)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -65,7 +65,7 @@ def fuse_native_layer_norm(gm: GraphModule, ctx: PassContext) -> None:
             out = insert_getitems(graph, fused, 1)[0]
         for g in items.get(0, []):
             g.replace_all_uses_with(out)
-        ctx.record("layer_norm", 1)
+        ctx.record("layer_norm", 1, fused)
 
 
 # ----------------------------------------------------------------------------------- decomposed idioms
@@ -251,4 +251,4 @@ def fuse_norm_idioms(gm: GraphModule, ctx: PassContext) -> None:
             if m.rms and bias is not None:
                 out = insert_call(graph, ctx, aten.add.Tensor, (out, bias))
         end.replace_all_uses_with(out)
-        ctx.record(pattern, len(nodes))
+        ctx.record(pattern, len(nodes), fused)

@@ -7,7 +7,7 @@ from torch._guards import detect_fake_mode
 
 from dmfx.backend import lower_to_aten
 
-from dmfx.passes import PIPELINE, PassContext, finish
+from dmfx.passes import PIPELINE, PassContext, run_pipeline
 
 from conftest import rel_err
 
@@ -27,10 +27,8 @@ def rewrite(fn, *inputs, passes=None):
     return (graph module, context)."""
     gm = lower_to_aten(_as_tuple(fn), inputs)  # exactly what the backend runs the passes on
     ctx = PassContext(fake_mode=detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if "val" in n.meta]))
-    for name, p in PIPELINE.items():
-        if passes is None or name in passes:
-            p(gm, ctx)
-    return finish(gm), ctx
+    skip = () if passes is None else tuple(n for n in PIPELINE if n not in passes)
+    return run_pipeline(gm, ctx, skip), ctx
 
 
 def targets(gm):

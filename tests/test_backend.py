@@ -1,0 +1,156 @@
+"""The backend as a user meets it: registration, options, fallbacks, logging, dynamic shapes."""
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import dmfx
+from dmfx.cuda_ops import build
+
+from conftest import rel_err
+
+
+class Block(torch.nn.Module):
+    def __init__(self, H=32, p=0.0):
+        super().__init__()
+        self.lin = torch.nn.Linear(H, H)
+        self.drop = torch.nn.Dropout(p)
+        self.ln = torch.nn.LayerNorm(H)
+
+    def forward(self, x):
+        return self.ln(self.drop(self.lin(x)) + x)
+
+
+def run_python(code: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=600)
+
+
+def test_backend_string_works_without_importing_dmfx():
+    r = run_python(
+        """
+        import sys, torch
+        m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))
+        out = torch.compile(m, backend="dmfx")(torch.randn(4, 16))
+        assert "dmfx" in sys.modules  # loaded through the torch_dynamo_backends entry point
+        import dmfx
+        assert dmfx.records()[-1].fired, dmfx.records()[-1]
+        print("OK", out.shape)
+        """
+    )
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
+def test_unknown_option_lists_the_valid_ones():
+    f = torch.compile(Block(), backend="dmfx", options={"nonsense": 1})
+    with pytest.raises(Exception, match=r"unknown option\(s\) 'nonsense'; valid options are: disable, skip"):
+        f(torch.randn(2, 32))
+
+
+def test_skip_names_must_be_passes():
+    with pytest.raises(ValueError, match="unknown pass"):
+        dmfx.Options.from_user({"skip": ["no_such_pass"]})
+
+
+def test_training_matches_eager_and_fuses():
+    m = Block()
+    ref = Block()
+    ref.load_state_dict(m.state_dict())
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    out = torch.compile(m, backend="dmfx", options={"fallback": False})(x)
+    R = torch.randn_like(out)
+    (out * R).sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    (ref(x2) * R).sum().backward()
+    assert rel_err(out, ref(x2)) < 1e-5
+    assert rel_err(x.grad, x2.grad) < 1e-5
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert rel_err(p.grad, q.grad) < 1e-5
+    rec = dmfx.records()[-1]
+    assert rec.fired == {"bias_dropout_residual_norm": 1}
+    assert rec.compiled.keys() == {"forward", "backward"}
+    assert "norm_backward" in rec.backward_graph.code
+
+
+def test_inference_under_no_grad():
+    m = Block().eval()
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        out = torch.compile(m, backend="dmfx")(x)
+        assert rel_err(out, m(x)) < 1e-5
+    assert "inference" in dmfx.records()[-1].compiled
+
+
+def test_disable_option_and_env_variable(monkeypatch):
+    x = torch.randn(2, 32)
+    m = Block()
+    out = torch.compile(m, backend="dmfx", options={"disable": True})(x)
+    assert rel_err(out, m(x)) < 1e-6
+    assert "disabled" in dmfx.records()[-1].fallback
+    torch._dynamo.reset()
+    monkeypatch.setenv("DMFX_DISABLE", "1")
+    torch.compile(m, backend="dmfx")(x)
+    assert "disabled" in dmfx.records()[-1].fallback
+
+
+def test_a_failing_pass_warns_and_runs_the_graph_unrewritten(monkeypatch, caplog):
+    from dmfx import passes
+
+    def broken(gm, ctx):
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(passes.PIPELINE, "layer_norm", broken)
+    m, x = Block(), torch.randn(2, 32)
+    with caplog.at_level(logging.WARNING, logger="dmfx"):
+        out = torch.compile(m, backend="dmfx")(x)
+    assert rel_err(out, m(x)) < 1e-6
+    assert "pass 'layer_norm' failed" in caplog.text and "boom" in caplog.text
+    assert dmfx.records()[-1].fallback.startswith("pass layer_norm failed")
+
+
+def test_a_kernel_build_failure_warns_and_runs_unrewritten(monkeypatch, caplog):
+    def no_compiler(kind):
+        raise build.KernelBuildError("dmfx could not build its CPU kernels: no compiler (test)")
+
+    monkeypatch.setattr(build, "load", no_compiler)
+    m, x = Block(), torch.randn(2, 32)
+    with caplog.at_level(logging.WARNING, logger="dmfx"):
+        out = torch.compile(m, backend="dmfx")(x)
+    assert rel_err(out, m(x)) < 1e-6
+    assert "no compiler (test)" in caplog.text
+    assert "kernel build failed" in dmfx.records()[-1].fallback
+
+
+def test_info_log_names_patterns_and_kernels(caplog):
+    with caplog.at_level(logging.INFO, logger="dmfx"):
+        torch.compile(Block(), backend="dmfx")(torch.randn(2, 32))
+    assert "fused bias_dropout_residual_norm x1" in caplog.text
+
+
+def test_dynamic_sequence_length_no_recompile_no_rebuild():
+    from torch._dynamo.utils import counters
+
+    m = Block(p=0.1)
+    f = torch.compile(m, backend="dmfx", dynamic=True)
+    f(torch.randn(2, 3, 32, requires_grad=True)).sum().backward()
+    # (Dynamo may restart its own analysis once inside the first compile: count from here on)
+    compiled, graphs = len(dmfx.records()), counters["stats"]["unique_graphs"]
+    loaded = dict(build._loaded)
+    for L in (5, 9, 13, 17, 31, 64, 100, 128):
+        x = torch.randn(2, L, 32, requires_grad=True)
+        f(x).sum().backward()
+    assert len(dmfx.records()) == compiled, [r.summary() for r in dmfx.records()]
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert build._loaded == loaded  # no kernel rebuilt or reloaded
+    assert dmfx.records()[-1].fired == {"bias_dropout_residual_norm": 1}
+
+
+def test_unsupported_dtype_is_left_to_pytorch():
+    m = Block().double()
+    x = torch.randn(2, 32, dtype=torch.float64)
+    out = torch.compile(m, backend="dmfx")(x)  # float64 runs in dmfx's kernels (exact fp64 math)
+    assert rel_err(out, m(x)) < 1e-12
