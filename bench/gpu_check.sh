@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The prepared GPU check (DESIGN.md, "GPU machine"): installs nothing from the network.
+# Builds the CUDA kernels, runs the CUDA tests, then a short BertLayer benchmark (BERT-large sizes,
+# bf16), and prints the table last. Run from the repository root on the lent GPU machine:
+#   bash bench/gpu_check.sh          (about 5 minutes; writes logs under ${OUT:-bench/results})
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-bench/results}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+# Install the package from this tree without touching the network (torch etc. are already there).
+python3 -m pip install -q --no-deps --no-build-isolation -e . || { echo "editable install failed"; exit 1; }
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
+echo "== build CUDA kernels"
+python3 -c "import time; from dmfx.cuda_ops import build; t=time.time(); build.load('cuda'); print(f'cuda build/load {time.time()-t:.1f}s')" 2>&1 | tee "$out/gpu_build.log"
+echo "== CUDA tests"
+python3 -m pytest -q tests/test_cuda_kernels.py tests/test_ops.py -x 2>&1 | tail -15 | tee "$out/gpu_tests.log"
+echo "== benchmark"
+python3 bench/bert_layer.py --device cuda --dtype bf16 --batch 8 --seq 512 --hidden 1024 --heads 16 --ffn 4096 \
+  --rounds 20 --warmup 3 --threads 16 --json "$out/gpu_bert_layer.json" 2>"$out/gpu_bench.err" | tee "$out/gpu_bench.txt"
