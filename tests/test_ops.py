@@ -146,7 +146,7 @@ def test_opcheck_all_ops():
     out, _, mean, rstd = torch.ops.dmfx.bias_dropout_residual_norm(x, bias, res, w, b, seed, 0.1, 1e-5, False, False)
     opcheck(
         torch.ops.dmfx.norm_backward.default,
-        (torch.randn_like(x), None, x.detach(), bias.detach(), res.detach(), w.detach(), mean, rstd, seed, 0.1, False, [True, True, True, True, True]),
+        (torch.randn_like(x), None, x.detach(), bias.detach(), res.detach(), w.detach(), mean.detach(), rstd.detach(), seed, 0.1, False, [True, True, True, True, True]),
     )
 
 
