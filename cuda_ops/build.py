@@ -34,7 +34,7 @@ from filelock import FileLock
 log = logging.getLogger("dmfx")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-HEADERS = ("dmfx_common.h", "kernel_api.h")
+FAMILIES = ("norm", "softmax", "pointwise")  # one group of kernels per file; see csrc/cpu_bindings.cpp
 MARKER = "dmfx_ok.json"
 
 
@@ -45,8 +45,8 @@ class KernelBuildError(RuntimeError):
 @dataclass(frozen=True)
 class Flavor:
     kind: str  # "cpu" | "cuda"
-    cpp_source: str
-    cuda_source: str | None
+    cpp_sources: tuple[str, ...]  # concatenated, in order, into one C++ translation unit
+    cuda_sources: tuple[str, ...]  # concatenated into one CUDA translation unit
     cflags: tuple[str, ...]
     cuda_cflags: tuple[str, ...] = ()
     ldflags: tuple[str, ...] = ()
@@ -55,15 +55,15 @@ class Flavor:
 FLAVORS = {
     "cpu": Flavor(
         kind="cpu",
-        cpp_source="cpu_kernels.cpp",
-        cuda_source=None,
+        cpp_sources=(*(f"{f}_cpu.cpp" for f in FAMILIES), "cpu_bindings.cpp"),
+        cuda_sources=(),
         cflags=("-O3", "-march=native", "-fopenmp"),
         ldflags=("-fopenmp",),
     ),
     "cuda": Flavor(
         kind="cuda",
-        cpp_source="cuda_bindings.cpp",
-        cuda_source="cuda_kernels.cu",
+        cpp_sources=(*(f"{f}_cuda_bind.cpp" for f in FAMILIES), "cuda_bindings.cpp"),
+        cuda_sources=tuple(f"{f}_cuda.cu" for f in FAMILIES),
         cflags=("-O3",),
         cuda_cflags=("-O3", "-lineinfo"),
     ),
@@ -89,10 +89,10 @@ def _machine_tag() -> str:
 
 def source_hash(flavor: Flavor) -> str:
     h = hashlib.sha256()
-    for name in (flavor.cpp_source, flavor.cuda_source, *HEADERS):
-        if name:
-            h.update(name.encode())
-            h.update(_read(name).encode())
+    headers = sorted(p.name for p in CSRC.glob("*.h"))
+    for name in (*flavor.cpp_sources, *flavor.cuda_sources, *headers):
+        h.update(name.encode())
+        h.update(_read(name).encode())
     for part in (flavor.cflags, flavor.cuda_cflags, flavor.ldflags):
         h.update(repr(part).encode())
     h.update(torch.__version__.encode())
@@ -164,19 +164,49 @@ def _compile(flavor: Flavor, name: str, build_dir: Path) -> None:
     if flavor.kind == "cuda" and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
         # No GPU to detect the architecture from (e.g. a compile-only check): build for Hopper.
         os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+    if flavor.kind == "cuda":
+        _ensure_cuda_home()
     load_inline(
         name=name,
-        cpp_sources=[_read(flavor.cpp_source)],
-        cuda_sources=[_read(flavor.cuda_source)] if flavor.cuda_source else None,
+        cpp_sources=[_read(n) for n in flavor.cpp_sources],
+        cuda_sources=[_read(n) for n in flavor.cuda_sources] or None,
         extra_cflags=list(flavor.cflags),
         extra_cuda_cflags=list(flavor.cuda_cflags) or None,
         extra_ldflags=list(flavor.ldflags),
         extra_include_paths=[str(CSRC)],
         build_directory=str(build_dir),
-        with_cuda=flavor.cuda_source is not None,
+        with_cuda=bool(flavor.cuda_sources),
         is_python_module=True,
         verbose=False,
     )
+
+
+def _ensure_cuda_home() -> None:
+    """Point torch at a CUDA toolkit that has libcudart when it would guess wrong.
+
+    torch derives CUDA_HOME from the `nvcc` on PATH; where that is a wrapper script (e.g. in
+    /usr/local/bin) the guess has no lib64/ and linking fails with "cannot find -lcudart". Prefer the
+    toolkit `nvcc` really lives in, then the usual install locations.
+    """
+    import torch.utils.cpp_extension as ext
+
+    def has_cudart(root: Path) -> bool:
+        return any((root / d / "libcudart.so").exists() for d in ("lib64", "lib", "targets/x86_64-linux/lib"))
+
+    current = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or ext.CUDA_HOME
+    if current and has_cudart(Path(current)):
+        return
+    candidates = []
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(Path(os.path.realpath(nvcc)).parent.parent)
+    candidates += sorted(Path("/usr/local").glob("cuda*"), reverse=True)
+    for root in candidates:
+        if (root / "bin" / "nvcc").exists() and has_cudart(root):
+            os.environ["CUDA_HOME"] = str(root)
+            ext.CUDA_HOME = str(root)
+            log.info("dmfx: using CUDA toolkit %s (CUDA_HOME was %r)", root, current)
+            return
 
 
 def load(kind: str) -> ModuleType:

@@ -296,8 +296,10 @@ at::Tensor dropout_cpu(const at::Tensor& x_in, int64_t seed, int64_t offset, dou
 
 }  // namespace dmfx
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("norm_fwd", &dmfx::norm_fwd_cpu, "fused bias+dropout+residual+LayerNorm/RMSNorm forward (CPU)");
-  m.def("norm_bwd", &dmfx::norm_bwd_cpu, "fused bias+dropout+residual+LayerNorm/RMSNorm backward (CPU)");
-  m.def("dropout", &dmfx::dropout_cpu, "Philox inverted dropout (CPU); also its own backward");
+namespace dmfx {
+void bind_norm(pybind11::module_& m) {
+  m.def("norm_fwd", &norm_fwd_cpu, "fused bias+dropout+residual+LayerNorm/RMSNorm forward (CPU)");
+  m.def("norm_bwd", &norm_bwd_cpu, "fused bias+dropout+residual+LayerNorm/RMSNorm backward (CPU)");
+  m.def("dropout", &dropout_cpu, "Philox inverted dropout (CPU); also its own backward");
 }
+}  // namespace dmfx

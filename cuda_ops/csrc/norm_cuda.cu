@@ -1,5 +1,5 @@
 // dmfx CUDA kernels: the fused "bias + dropout + residual + LayerNorm/RMSNorm" forward and backward
-// and the standalone Philox dropout. cpu_kernels.cpp is the specification: same arguments, checks,
+// and the standalone Philox dropout. norm_cpu.cpp is the specification: same arguments, checks,
 // outputs and math; the dropout masks are bit-identical (same Philox mapping, dmfx_common.h).
 //
 // Design

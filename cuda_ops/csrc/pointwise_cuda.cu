@@ -1,0 +1,2 @@
+// dmfx CUDA kernels of the pointwise family (placeholder: filled in by the pointwise work).
+#include <torch/extension.h>
