@@ -304,3 +304,8 @@ def _no_double_backward(ctx, *grads):
 
 
 torch.library.register_autograd("dmfx::norm_backward", _no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+# The other op families register themselves on import (each in its own module and kernel files).
+from . import pointwise as _pointwise  # noqa: E402,F401
+from . import softmax as _softmax  # noqa: E402,F401
