@@ -101,7 +101,92 @@ def lower_to_aten(gm: GraphModule, example_inputs: Sequence[Any]) -> GraphModule
     from torch._functorch.aot_autograd import aot_export_joint_simple
 
     with torch.no_grad():
-        return aot_export_joint_simple(gm, list(example_inputs), trace_joint=False)
+        aten_gm = aot_export_joint_simple(gm, list(example_inputs), trace_joint=False)
+    if torch.is_grad_enabled():
+        restore_sdpa(aten_gm, [isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs])
+    return aten_gm
+
+
+# Fused SDPA kernels that scaled_dot_product_attention picked while tracing under no_grad, with the
+# positions of (dropout_p, is_causal) and the name of the mask argument (positional index or kwarg).
+_SDPA_KERNELS = {
+    "_scaled_dot_product_flash_attention_for_cpu": dict(dropout=3, causal=4, mask="attn_mask"),
+    "_scaled_dot_product_efficient_attention": dict(dropout=5, causal=6, mask=3),
+    "_scaled_dot_product_flash_attention": dict(dropout=3, causal=4, mask=None),
+    "_scaled_dot_product_cudnn_attention": dict(dropout=5, causal=6, mask=3),
+}
+
+
+_VIEW_LIKE = ("view", "transpose", "permute", "t", "unsqueeze", "squeeze", "expand", "slice", "select", "alias", "_unsafe_view")
+
+
+def _views_to_reshapes(start: Any) -> None:
+    """Views downstream of `start` (through other view ops) become reshapes: they may have relied on
+    strides the replaced kernel produced."""
+    stack = [start]
+    while stack:
+        n = stack.pop()
+        for u in list(n.users):
+            name = getattr(getattr(u.target, "overloadpacket", None), "__name__", "")
+            if name not in _VIEW_LIKE:
+                continue
+            if name == "view":
+                u.target = torch.ops.aten.reshape.default
+            stack.append(u)
+
+
+def restore_sdpa(aten_gm: GraphModule, input_requires_grad: Sequence[bool]) -> int:
+    """Turn fused SDPA kernels chosen under no_grad back into ``aten.scaled_dot_product_attention``
+    where their mask requires grad.
+
+    The forward graph is traced under no_grad, where SDPA may pick a kernel that cannot differentiate
+    its mask (e.g. the CPU flash kernel with T5's learned position bias as the mask). Calling the
+    composite op again lets AOTAutograd choose under the real grad mode. Views of the output that
+    relied on the fused kernel's output strides become reshapes. Only nodes whose extra outputs
+    (logsumexp, rng state) nobody reads are restored.
+    """
+    import operator
+
+    placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
+    grad_nodes = {n for n, rg in zip(placeholders, input_requires_grad) if rg}
+    for n in aten_gm.graph.nodes:  # nodes computed from an input that requires grad (an over-estimate)
+        if n.op == "call_function" and any(a in grad_nodes for a in n.all_input_nodes):
+            grad_nodes.add(n)
+    count = 0
+    for n in list(aten_gm.graph.nodes):
+        spec = _SDPA_KERNELS.get(getattr(getattr(n.target, "overloadpacket", None), "__name__", ""))
+        if n.op != "call_function" or spec is None or spec["mask"] is None:
+            continue
+        mask_arg = n.args[spec["mask"]] if isinstance(spec["mask"], int) and spec["mask"] < len(n.args) else n.kwargs.get(spec["mask"]) if isinstance(spec["mask"], str) else None
+        if mask_arg not in grad_nodes:
+            continue
+        if any(not (u.target is operator.getitem and u.args[1] == 0) for u in n.users):
+            continue
+        args = list(n.args)
+
+        def arg(i, default):
+            return args[i] if isinstance(i, int) and i < len(args) else n.kwargs.get(i, default) if isinstance(i, str) else default
+
+        q, k, v = args[:3]
+        mask = arg(spec["mask"], None) if spec["mask"] is not None else None
+        qm, km = q.meta.get("val"), k.meta.get("val")
+        gqa = qm is not None and km is not None and qm.dim() >= 3 and qm.shape[-3] != km.shape[-3]
+        with aten_gm.graph.inserting_before(n):
+            new = aten_gm.graph.call_function(
+                torch.ops.aten.scaled_dot_product_attention.default,
+                (q, k, v, mask, arg(spec["dropout"], 0.0), arg(spec["causal"], False)),
+                {"scale": n.kwargs.get("scale"), **({"enable_gqa": True} if gqa else {})},
+            )
+        new.meta["val"] = n.meta["val"][0] if isinstance(n.meta.get("val"), (tuple, list)) else None
+        for u in list(n.users):
+            u.replace_all_uses_with(new)
+            aten_gm.graph.erase_node(u)
+        aten_gm.graph.erase_node(n)
+        _views_to_reshapes(new)
+        count += 1
+    if count:
+        aten_gm.recompile()
+    return count
 
 
 def rewrite(aten_gm: GraphModule, example_inputs: Sequence[Any], opts: Options, record: GraphRecord) -> GraphModule:

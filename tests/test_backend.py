@@ -154,3 +154,27 @@ def test_unsupported_dtype_is_left_to_pytorch():
     x = torch.randn(2, 32, dtype=torch.float64)
     out = torch.compile(m, backend="dmfx")(x)  # float64 runs in dmfx's kernels (exact fp64 math)
     assert rel_err(out, m(x)) < 1e-12
+
+
+def test_sdpa_mask_that_requires_grad_trains():
+    """Traced under no_grad, SDPA picks the CPU flash kernel, which cannot differentiate its mask; in
+    training (T5's learned position bias is the mask) the backend must hand SDPA back to AOTAutograd."""
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn(2, 3, 8, 16, requires_grad=True) for _ in range(3))
+    bias = torch.randn(1, 3, 8, 8, requires_grad=True)
+
+    def attn(q, k, v, bias):
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return o.transpose(1, 2).reshape(2, 8, 48)
+
+    ref = attn(q, k, v, bias)
+    ref.square().sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v, bias)]
+    for t in (q, k, v, bias):
+        t.grad = None
+    out = torch.compile(attn, backend="dmfx")(q, k, v, bias)
+    out.square().sum().backward()
+    assert rel_err(out, ref) < 1e-5
+    for t, g in zip((q, k, v, bias), grads):
+        assert rel_err(t.grad, g) < 1e-5
