@@ -115,9 +115,10 @@ def cache_root() -> Path:
     if env:
         root = Path(env)
     else:
-        from torch.utils.cpp_extension import get_default_build_root
-
-        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+        # what torch.utils.cpp_extension.get_default_build_root() returns, without importing that
+        # module on the warm path (its import guesses CUDA_HOME and logs a warning without a GPU)
+        default = os.path.realpath(torch._appdirs.user_cache_dir(appname="torch_extensions"))
+        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or default)
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe = root / f".dmfx_write_probe_{os.getpid()}"
