@@ -348,9 +348,11 @@ void softmax_fwd_rows(const SoftmaxArgs& a, const FwdPtrs<scalar_t>& P) {
       scalar_t* orow = P.out + r * Sk;
       scalar_t* prow = P.probs ? P.probs + r * Sk : nullptr;
       int64_t done = 0;
+      acc_t tail = 0;  // value of the causally masked elements n..: 0, or NaN in a NaN row (as eager)
       if (n > 0 && mx != -std::numeric_limits<acc_t>::infinity()) {  // else: fully masked -> zeros
         const acc_t sum = exp_sum(z, n, mx);
         const acc_t inv = acc_t(1) / sum;
+        tail = acc_t(0) * inv;
         if (d.active) {
           fill_mult(d, a.keep_scale, static_cast<uint64_t>(r) * static_cast<uint64_t>(Sk), n, s);
           const acc_t* mult = s.mult.data();
@@ -364,9 +366,9 @@ void softmax_fwd_rows(const SoftmaxArgs& a, const FwdPtrs<scalar_t>& P) {
         }
         done = n;
       }
-      for (int64_t j = done; j < Sk; ++j) orow[j] = scalar_t(0);
+      for (int64_t j = done; j < Sk; ++j) orow[j] = static_cast<scalar_t>(tail);
       if (prow) {
-        for (int64_t j = done; j < Sk; ++j) prow[j] = scalar_t(0);
+        for (int64_t j = done; j < Sk; ++j) prow[j] = static_cast<scalar_t>(tail);
       }
     }
   });
