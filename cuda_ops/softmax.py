@@ -1,3 +1,243 @@
-"""dmfx's fused softmax ops (placeholder: filled in by the softmax work)."""
+"""dmfx's fused attention softmax: scale + mask + causal mask + softmax + dropout, and its backward.
+
+This is the paper's SM (forward) and BS (backward) kernel pair over attention scores
+``[batch, heads, q_len, k_len]`` (any number of leading dims; softmax over the last dim).
+
+Ops
+---
+``dmfx::softmax(Tensor scores, Tensor? mask, float scale, bool causal, Tensor? seed, float p)
+    -> (Tensor out, Tensor probs)``
+    ``z = scores * scale + mask`` (mask broadcastable to scores; bool masks: True = attend, False =
+    -inf; float masks of another dtype than scores' and float32 are cast to float32 first), plus
+    ``-inf`` where ``j > i + (Sk - Sq)`` when ``causal``; ``probs = softmax(z)`` over the last dim
+    (fully masked rows give zeros, never NaN); ``out = dropout(probs, p)`` with the Philox mask of
+    ``seed`` (element index = row-major index in scores' shape). When ``p == 0`` (``seed`` may then be
+    None) ``out`` holds the probabilities and ``probs`` is empty (shape ``[0]``).
+``dmfx::softmax_backward(Tensor grad_out, Tensor probs, Tensor? seed, float p, float scale) -> Tensor``
+    ``g = dropout(grad_out)`` (same mask), ``scale * probs * (g - sum(g * probs, -1))``; ``probs`` is
+    the forward's ``probs``, or its ``out`` when ``p == 0``.
+
+The autograd formula of ``dmfx::softmax`` calls ``dmfx::softmax_backward`` for the scores and, when a
+float mask requires grad (e.g. T5's learned position bias), for the mask (``scale=1``, reduced to the
+mask's shape). A gradient reaching ``probs`` (the second output) is handled too (as a ``p == 0``
+term). Double backward raises NotImplementedError.
+"""
 
 from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import reference as _reference
+from .build import kernels_for
+from .ops import _seed_values, new_seed
+
+_lib = torch.library.Library("dmfx", "FRAGMENT")  # noqa: TOR901 (kept alive for the process)
+
+_lib.define(
+    "softmax(Tensor scores, Tensor? mask, float scale, bool causal, Tensor? seed, float p) "
+    "-> (Tensor out, Tensor probs)"
+)
+_lib.define("softmax_backward(Tensor grad_out, Tensor probs, Tensor? seed, float p, float scale) -> Tensor")
+
+OPS = ("softmax", "softmax_backward")
+
+_SCORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+# ----------------------------------------------------------------------------------------- checks
+
+
+def _check_p(op: str, p: float, seed: Tensor | None) -> None:
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dmfx::{op}: dropout probability p must be in [0, 1], got {p}")
+    if p > 0.0 and seed is None:
+        raise ValueError(f"dmfx::{op}: p={p} > 0 needs a seed tensor (dmfx.cuda_ops.ops.new_seed()); seed is None")
+
+
+def _check_forward(scores: Tensor, mask: Tensor | None, causal: bool, seed: Tensor | None, p: float) -> None:
+    """Argument checks that need no tensor data (they run in the fake implementation too)."""
+    if scores.dtype not in _SCORE_DTYPES:
+        raise TypeError(f"dmfx::softmax: scores must be float32, float16, bfloat16 or float64, got {scores.dtype}")
+    if scores.dim() < 1:
+        raise ValueError("dmfx::softmax: scores needs at least one dimension (softmax runs over the last)")
+    if causal and scores.dim() < 2:
+        raise ValueError(
+            f"dmfx::softmax: causal=True needs scores with at least 2 dimensions [..., q_len, k_len], "
+            f"got shape {tuple(scores.shape)}"
+        )
+    _check_p("softmax", p, seed)
+    if mask is None:
+        return
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"dmfx::softmax: mask must be bool or a floating-point tensor, got {mask.dtype}")
+    if mask.device != scores.device:
+        raise ValueError(f"dmfx::softmax: mask is on {mask.device} but scores is on {scores.device}")
+    ms, ss = tuple(mask.shape), tuple(scores.shape)
+    if len(ms) > len(ss) or any(m != 1 and m != s for m, s in zip(reversed(ms), reversed(ss))):
+        raise ValueError(f"dmfx::softmax: mask of shape {list(ms)} is not broadcastable to scores' shape {list(ss)}")
+
+
+def _kernel_mask(mask: Tensor | None, scores: Tensor) -> Tensor | None:
+    """The kernels read masks of scores' dtype, float32 or bool; other float masks become float32."""
+    if mask is None or mask.dtype in (torch.bool, torch.float32, scores.dtype):
+        return mask
+    return mask.float()
+
+
+# ----------------------------------------------------------------------------------------- kernels
+
+
+def _softmax_kernel(scores, mask, scale, causal, seed, p):
+    _check_forward(scores, mask, causal, seed, p)
+    s, o = _seed_values(seed, "softmax")
+    out, probs = kernels_for(scores.device).softmax_fwd(scores, _kernel_mask(mask, scores), scale, causal, s, o, p)
+    return out, probs
+
+
+def _softmax_backward_kernel(grad_out, probs, seed, p, scale):
+    _check_p("softmax_backward", p, seed)
+    s, o = _seed_values(seed, "softmax_backward")
+    return kernels_for(probs.device).softmax_bwd(grad_out, probs, s, o, p, scale)
+
+
+for _dev in ("CPU", "CUDA"):
+    _lib.impl("softmax", _softmax_kernel, _dev)
+    _lib.impl("softmax_backward", _softmax_backward_kernel, _dev)
+
+
+# ----------------------------------------------------------------------------------------- fakes
+
+
+@torch.library.register_fake("dmfx::softmax")
+def _softmax_fake(scores, mask, scale, causal, seed, p):
+    _check_forward(scores, mask, causal, seed, p)
+    out = torch.empty(scores.shape, dtype=scores.dtype, device=scores.device)
+    probs = torch.empty(scores.shape, dtype=scores.dtype, device=scores.device) if p > 0 else scores.new_empty((0,))
+    return out, probs
+
+
+@torch.library.register_fake("dmfx::softmax_backward")
+def _softmax_backward_fake(grad_out, probs, seed, p, scale):
+    _check_p("softmax_backward", p, seed)
+    if grad_out.shape != probs.shape:
+        raise ValueError(
+            f"dmfx::softmax_backward: grad_out must have the shape of probs {list(probs.shape)}, got {list(grad_out.shape)}"
+        )
+    return torch.empty(probs.shape, dtype=probs.dtype, device=probs.device)
+
+
+# ----------------------------------------------------------------------------------------- autograd
+
+
+def _setup_softmax(ctx, inputs, output):
+    scores, mask, scale, causal, seed, p = inputs
+    out, probs = output
+    ctx.p, ctx.scale = p, scale
+    ctx.mask_shape = tuple(mask.shape) if mask is not None else None
+    ctx.mask_dtype = mask.dtype if mask is not None else None
+    # An unused output (usually probs) must give None, not a zero tensor we would run a kernel on.
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(probs if p > 0 else out, seed)
+
+
+def _backward_softmax(ctx, grad_out, grad_probs):
+    probs, seed = ctx.saved_tensors
+    need_scores, need_mask = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    none = (None,) * 6
+    if not (need_scores or need_mask):
+        return none
+    # With a mask gradient the unscaled dz is needed too: compute it once, scale for the scores.
+    kscale = 1.0 if need_mask else ctx.scale
+    dz = None
+    if grad_out is not None:
+        dz = torch.ops.dmfx.softmax_backward(grad_out, probs, seed, ctx.p, kscale)
+    if grad_probs is not None and ctx.p > 0:
+        # probs is softmax(z) itself (no dropout): its gradient is a p == 0 softmax backward.
+        extra = torch.ops.dmfx.softmax_backward(grad_probs, probs, None, 0.0, kscale)
+        dz = extra if dz is None else dz + extra
+    if dz is None:
+        return none
+    d_scores = d_mask = None
+    if need_scores:
+        d_scores = dz * ctx.scale if need_mask and ctx.scale != 1.0 else dz
+    if need_mask:
+        d_mask = dz.sum_to_size(ctx.mask_shape).to(ctx.mask_dtype)
+    return d_scores, d_mask, None, None, None, None
+
+
+torch.library.register_autograd("dmfx::softmax", _backward_softmax, setup_context=_setup_softmax)
+
+
+def _no_double_backward(ctx, *grads):
+    raise NotImplementedError(
+        "dmfx::softmax_backward: double backward (create_graph=True through a dmfx attention softmax) is "
+        "not supported; compile without dmfx's softmax fusion for higher-order gradients"
+    )
+
+
+torch.library.register_autograd(
+    "dmfx::softmax_backward", _no_double_backward, setup_context=lambda ctx, inputs, output: None
+)
+
+
+# ----------------------------------------------------------------------------------------- Python API
+
+
+def softmax(
+    scores: Tensor,
+    mask: Tensor | None = None,
+    scale: float = 1.0,
+    causal: bool = False,
+    p: float = 0.0,
+    training: bool = True,
+) -> Tensor:
+    """``dropout(softmax(scores * scale + mask [+ causal mask], -1), p)`` in one pass over the scores."""
+    if not isinstance(scores, Tensor):
+        raise TypeError(f"dmfx::softmax: scores must be a Tensor, got {type(scores).__name__}")
+    if mask is not None and not isinstance(mask, Tensor):
+        raise TypeError(f"dmfx::softmax: mask must be a Tensor or None, got {type(mask).__name__}")
+    p = float(p) if training else 0.0
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dmfx::softmax: dropout probability p must be in [0, 1], got {p}")
+    seed = new_seed() if p > 0 else None
+    return torch.ops.dmfx.softmax(scores, mask, float(scale), bool(causal), seed, p)[0]
+
+
+# ----------------------------------------------------------------------------------------- reference
+
+
+def reference_softmax(
+    scores: Tensor,
+    mask: Tensor | None = None,
+    scale: float = 1.0,
+    causal: bool = False,
+    seed: Tensor | None = None,
+    p: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """(out, probs) of dmfx::softmax in pure PyTorch, computed in float32 (float64 for float64 scores).
+
+    Fully masked rows give zeros; the dropout mask is reference.philox_keep's (bit for bit the kernels').
+    """
+    acc = torch.float64 if scores.dtype == torch.float64 else torch.float32
+    z = scores.to(acc) * scale
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            z = z.masked_fill(~mask, float("-inf"))
+        else:
+            z = z + mask.to(acc)
+    if causal:
+        sq, sk = z.shape[-2], z.shape[-1]
+        i = torch.arange(sq, device=z.device)[:, None]
+        j = torch.arange(sk, device=z.device)[None, :]
+        z = z.masked_fill(j > i + (sk - sq), float("-inf"))
+    if z.numel() == 0:
+        probs = z.clone()
+    else:
+        probs = torch.softmax(z, dim=-1)
+        fully_masked = (z == float("-inf")).all(dim=-1, keepdim=True)
+        probs = probs.masked_fill(fully_masked, 0.0)
+    if p > 0:
+        out = _reference.dropout(probs, seed, p)
+        return out.to(scores.dtype), probs.to(scores.dtype)
+    return probs.to(scores.dtype), scores.new_empty((0,))

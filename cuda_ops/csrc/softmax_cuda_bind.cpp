@@ -1,6 +1,25 @@
-// Python bindings of the dmfx CUDA kernels of the softmax family (placeholder: filled in by the softmax work).
+// Python bindings of the fused attention softmax CUDA kernels (implemented in softmax_cuda.cu). The
+// functions have the same names, signatures and semantics as the CPU functions in softmax_cpu.cpp.
 #include <torch/extension.h>
 
+#include <vector>
+
 namespace dmfx {
-void bind_softmax(pybind11::module_& m) { (void)m; }
+
+std::vector<at::Tensor> softmax_fwd_cuda(const at::Tensor& scores, const c10::optional<at::Tensor>& mask,
+                                         double scale, bool causal, int64_t seed, int64_t offset, double p);
+
+at::Tensor softmax_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& probs, int64_t seed,
+                            int64_t offset, double p, double scale);
+
+void bind_softmax(pybind11::module_& m) {
+  m.def("softmax_fwd", &softmax_fwd_cuda,
+        "fused scale + mask + causal + softmax + dropout forward (CUDA); returns [out, probs]",
+        pybind11::arg("scores"), pybind11::arg("mask"), pybind11::arg("scale"),
+        pybind11::arg("causal"), pybind11::arg("seed"), pybind11::arg("offset"), pybind11::arg("p"));
+  m.def("softmax_bwd", &softmax_bwd_cuda, "fused dropout + softmax backward, times scale (CUDA)",
+        pybind11::arg("grad_out"), pybind11::arg("probs"), pybind11::arg("seed"),
+        pybind11::arg("offset"), pybind11::arg("p"), pybind11::arg("scale"));
+}
+
 }  // namespace dmfx
