@@ -117,7 +117,9 @@ def cache_root() -> Path:
     else:
         # what torch.utils.cpp_extension.get_default_build_root() returns, without importing that
         # module on the warm path (its import guesses CUDA_HOME and logs a warning without a GPU)
-        default = os.path.realpath(torch._appdirs.user_cache_dir(appname="torch_extensions"))
+        from torch._appdirs import user_cache_dir
+
+        default = os.path.realpath(user_cache_dir(appname="torch_extensions"))
         root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or default)
     try:
         root.mkdir(parents=True, exist_ok=True)
