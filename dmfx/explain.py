@@ -806,7 +806,7 @@ def copy_bandwidth(device: str | torch.device = "cpu", nbytes: int | None = None
 
 class _TimingInterpreter(torch.fx.Interpreter):
     def __init__(self, gm: GraphModule, sync: Callable[[], None]):
-        super().__init__(gm)
+        super().__init__(gm, garbage_collect_values=False)  # the backward reads saved values by name
         self.sync = sync
         self.times: dict[str, float] = {}
 
