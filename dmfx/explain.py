@@ -1146,7 +1146,7 @@ def _measure(data: dict, before_caps, after_caps, device: torch.device, rounds: 
 
 # ================================================================================ models for the CLI / bench
 
-MODELS = ("bert-base", "gpt2", "llama", "vit", "minilm")
+MODELS = ("bert-base", "gpt2", "llama", "vit", "minilm", "bert-tiny")  # bert-tiny: hidden 64, for smoke tests
 
 
 def minilm_dir():
@@ -1188,6 +1188,10 @@ def build_model(name: str, batch: int = 8, seq: int = 128, layers: int | None = 
     else:
         if name == "bert-base":
             cfg = transformers.BertConfig()
+            cls = transformers.BertModel
+        elif name == "bert-tiny":
+            cfg = transformers.BertConfig(vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                          intermediate_size=128, max_position_embeddings=128)
             cls = transformers.BertModel
         elif name == "gpt2":
             cfg = transformers.GPT2Config(use_cache=False)

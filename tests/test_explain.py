@@ -291,7 +291,7 @@ def _run(args, env=None, timeout=300):
 
 def test_cli_explain_smoke(tmp_path):
     out = tmp_path / "r.json"
-    p = _run(["-m", "dmfx", "explain", "--model", "bert-base", "--layers", "1", "--batch", "1", "--seq", "8", "--train",
+    p = _run(["-m", "dmfx", "explain", "--model", "bert-tiny", "--batch", "2", "--seq", "8", "--train",
               "--json", str(out)])
     assert p.returncode == 0, p.stderr[-3000:]
     assert "data movement" in p.stdout and "coverage" in p.stdout
