@@ -84,11 +84,14 @@ def main(argv=None) -> dict:
             wanted = [m.strip() for m in a.models.split(",")]
             sizes = {m: (models.FULL if a.full else models.DEFAULT)[m] for m in wanted}
         dtype = torch.bfloat16 if gpu else torch.float32
-        out["models"] = models.run(a.device, sizes, cands, rounds, warmup, dtype)
+        # the default keeps whole models short (each Inductor compile costs tens of seconds on 2 cores)
+        m_rounds = a.rounds or (rounds if a.smoke or a.full or gpu else 3)
+        m_warmup = a.warmup or (warmup if a.smoke or a.full or gpu else 1)
+        out["models"] = models.run(a.device, sizes, cands, m_rounds, m_warmup, dtype)
         tables.append(("Whole models", models.table(out["models"])))
 
     if "compile" in a.sections:
-        layers = 1 if a.smoke else 12 if a.full else 2
+        layers = 12 if a.full else 1
         out["compile"] = compile_cost.run(a.device, "bert-base", layers=layers, batch=1 if a.smoke else 2, seq=8 if a.smoke else 64)
         tables.append(("Compile cost (training step of BERT-base, fresh process each)", compile_cost.table(out["compile"])))
 

@@ -15,6 +15,7 @@ import torch
 
 from .bert_layer import GemmRecorder, build_layer, dmfx_unavailable_reason, forward, gemm_flops, make_inputs, make_floor_step
 from .common import interleaved, log, median, timer
+from .models import _fresh_compile_state
 
 CPU_CONFIGS = [dict(name="BERT-base B=8 L=128 fp32", batch=8, seq=128, hidden=768, heads=12, ffn=3072, dtype="fp32")]
 GPU_CONFIGS = [
@@ -91,6 +92,7 @@ def run(device: str, configs: list[dict], candidates: list[str], rounds: int, wa
         base = build_layer(args)
         for mode in ("train", "infer"):
             train = mode == "train"
+            _fresh_compile_state()
             x, _ = make_inputs(args, train)
             cases, skipped, info = {}, {}, {}
             for name in candidates:

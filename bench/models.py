@@ -2,8 +2,9 @@
 memory of one step (dmfx.explain.peak_memory) and bytes moved (dmfx.explain.runtime_bytes).
 
 Bytes moved are counted per dispatched op, so they are exact for eager and dmfx (whose kernels are ops)
-but not for Inductor: its generated kernels are not dispatcher ops and only its extern calls (GEMMs)
-are seen. The table says so ("n/a"). Peak memory on CPU comes from the same dispatch mode.
+but not for Inductor: its generated kernels are not dispatcher ops, so the table says "n/a". Peak
+memory on CPU comes from the same dispatch mode (Inductor's CPU buffers bypass it: "n/a" too); on
+CUDA from torch.cuda.max_memory_allocated, for every candidate.
 """
 
 from __future__ import annotations
@@ -17,13 +18,26 @@ from dmfx.explain import _scalar, build_model, peak_memory, runtime_bytes
 from .common import interleaved, log, median, timer
 
 # name, default (CPU, fits the ~8 minute budget), full (real sizes)
-DEFAULT = {"bert-base": dict(layers=2, batch=2, seq=64), "gpt2": dict(layers=2, batch=2, seq=64),
-           "llama": dict(layers=2, batch=2, seq=64), "vit": dict(layers=2, batch=2, seq=None),
+DEFAULT = {"bert-base": dict(layers=1, batch=2, seq=64), "gpt2": dict(layers=1, batch=2, seq=64),
+           "llama": dict(layers=1, batch=2, seq=64), "vit": dict(layers=1, batch=2, seq=None),
            "minilm": dict(layers=None, batch=2, seq=64)}
 FULL = {"bert-base": dict(layers=None, batch=8, seq=128), "gpt2": dict(layers=None, batch=8, seq=128),
         "llama": dict(layers=None, batch=8, seq=128), "vit": dict(layers=None, batch=8, seq=None),
         "minilm": dict(layers=None, batch=8, seq=128)}
 SMOKE = {"bert-tiny": dict(layers=1, batch=2, seq=16)}
+
+
+def _fresh_compile_state() -> None:
+    """Forget earlier cases' compiled code: HF models share frames (e.g. transformers' forward wrappers),
+    and compiling model after model into one code object's cache would reach Dynamo's recompile limit,
+    after which Dynamo silently runs eager."""
+    torch._dynamo.reset()
+    try:
+        import dmfx
+
+        dmfx.reset()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _step(module, kwargs, train: bool):
@@ -51,6 +65,7 @@ def run(device: str, sizes: dict[str, dict], candidates: list[str], rounds: int,
             continue
         for mode in ("infer", "train"):
             train = mode == "train"
+            _fresh_compile_state()
             steps, skipped = {}, {}
             for name in candidates:
                 m = copy.deepcopy(base).train(train)
@@ -78,8 +93,10 @@ def run(device: str, sizes: dict[str, dict], candidates: list[str], rounds: int,
             peak, moved = {}, {}
             for n in times:
                 try:
-                    peak[n] = peak_memory(steps[n], device=device).peak_bytes
-                    moved[n] = runtime_bytes(steps[n]).total if n != "inductor" else None
+                    # Inductor's kernels and CPU buffers are invisible to a dispatch mode: n/a there
+                    invisible = n == "inductor"
+                    peak[n] = None if invisible and device == "cpu" else peak_memory(steps[n], device=device).peak_bytes
+                    moved[n] = None if invisible else runtime_bytes(steps[n]).total
                 except Exception as e:  # noqa: BLE001
                     skipped[n] = f"counting failed: {type(e).__name__}: {e}"
             res = {"model": model_name, "mode": mode, "size": size, "device": device, "times_ms": {n: t["total"] for n, t in times.items()},
@@ -89,6 +106,10 @@ def run(device: str, sizes: dict[str, dict], candidates: list[str], rounds: int,
             results.append(res)
             log(f"[models] {model_name} {mode}: " + ", ".join(f"{n} {t:.1f} ms" for n, t in med.items()))
     return results
+
+
+def _mb(x) -> str:
+    return "n/a" if x is None else f"{x / 1e6:.1f}"
 
 
 def _ratio(x) -> str:
@@ -107,6 +128,6 @@ def table(results: list[dict]) -> str:
             moved = r["bytes_moved"].get(n)
             rows.append([r["model"], r["mode"], n, f"{t:.1f}", _ratio(r["speedup_vs_eager"].get(n)),
                          _ratio(r["speedup_vs_inductor"].get(n)),
-                         f"{r['peak_bytes'].get(n, 0) / 1e6:.1f}", "n/a" if moved is None else f"{moved / 1e6:.1f}"])
+                         _mb(r["peak_bytes"].get(n)), _mb(moved)])
     return tabulate(rows, headers=["model", "mode", "candidate", "median ms", "speedup vs eager", "vs inductor", "peak MB", "MB moved"],
                     tablefmt="github", disable_numparse=True)
