@@ -1,0 +1,42 @@
+"""The benchmark suite's smallest case end to end (python -m bench --smoke) and its JSON."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+pytest.importorskip("transformers")
+
+
+def test_bench_smoke(tmp_path):
+    out = tmp_path / "suite.json"
+    p = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--threads", "1", "--json", str(out)], cwd=REPO,
+                       capture_output=True, text=True, timeout=600, env={**os.environ})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "One encoder layer" in p.stdout and "Whole models" in p.stdout
+    assert "[layer]" in p.stderr and "[models]" in p.stderr  # progress lines
+    data = json.loads(out.read_text())
+    assert {"environment", "settings", "layer", "models"} <= set(data)
+    assert data["environment"]["torch"] and data["settings"]["smoke"] is True
+    modes = {r["mode"] for r in data["layer"]}
+    assert modes == {"train", "infer"}
+    for r in data["layer"]:
+        assert set(r["median_ms"]) == {"eager", "dmfx", "floor"}, r["skipped"]
+        phases = {"forward", "backward", "total"} if r["mode"] == "train" else {"forward", "total"}
+        assert all(set(m) == phases and all(v > 0 for v in m.values()) for m in r["median_ms"].values())
+        assert r["ratios"]["dmfx"]["total_vs_eager"] > 0 and r["ratios"]["floor"]["total_x_floor"] == 1.0
+        assert len(r["times_ms"]["dmfx"]["total"]) == data["settings"]["rounds"]
+        assert r["floor"]["gemms"] > 0
+    for r in data["models"]:
+        assert set(r["median_ms"]) == {"eager", "dmfx"}, r["skipped"]
+        assert r["bytes_moved"]["dmfx"] > 0 and r["peak_bytes"]["eager"] >= 0
+        assert r["speedup_vs_eager"]["eager"] == 1.0
+
+
+def test_bench_rejects_unknown_section():
+    p = subprocess.run([sys.executable, "-m", "bench", "--only", "nope"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "unknown section" in p.stderr
