@@ -1,3 +1,363 @@
-"""dmfx's fused pointwise ops (placeholder: filled in by the pointwise work)."""
+"""dmfx's fused pointwise ops: bias + activation + dropout, gated activations, rotary embedding.
+
+Ops (``torch.library`` fragment of the ``dmfx::`` namespace; kernels in csrc/pointwise_cpu.cpp and
+csrc/pointwise_cuda.cu, per-element math shared in csrc/pointwise_api.h)
+--------------------------------------------------------------------------------------------------
+``dmfx::bias_act_dropout(x, bias?, act, seed?, p) -> out``: the paper's BRD,
+    ``out = dropout(act(x + bias), p)`` over x [..., N] with bias [N]; ``seed`` None requires p == 0.
+``dmfx::bias_act_dropout_backward(grad_out, x, bias?, act, seed?, p, output_mask) -> (dx, dbias)``:
+    the paper's BDRB: recomputes ``act'(x + bias)`` and the dropout mask from x and the seed, and sums
+    the bias gradient in the same pass. Outputs not requested (or dbias without bias) are empty [0].
+``dmfx::glu(gate, up, act) -> out``: ``act(gate) * up`` (SwiGLU with "silu", GeGLU with "gelu").
+``dmfx::glu_backward(grad_out, gate, up, act, output_mask) -> (dgate, dup)``.
+``dmfx::rope(q, k, cos, sin, inverse) -> (q_out, k_out)``: HF LLaMA's apply_rotary_pos_emb on q and k
+    in one kernel, ``x * cos + rotate_half(x) * sin``; ``inverse=True`` applies the transpose map (the
+    backward). cos/sin broadcast to q and k through strides (never materialized).
+
+Activations (``act``): "identity", "relu", "gelu" (erf form), "gelu_tanh" (tanh approximation),
+"silu". Dropout seeds are int64 CPU tensors ``[seed, offset]`` (``ops.new_seed()``); the mask of
+element i (row-major logical index in x's shape) is the Philox mask of dmfx_common.h.
+"""
 
 from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import reference as R
+from .build import kernels_for
+from .ops import _check_tensor, _seed_values, new_seed
+
+_lib = torch.library.Library("dmfx", "FRAGMENT")  # noqa: TOR901 (kept alive for the process)
+
+_lib.define("bias_act_dropout(Tensor x, Tensor? bias, str act, Tensor? seed, float p) -> Tensor")
+_lib.define(
+    "bias_act_dropout_backward(Tensor grad_out, Tensor x, Tensor? bias, str act, Tensor? seed, float p, "
+    "bool[] output_mask) -> (Tensor dx, Tensor dbias)"
+)
+_lib.define("glu(Tensor gate, Tensor up, str act) -> Tensor")
+_lib.define(
+    "glu_backward(Tensor grad_out, Tensor gate, Tensor up, str act, bool[] output_mask) -> (Tensor dgate, Tensor dup)"
+)
+_lib.define("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool inverse) -> (Tensor, Tensor)")
+
+OPS = ("bias_act_dropout", "bias_act_dropout_backward", "glu", "glu_backward", "rope")
+
+# Activation names and the codes the kernels take (csrc/pointwise_api.h, enum Act).
+ACTS = ("identity", "relu", "gelu", "gelu_tanh", "silu")
+_ACT_CODES = {name: i for i, name in enumerate(ACTS)}
+
+
+# ----------------------------------------------------------------------------------------- checks
+
+
+def _act_code(act: object, op: str) -> int:
+    code = _ACT_CODES.get(act) if isinstance(act, str) else None
+    if code is None:
+        raise ValueError(f"dmfx::{op}: unknown activation {act!r}; valid activations are {', '.join(ACTS)}")
+    return code
+
+
+def _check_dropout(seed: Tensor | None, p: float, op: str) -> None:
+    if not (isinstance(p, (int, float)) and 0.0 <= p <= 1.0):
+        raise ValueError(f"dmfx::{op}: dropout probability p must be in [0, 1], got {p!r}")
+    if seed is None and p != 0.0:
+        raise ValueError(f"dmfx::{op}: p = {p} > 0 needs a seed tensor [seed, offset] (see dmfx.cuda_ops.ops.new_seed)")
+
+
+def _check_mask(output_mask, op: str, names: str) -> list[bool]:
+    m = list(output_mask)
+    if len(m) != 2:
+        raise ValueError(f"dmfx::{op}: output_mask needs 2 entries {names}, got {m}")
+    return m
+
+
+# ----------------------------------------------------------------------------------------- kernels
+
+
+def _bias_act_dropout_kernel(x, bias, act, seed, p):
+    op = "bias_act_dropout"
+    code = _act_code(act, op)
+    _check_dropout(seed, p, op)
+    s, o = _seed_values(seed, op)
+    return kernels_for(x.device).bias_act_fwd(x, bias, code, s, o, p)
+
+
+def _bias_act_dropout_backward_kernel(grad_out, x, bias, act, seed, p, output_mask):
+    op = "bias_act_dropout_backward"
+    code = _act_code(act, op)
+    _check_dropout(seed, p, op)
+    m = _check_mask(output_mask, op, "[dx, dbias]")
+    s, o = _seed_values(seed, op)
+    return tuple(kernels_for(x.device).bias_act_bwd(grad_out, x, bias, code, s, o, p, m))
+
+
+def _glu_kernel(gate, up, act):
+    return kernels_for(gate.device).glu_fwd(gate, up, _act_code(act, "glu"))
+
+
+def _glu_backward_kernel(grad_out, gate, up, act, output_mask):
+    op = "glu_backward"
+    code = _act_code(act, op)
+    m = _check_mask(output_mask, op, "[dgate, dup]")
+    return tuple(kernels_for(gate.device).glu_bwd(grad_out, gate, up, code, m))
+
+
+def _rope_kernel(q, k, cos, sin, inverse):
+    return tuple(kernels_for(q.device).rope(q, k, cos, sin, inverse))
+
+
+for _dev in ("CPU", "CUDA"):
+    _lib.impl("bias_act_dropout", _bias_act_dropout_kernel, _dev)
+    _lib.impl("bias_act_dropout_backward", _bias_act_dropout_backward_kernel, _dev)
+    _lib.impl("glu", _glu_kernel, _dev)
+    _lib.impl("glu_backward", _glu_backward_kernel, _dev)
+    _lib.impl("rope", _rope_kernel, _dev)
+
+
+# ----------------------------------------------------------------------------------------- fakes
+
+
+def _like(t: Tensor) -> Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+def _nothing(t: Tensor) -> Tensor:
+    return t.new_empty((0,))
+
+
+@torch.library.register_fake("dmfx::bias_act_dropout")
+def _bias_act_dropout_fake(x, bias, act, seed, p):
+    _act_code(act, "bias_act_dropout")
+    _check_dropout(seed, p, "bias_act_dropout")
+    return _like(x)
+
+
+@torch.library.register_fake("dmfx::bias_act_dropout_backward")
+def _bias_act_dropout_backward_fake(grad_out, x, bias, act, seed, p, output_mask):
+    _act_code(act, "bias_act_dropout_backward")
+    m = _check_mask(output_mask, "bias_act_dropout_backward", "[dx, dbias]")
+    dx = _like(x) if m[0] else _nothing(x)
+    dbias = x.new_empty((x.shape[-1],)) if (m[1] and bias is not None) else _nothing(x)
+    return dx, dbias
+
+
+@torch.library.register_fake("dmfx::glu")
+def _glu_fake(gate, up, act):
+    _act_code(act, "glu")
+    return _like(gate)
+
+
+@torch.library.register_fake("dmfx::glu_backward")
+def _glu_backward_fake(grad_out, gate, up, act, output_mask):
+    _act_code(act, "glu_backward")
+    m = _check_mask(output_mask, "glu_backward", "[dgate, dup]")
+    return (_like(gate) if m[0] else _nothing(gate)), (_like(gate) if m[1] else _nothing(gate))
+
+
+@torch.library.register_fake("dmfx::rope")
+def _rope_fake(q, k, cos, sin, inverse):
+    return _like(q), _like(k)
+
+
+# ----------------------------------------------------------------------------------------- autograd
+
+
+def _setup_bias_act_dropout(ctx, inputs, output):
+    x, bias, act, seed, p = inputs
+    ctx.act, ctx.p, ctx.has_bias = act, p, bias is not None
+    ctx.save_for_backward(x, bias, seed)
+
+
+def _backward_bias_act_dropout(ctx, grad):
+    x, bias, seed = ctx.saved_tensors
+    nx, nb = ctx.needs_input_grad[:2]
+    mask = [nx, nb and ctx.has_bias]
+    if not any(mask):
+        return None, None, None, None, None
+    dx, db = torch.ops.dmfx.bias_act_dropout_backward(grad, x, bias, ctx.act, seed, ctx.p, mask)
+    return (dx if mask[0] else None), (db if mask[1] else None), None, None, None
+
+
+torch.library.register_autograd(
+    "dmfx::bias_act_dropout", _backward_bias_act_dropout, setup_context=_setup_bias_act_dropout
+)
+
+
+def _setup_glu(ctx, inputs, output):
+    gate, up, act = inputs
+    ctx.act = act
+    ctx.save_for_backward(gate, up)
+
+
+def _backward_glu(ctx, grad):
+    gate, up = ctx.saved_tensors
+    mask = list(ctx.needs_input_grad[:2])
+    if not any(mask):
+        return None, None, None
+    dgate, dup = torch.ops.dmfx.glu_backward(grad, gate, up, ctx.act, mask)
+    return (dgate if mask[0] else None), (dup if mask[1] else None), None
+
+
+torch.library.register_autograd("dmfx::glu", _backward_glu, setup_context=_setup_glu)
+
+
+def _rotate_half(t: Tensor) -> Tensor:
+    h = t.shape[-1] // 2
+    return torch.cat((-t[..., h:], t[..., :h]), dim=-1)
+
+
+def _setup_rope(ctx, inputs, output):
+    q, k, cos, sin, inverse = inputs
+    ctx.inverse = inverse
+    # cos/sin rarely need gradients; only then are q and k kept (for the plain-torch formulas).
+    ctx.need_tables = bool(ctx.needs_input_grad[2] or ctx.needs_input_grad[3])
+    ctx.q_meta = (q.shape, q.dtype, q.device)
+    ctx.k_meta = (k.shape, k.dtype, k.device)
+    ctx.save_for_backward(cos, sin, q if ctx.need_tables else None, k if ctx.need_tables else None)
+
+
+def _backward_rope(ctx, gq, gk):
+    cos, sin, q, k = ctx.saved_tensors
+    if gq is None:
+        shape, dtype, device = ctx.q_meta
+        gq = torch.zeros(shape, dtype=dtype, device=device)
+    if gk is None:
+        shape, dtype, device = ctx.k_meta
+        gk = torch.zeros(shape, dtype=dtype, device=device)
+    dq = dk = dcos = dsin = None
+    if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+        # The map is linear in (q, k): its backward is the transpose map, i.e. the other direction.
+        dq, dk = torch.ops.dmfx.rope(gq, gk, cos, sin, not ctx.inverse)
+    if ctx.need_tables:
+        # forward: out = x c + rot(x) s       -> dc = g x, ds = g rot(x)
+        # inverse: out = x c - rot(x s)       -> dc = g x, ds = x rot(g)   (rot^T = -rot)
+        def tables(g, x):
+            ds = x * _rotate_half(g) if ctx.inverse else g * _rotate_half(x)
+            return g * x, ds
+
+        cq, sq = tables(gq, q)
+        ck, sk = tables(gk, k)
+        dcos = cq.sum_to_size(cos.shape) + ck.sum_to_size(cos.shape)
+        dsin = sq.sum_to_size(sin.shape) + sk.sum_to_size(sin.shape)
+    return (
+        dq if ctx.needs_input_grad[0] else None,
+        dk if ctx.needs_input_grad[1] else None,
+        dcos if ctx.needs_input_grad[2] else None,
+        dsin if ctx.needs_input_grad[3] else None,
+        None,
+    )
+
+
+torch.library.register_autograd("dmfx::rope", _backward_rope, setup_context=_setup_rope)
+
+
+def _no_double_backward(op: str, python_api: str):
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            f"dmfx::{op}: double backward (create_graph=True through dmfx.{python_api}) is not supported; "
+            "compile without dmfx (or skip the pass that introduces this op) for higher-order gradients"
+        )
+
+    return backward
+
+
+torch.library.register_autograd(
+    "dmfx::bias_act_dropout_backward",
+    _no_double_backward("bias_act_dropout_backward", "bias_act_dropout"),
+    setup_context=lambda ctx, inputs, output: None,
+)
+torch.library.register_autograd(
+    "dmfx::glu_backward", _no_double_backward("glu_backward", "glu"), setup_context=lambda ctx, inputs, output: None
+)
+
+
+# ----------------------------------------------------------------------------------------- Python API
+
+
+def bias_act_dropout(
+    x: Tensor, bias: Tensor | None = None, act: str = "gelu", p: float = 0.0, training: bool = True
+) -> Tensor:
+    """``dropout(act(x + bias), p)`` in one pass; the backward recomputes from x (nothing else stored)."""
+    _check_tensor("bias_act_dropout", "x", x)
+    p = float(p) if training else 0.0
+    seed = new_seed() if p > 0 else None
+    return torch.ops.dmfx.bias_act_dropout(x, bias, act, seed, p)
+
+
+def glu(gate: Tensor, up: Tensor, act: str = "silu") -> Tensor:
+    """``act(gate) * up`` (SwiGLU for "silu", GeGLU for "gelu"); gate/up may be strided views."""
+    _check_tensor("glu", "gate", gate)
+    _check_tensor("glu", "up", up)
+    return torch.ops.dmfx.glu(gate, up, act)
+
+
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """HF's ``apply_rotary_pos_emb(q, k, cos, sin)`` (cos/sin already unsqueezed to broadcast)."""
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        _check_tensor("rope", name, t)
+    return torch.ops.dmfx.rope(q, k, cos, sin, False)
+
+
+# ----------------------------------------------------------------------------------------- references
+
+
+def _acc_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def reference_act(v: Tensor, act: str) -> Tensor:
+    """The activation by name, in plain PyTorch."""
+    _act_code(act, "reference_act")
+    if act == "identity":
+        return v
+    if act == "relu":
+        return torch.relu(v)
+    if act == "gelu":
+        return F.gelu(v)
+    if act == "gelu_tanh":
+        return F.gelu(v, approximate="tanh")
+    return F.silu(v)
+
+
+def reference_bias_act_dropout(x: Tensor, bias: Tensor | None, act: str, seed: Tensor | None, p: float) -> Tensor:
+    """``dropout(act(x + bias))`` in float32 (float64 for float64 x) with the kernels' Philox mask."""
+    acc = _acc_dtype(x)
+    s = x.to(acc)
+    if bias is not None:
+        s = s + bias.to(acc)
+    s = reference_act(s, act)
+    if p > 0:
+        s = R.dropout(s, seed, p)
+    return s.to(x.dtype)
+
+
+def reference_glu(gate: Tensor, up: Tensor, act: str) -> Tensor:
+    acc = _acc_dtype(gate)
+    return (reference_act(gate.to(acc), act) * up.to(acc)).to(gate.dtype)
+
+
+def reference_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """HF LLaMA's apply_rotary_pos_emb: ``x * cos + rotate_half(x) * sin`` for x in (q, k)."""
+    acc = _acc_dtype(q)
+    c, s = cos.to(acc), sin.to(acc)
+
+    def emb(x):
+        xa = x.to(acc)
+        return (xa * c + _rotate_half(xa) * s).to(x.dtype)
+
+    return emb(q), emb(k)
+
+
+__all__ = [
+    "ACTS",
+    "OPS",
+    "bias_act_dropout",
+    "glu",
+    "rope",
+    "reference_act",
+    "reference_bias_act_dropout",
+    "reference_glu",
+    "reference_rope",
+]

@@ -1,6 +1,541 @@
-// dmfx CPU kernels of the pointwise family (placeholder: filled in by the pointwise work).
+// dmfx CPU kernels of the pointwise family:
+//   bias_act_fwd / bias_act_bwd  out = dropout(act(x + bias)); backward recomputes from x and fuses
+//                                the bias gradient (per-thread column partials, one final reduction)
+//   glu_fwd / glu_bwd            out = act(gate) * up (SwiGLU, GeGLU)
+//   rope                         rotary position embedding of q and k (and its transpose map)
+//
+// Every tensor is seen as [rows, N] with unit stride along N; the leading dimensions may have any
+// strides (RowIndexer), so permuted or sliced activations are read in place. Outputs are contiguous.
+// The per-element math (activations and their derivatives) is in pointwise_api.h, shared with CUDA.
+// float rows run through at::vec::Vectorized<float> (erf/exp/tanh vectorized as in ATen's own gelu);
+// half/bfloat16 rows are converted to float buffers, computed in float and rounded once; double is
+// computed in double (scalar loops; used for gradcheck).
+//
+// Vectorized<float> only uses AVX2/AVX-512 when CPU_CAPABILITY_* is defined (as in ATen's own kernel
+// builds and Inductor's C++ kernels); build.py compiles with -march=native, so select the matching
+// capability here. Without it, Vectorized falls back to its portable (slower) implementation.
+#if !defined(CPU_CAPABILITY)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
+    defined(__FMA__)
+#define CPU_CAPABILITY AVX512
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#endif
+#endif
+
 #include <torch/extension.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+#include "dmfx_common.h"
+#include "kernel_api.h"
+#include "pointwise_api.h"
 
 namespace dmfx {
-void bind_pointwise(pybind11::module_& m) { (void)m; }
+namespace pointwise_impl {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kVec = Vec::size();
+
+// The activation formulas of pointwise_api.h evaluated on whole vectors.
+template <>
+struct PwMath<Vec> {
+  static Vec c(double v) { return Vec(static_cast<float>(v)); }
+  static Vec erf(const Vec& v) { return v.erf(); }
+  static Vec exp(const Vec& v) { return v.exp(); }
+  static Vec tanh(const Vec& v) { return v.tanh(); }
+  static Vec neg(const Vec& v) { return v.neg(); }
+  static Vec relu(const Vec& v) { return at::vec::clamp_min(v, Vec(0.0f)); }
+  static Vec where_pos(const Vec& x, const Vec& a) {
+    return Vec::blendv(Vec(0.0f), a, x > Vec(0.0f));
+  }
+};
+
+// Full vector or the first `c` lanes (the rest zero).
+inline Vec ld(const float* p, int64_t c) { return c == kVec ? Vec::loadu(p) : Vec::loadu(p, c); }
+inline void st(const Vec& v, float* p, int64_t c) {
+  if (c == kVec) v.store(p); else v.store(p, c);
+}
+
+// Dropout multipliers (0 or `scale`) of the n elements with logical indices first, first + 1, ...
+// One Philox call (dmfx_common.h) per aligned group of 4 indices. Only called when dropout is active.
+// (A structure-of-arrays Philox that GCC vectorizes was measured 10x slower than this scalar loop.)
+template <typename acc_t>
+void fill_mult(const DropoutParams& d, uint64_t first, int64_t n, acc_t scale, acc_t* m) {
+  if (d.drop_all) {
+    std::fill(m, m + n, acc_t(0));
+    return;
+  }
+  const uint32_t t = d.threshold;
+  auto mult = [&](uint32_t word) { return word >= t ? scale : acc_t(0); };
+  int64_t k = 0;
+  uint64_t idx = first;
+  if ((idx & 3) != 0) {  // head: the rest of the group that `first` falls in
+    const Philox4 r = philox4x32_10(idx >> 2, d.offset, d.seed);
+    for (int lane = static_cast<int>(idx & 3); lane < 4 && k < n; ++lane, ++k, ++idx)
+      m[k] = mult(philox_word(r, lane));
+  }
+  for (; k + 4 <= n; k += 4, idx += 4) {
+    const Philox4 r = philox4x32_10(idx >> 2, d.offset, d.seed);
+    m[k] = mult(r.x);
+    m[k + 1] = mult(r.y);
+    m[k + 2] = mult(r.z);
+    m[k + 3] = mult(r.w);
+  }
+  if (k < n) {  // tail
+    const Philox4 r = philox4x32_10(idx >> 2, d.offset, d.seed);
+    for (int lane = 0; k < n; ++lane, ++k) m[k] = mult(philox_word(r, lane));
+  }
+}
+
+template <typename acc_t>
+acc_t dropout_scale(double p) {
+  return static_cast<acc_t>(p >= 1.0 ? 0.0 : (p > 0.0 ? 1.0 / (1.0 - p) : 1.0));
+}
+
+// ------------------------------------------------------------------------------------------------
+// Row cores: float (vectorized) and double (scalar). Null pointers mean "absent".
+// ------------------------------------------------------------------------------------------------
+
+// Calls f(j, c) for the vectors of a row of n elements (c = lanes in use, kVec but for the tail),
+// two vectors per iteration so that the two (independent) erf/exp/tanh chains overlap.
+template <typename F>
+inline void for_vectors(int64_t n, F&& f) {
+  int64_t j = 0;
+  for (; j + 2 * kVec <= n; j += 2 * kVec) {
+    f(j, kVec);
+    f(j + kVec, kVec);
+  }
+  for (; j < n; j += kVec) f(j, std::min(kVec, n - j));
+}
+
+// o = act(x + b) * m
+template <int ACT>
+inline void bias_act_fwd_row(const float* x, const float* b, const float* m, float* o, int64_t n) {
+  for_vectors(n, [&](int64_t j, int64_t c) {
+    Vec v = ld(x + j, c);
+    if (b) v = v + ld(b + j, c);
+    v = act_fwd<ACT, Vec>(v);
+    if (m) v = v * ld(m + j, c);
+    st(v, o + j, c);
+  });
+}
+
+template <int ACT>
+inline void bias_act_fwd_row(const double* x, const double* b, const double* m, double* o, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    double v = act_fwd<ACT, double>(b ? x[j] + b[j] : x[j]);
+    o[j] = m ? v * m[j] : v;
+  }
+}
+
+// For a block of nr <= kRowBlock rows: dx[i] = g[i] * m[i] * act'(x[i] + b); acc += sum_i dx[i].
+// The bias-gradient partial stays in a register across the block's rows (one load/store of acc per
+// kRowBlock rows).
+constexpr int kRowBlock = 4;
+
+template <int ACT>
+inline void bias_act_bwd_rows(const float* const* g, const float* const* x, const float* b,
+                              const float* const* m, float* const* dx, float* acc, int nr, int64_t n) {
+  for_vectors(n, [&](int64_t j, int64_t c) {
+    const Vec bv = b ? ld(b + j, c) : Vec(0.0f);
+    Vec s = acc ? ld(acc + j, c) : Vec(0.0f);
+    for (int i = 0; i < nr; ++i) {
+      Vec gv = ld(g[i] + j, c);
+      if (m) gv = gv * ld(m[i] + j, c);
+      const Vec r = gv * act_grad<ACT, Vec>(ld(x[i] + j, c) + bv);
+      if (dx[i]) st(r, dx[i] + j, c);
+      s = s + r;
+    }
+    if (acc) st(s, acc + j, c);
+  });
+}
+
+template <int ACT>
+inline void bias_act_bwd_rows(const double* const* g, const double* const* x, const double* b,
+                              const double* const* m, double* const* dx, double* acc, int nr,
+                              int64_t n) {
+  for (int i = 0; i < nr; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      const double gv = m ? g[i][j] * m[i][j] : g[i][j];
+      const double r = gv * act_grad<ACT, double>(b ? x[i][j] + b[j] : x[i][j]);
+      if (dx[i]) dx[i][j] = r;
+      if (acc) acc[j] += r;
+    }
+  }
+}
+
+// o = act(gate) * up
+template <int ACT>
+inline void glu_fwd_row(const float* gate, const float* up, float* o, int64_t n) {
+  for_vectors(n, [&](int64_t j, int64_t c) {
+    st(act_fwd<ACT, Vec>(ld(gate + j, c)) * ld(up + j, c), o + j, c);
+  });
+}
+
+template <int ACT>
+inline void glu_fwd_row(const double* gate, const double* up, double* o, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) o[j] = act_fwd<ACT, double>(gate[j]) * up[j];
+}
+
+// dgate = g * up * act'(gate); dup = g * act(gate)
+template <int ACT>
+inline void glu_bwd_row(const float* g, const float* gate, const float* up, float* dgate, float* dup,
+                        int64_t n) {
+  for_vectors(n, [&](int64_t j, int64_t c) {
+    const Vec gv = ld(g + j, c), a = ld(gate + j, c);
+    if (dgate) st(gv * ld(up + j, c) * act_grad<ACT, Vec>(a), dgate + j, c);
+    if (dup) st(gv * act_fwd<ACT, Vec>(a), dup + j, c);
+  });
+}
+
+template <int ACT>
+inline void glu_bwd_row(const double* g, const double* gate, const double* up, double* dgate,
+                        double* dup, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    if (dgate) dgate[j] = g[j] * up[j] * act_grad<ACT, double>(gate[j]);
+    if (dup) dup[j] = g[j] * act_fwd<ACT, double>(gate[j]);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Row sources: a row of a tensor as acc_t values, converted into a per-thread buffer only when the
+// tensor's dtype is not acc_t (half/bfloat16).
+// ------------------------------------------------------------------------------------------------
+
+template <typename scalar_t>
+struct Rows {
+  using acc_t = at::opmath_type<scalar_t>;
+  static constexpr bool kDirect = std::is_same<scalar_t, acc_t>::value;
+  const scalar_t* data = nullptr;
+  RowIndexer idx;
+
+  Rows() = default;
+  explicit Rows(const at::Tensor& t) : data(t.data_ptr<scalar_t>()), idx(RowIndexer::of(t)) {}
+
+  // Row r as acc_t: a pointer into the tensor, or into `buf` (n elements) after conversion.
+  const acc_t* get(int64_t r, int64_t n, acc_t* buf) const {
+    const scalar_t* p = data + idx.offset(r);
+    if constexpr (kDirect) {
+      (void)n; (void)buf;
+      return p;
+    } else {
+      for (int64_t j = 0; j < n; ++j) buf[j] = static_cast<acc_t>(p[j]);
+      return buf;
+    }
+  }
+};
+
+// Where a row result goes: straight into the output, or into `buf` and then store() rounds it once.
+template <typename scalar_t>
+struct OutRow {
+  using acc_t = at::opmath_type<scalar_t>;
+  scalar_t* dst = nullptr;
+  acc_t* buf = nullptr;
+  acc_t* ptr() const {
+    if constexpr (std::is_same<scalar_t, acc_t>::value) return dst;
+    else return dst ? buf : nullptr;
+  }
+  void store(int64_t n) const {
+    if constexpr (!std::is_same<scalar_t, acc_t>::value) {
+      if (dst) for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<scalar_t>(buf[j]);
+    }
+  }
+};
+
+template <typename acc_t, typename scalar_t>
+std::vector<acc_t> to_acc_vector(const c10::optional<at::Tensor>& t) {
+  std::vector<acc_t> v;
+  if (!present(t)) return v;
+  const scalar_t* p = t->data_ptr<scalar_t>();  // contiguous
+  v.resize(t->numel());
+  for (int64_t j = 0; j < t->numel(); ++j) v[j] = static_cast<acc_t>(p[j]);
+  return v;
+}
+
+inline int64_t grain_for(int64_t n) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)); }
+
+// ------------------------------------------------------------------------------------------------
+// bias + activation + dropout
+// ------------------------------------------------------------------------------------------------
+
+template <typename scalar_t, int ACT>
+void bias_act_fwd_impl(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
+                       const DropoutParams& d, double p, at::Tensor& out) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t N = x.size(-1), rows = num_rows(x);
+  const Rows<scalar_t> xr(x);
+  const std::vector<acc_t> bvec = to_acc_vector<acc_t, scalar_t>(bias);
+  const acc_t* b = bvec.empty() ? nullptr : bvec.data();
+  const acc_t scale = dropout_scale<acc_t>(p);
+  scalar_t* o = out.data_ptr<scalar_t>();
+  at::parallel_for(0, rows, grain_for(N), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> mult(d.active ? N : 0), xbuf(N), obuf(N);
+    for (int64_t r = begin; r < end; ++r) {
+      if (d.active) fill_mult(d, static_cast<uint64_t>(r) * N, N, scale, mult.data());
+      const OutRow<scalar_t> orow{o + r * N, obuf.data()};
+      bias_act_fwd_row<ACT>(xr.get(r, N, xbuf.data()), b, d.active ? mult.data() : nullptr,
+                            orow.ptr(), N);
+      orow.store(N);
+    }
+  });
+}
+
+template <typename scalar_t, int ACT>
+void bias_act_bwd_impl(const at::Tensor& grad_out, const at::Tensor& x,
+                       const c10::optional<at::Tensor>& bias, const DropoutParams& d, double p,
+                       at::Tensor& dx, at::Tensor& dbias) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t N = x.size(-1), rows = num_rows(x);
+  const Rows<scalar_t> gr(grad_out), xr(x);
+  const std::vector<acc_t> bvec = to_acc_vector<acc_t, scalar_t>(bias);
+  const acc_t* b = bvec.empty() ? nullptr : bvec.data();
+  const acc_t scale = dropout_scale<acc_t>(p);
+  scalar_t* dxp = dx.defined() ? dx.data_ptr<scalar_t>() : nullptr;
+  const bool need_db = dbias.defined();
+  // The bias gradient: every thread sums its rows into its own partial row, then one reduction.
+  const int64_t nthreads = at::get_num_threads();
+  std::vector<acc_t> partial(need_db ? static_cast<size_t>(nthreads) * N : 0, acc_t(0));
+  at::parallel_for(0, rows, grain_for(N), [&](int64_t begin, int64_t end) {
+    acc_t* acc = need_db ? partial.data() + at::get_thread_num() * N : nullptr;
+    const int64_t B = kRowBlock;
+    std::vector<acc_t> mult(d.active ? B * N : 0), gbuf(B * N), xbuf(B * N), dbuf(B * N);
+    for (int64_t r0 = begin; r0 < end; r0 += B) {
+      const int nr = static_cast<int>(std::min(B, end - r0));
+      const acc_t* gp[kRowBlock];
+      const acc_t* xp[kRowBlock];
+      const acc_t* mp[kRowBlock];
+      acc_t* dp[kRowBlock];
+      OutRow<scalar_t> drow[kRowBlock];
+      for (int i = 0; i < nr; ++i) {
+        const int64_t r = r0 + i;
+        if (d.active) fill_mult(d, static_cast<uint64_t>(r) * N, N, scale, mult.data() + i * N);
+        mp[i] = mult.data() + i * N;
+        gp[i] = gr.get(r, N, gbuf.data() + i * N);
+        xp[i] = xr.get(r, N, xbuf.data() + i * N);
+        drow[i] = OutRow<scalar_t>{dxp ? dxp + r * N : nullptr, dbuf.data() + i * N};
+        dp[i] = drow[i].ptr();
+      }
+      bias_act_bwd_rows<ACT>(gp, xp, b, d.active ? mp : nullptr, dp, acc, nr, N);
+      for (int i = 0; i < nr; ++i) drow[i].store(N);
+    }
+  });
+  if (need_db) {
+    scalar_t* db = dbias.data_ptr<scalar_t>();
+    for (int64_t j = 0; j < N; ++j) {
+      acc_t s = 0;
+      for (int64_t t = 0; t < nthreads; ++t) s += partial[t * N + j];
+      db[j] = static_cast<scalar_t>(s);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// gated activations
+// ------------------------------------------------------------------------------------------------
+
+template <typename scalar_t, int ACT>
+void glu_fwd_impl(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t N = gate.size(-1), rows = num_rows(gate);
+  const Rows<scalar_t> ar(gate), ur(up);
+  scalar_t* o = out.data_ptr<scalar_t>();
+  at::parallel_for(0, rows, grain_for(N), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> abuf(N), ubuf(N), obuf(N);
+    for (int64_t r = begin; r < end; ++r) {
+      const OutRow<scalar_t> orow{o + r * N, obuf.data()};
+      glu_fwd_row<ACT>(ar.get(r, N, abuf.data()), ur.get(r, N, ubuf.data()), orow.ptr(), N);
+      orow.store(N);
+    }
+  });
+}
+
+template <typename scalar_t, int ACT>
+void glu_bwd_impl(const at::Tensor& grad_out, const at::Tensor& gate, const at::Tensor& up,
+                  at::Tensor& dgate, at::Tensor& dup) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t N = gate.size(-1), rows = num_rows(gate);
+  const Rows<scalar_t> gr(grad_out), ar(gate), ur(up);
+  scalar_t* dgp = dgate.defined() ? dgate.data_ptr<scalar_t>() : nullptr;
+  scalar_t* dup_p = dup.defined() ? dup.data_ptr<scalar_t>() : nullptr;
+  at::parallel_for(0, rows, grain_for(N), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> gbuf(N), abuf(N), ubuf(N), b1(N), b2(N);
+    for (int64_t r = begin; r < end; ++r) {
+      const OutRow<scalar_t> o1{dgp ? dgp + r * N : nullptr, b1.data()};
+      const OutRow<scalar_t> o2{dup_p ? dup_p + r * N : nullptr, b2.data()};
+      // up is only read for dgate.
+      const acc_t* u = dgp ? ur.get(r, N, ubuf.data()) : nullptr;
+      glu_bwd_row<ACT>(gr.get(r, N, gbuf.data()), ar.get(r, N, abuf.data()), u, o1.ptr(), o2.ptr(), N);
+      o1.store(N);
+      o2.store(N);
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------------------------
+// rotary embedding
+// ------------------------------------------------------------------------------------------------
+
+// One row of D = 2h elements. Forward: o = x * c + rotate_half(x) * s, rotate_half(x) = [-x2, x1].
+// Inverse (the transpose map, i.e. the backward): o[i] = x[i] c[i] + (i < h ? x[i+h] s[i+h]
+// : -x[i-h] s[i-h]).
+template <typename scalar_t>
+inline void rope_row(const scalar_t* x, const scalar_t* c, const scalar_t* s, scalar_t* o, int64_t h,
+                     bool inverse) {
+  using acc_t = at::opmath_type<scalar_t>;
+  auto f = [](scalar_t v) { return static_cast<acc_t>(v); };
+  if (!inverse) {
+    for (int64_t j = 0; j < h; ++j) o[j] = static_cast<scalar_t>(f(x[j]) * f(c[j]) - f(x[j + h]) * f(s[j]));
+    for (int64_t j = 0; j < h; ++j)
+      o[j + h] = static_cast<scalar_t>(f(x[j + h]) * f(c[j + h]) + f(x[j]) * f(s[j + h]));
+  } else {
+    for (int64_t j = 0; j < h; ++j)
+      o[j] = static_cast<scalar_t>(f(x[j]) * f(c[j]) + f(x[j + h]) * f(s[j + h]));
+    for (int64_t j = 0; j < h; ++j)
+      o[j + h] = static_cast<scalar_t>(f(x[j + h]) * f(c[j + h]) - f(x[j]) * f(s[j]));
+  }
+}
+
+template <typename scalar_t>
+void rope_impl(const std::vector<RopeSide>& sides, std::vector<at::Tensor>& outs, bool inverse) {
+  struct Side {
+    Rows<scalar_t> x, c, s;
+    scalar_t* o;
+    int64_t rows;
+  };
+  std::vector<Side> v;
+  for (size_t i = 0; i < sides.size(); ++i) {
+    if (sides[i].rows == 0) continue;
+    v.push_back(Side{Rows<scalar_t>(sides[i].x), Rows<scalar_t>(sides[i].cos),
+                     Rows<scalar_t>(sides[i].sin), outs[i].data_ptr<scalar_t>(), sides[i].rows});
+  }
+  if (v.empty()) return;
+  const int64_t D = sides[0].x.size(-1), h = D / 2;
+  const int64_t total = v.size() == 2 ? v[0].rows + v[1].rows : v[0].rows;
+  // q's rows then k's rows, in one parallel loop.
+  at::parallel_for(0, total, grain_for(D), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const bool first = i < v[0].rows;
+      const Side& sd = first ? v[0] : v[1];
+      const int64_t r = first ? i : i - v[0].rows;
+      rope_row<scalar_t>(sd.x.data + sd.x.idx.offset(r), sd.c.data + sd.c.idx.offset(r),
+                         sd.s.data + sd.s.idx.offset(r), sd.o + r * D, h, inverse);
+    }
+  });
+}
+
+}  // namespace pointwise_impl
+
+// ------------------------------------------------------------------------------------------------
+// Entry points
+// ------------------------------------------------------------------------------------------------
+
+at::Tensor bias_act_fwd_cpu(const at::Tensor& x_in, const c10::optional<at::Tensor>& bias_in,
+                            int64_t act, int64_t seed, int64_t offset, double p) {
+  using namespace pointwise_impl;
+  const DropoutParams d = check_bias_act("bias_act_fwd", x_in, bias_in, act, seed, offset, p, at::kCPU);
+  const at::Tensor x = rowable(x_in);
+  const auto bias = contiguous(bias_in);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (x.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dmfx_bias_act_fwd", [&] {
+      dispatch_act(static_cast<int>(act), [&](auto a) {
+        bias_act_fwd_impl<scalar_t, decltype(a)::value>(x, bias, d, p, out);
+      });
+    });
+  }
+  return out;
+}
+
+std::vector<at::Tensor> bias_act_bwd_cpu(const at::Tensor& grad_out_in, const at::Tensor& x_in,
+                                         const c10::optional<at::Tensor>& bias_in, int64_t act,
+                                         int64_t seed, int64_t offset, double p,
+                                         std::vector<bool> output_mask) {
+  using namespace pointwise_impl;
+  const char* op = "bias_act_bwd";
+  const DropoutParams d = check_bias_act(op, x_in, bias_in, act, seed, offset, p, at::kCPU);
+  check_same_shape(op, "grad_out", grad_out_in, "x", x_in);
+  check_mask(op, output_mask, "[dx, dbias]");
+  const at::Tensor x = rowable(x_in), grad_out = rowable(grad_out_in);
+  const auto bias = contiguous(bias_in);
+  const at::Tensor empty = at::empty({0}, x.options());
+  at::Tensor dx = output_mask[0] ? at::empty(x.sizes(), x.options()) : at::Tensor();
+  at::Tensor dbias = (output_mask[1] && present(bias)) ? at::empty({x.size(-1)}, x.options()) : at::Tensor();
+  if (num_rows(x) > 0 && (dx.defined() || dbias.defined())) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dmfx_bias_act_bwd", [&] {
+      dispatch_act(static_cast<int>(act), [&](auto a) {
+        bias_act_bwd_impl<scalar_t, decltype(a)::value>(grad_out, x, bias, d, p, dx, dbias);
+      });
+    });
+  } else if (dbias.defined()) {
+    dbias.zero_();
+  }
+  return {dx.defined() ? dx : empty, dbias.defined() ? dbias : empty};
+}
+
+at::Tensor glu_fwd_cpu(const at::Tensor& gate_in, const at::Tensor& up_in, int64_t act) {
+  using namespace pointwise_impl;
+  check_glu("glu_fwd", gate_in, up_in, act, at::kCPU);
+  const at::Tensor gate = rowable(gate_in), up = rowable(up_in);
+  at::Tensor out = at::empty(gate.sizes(), gate.options());
+  if (gate.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, gate.scalar_type(), "dmfx_glu_fwd", [&] {
+      dispatch_act(static_cast<int>(act), [&](auto a) {
+        glu_fwd_impl<scalar_t, decltype(a)::value>(gate, up, out);
+      });
+    });
+  }
+  return out;
+}
+
+std::vector<at::Tensor> glu_bwd_cpu(const at::Tensor& grad_out_in, const at::Tensor& gate_in,
+                                    const at::Tensor& up_in, int64_t act,
+                                    std::vector<bool> output_mask) {
+  using namespace pointwise_impl;
+  const char* op = "glu_bwd";
+  check_glu(op, gate_in, up_in, act, at::kCPU);
+  check_same_shape(op, "grad_out", grad_out_in, "gate", gate_in);
+  check_mask(op, output_mask, "[dgate, dup]");
+  const at::Tensor gate = rowable(gate_in), up = rowable(up_in), grad_out = rowable(grad_out_in);
+  const at::Tensor empty = at::empty({0}, gate.options());
+  at::Tensor dgate = output_mask[0] ? at::empty(gate.sizes(), gate.options()) : at::Tensor();
+  at::Tensor dup = output_mask[1] ? at::empty(gate.sizes(), gate.options()) : at::Tensor();
+  if (gate.numel() > 0 && (dgate.defined() || dup.defined())) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, gate.scalar_type(), "dmfx_glu_bwd", [&] {
+      dispatch_act(static_cast<int>(act), [&](auto a) {
+        glu_bwd_impl<scalar_t, decltype(a)::value>(grad_out, gate, up, dgate, dup);
+      });
+    });
+  }
+  return {dgate.defined() ? dgate : empty, dup.defined() ? dup : empty};
+}
+
+std::vector<at::Tensor> rope_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                 const at::Tensor& sin, bool inverse) {
+  using namespace pointwise_impl;
+  const std::vector<RopeSide> sides = check_rope("rope", q, k, cos, sin, at::kCPU);
+  std::vector<at::Tensor> outs = {at::empty(q.sizes(), q.options()), at::empty(k.sizes(), k.options())};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "dmfx_rope", [&] {
+    rope_impl<scalar_t>(sides, outs, inverse);
+  });
+  return outs;
+}
+
+void bind_pointwise(pybind11::module_& m) {
+  m.def("bias_act_fwd", &bias_act_fwd_cpu, "fused bias + activation + dropout forward (CPU)");
+  m.def("bias_act_bwd", &bias_act_bwd_cpu,
+        "fused bias + activation + dropout backward with the bias gradient (CPU)");
+  m.def("glu_fwd", &glu_fwd_cpu, "gated activation act(gate) * up (CPU)");
+  m.def("glu_bwd", &glu_bwd_cpu, "gated activation backward [dgate, dup] (CPU)");
+  m.def("rope", &rope_cpu, "rotary position embedding of q and k; inverse=True is its backward (CPU)");
+}
+
 }  // namespace dmfx

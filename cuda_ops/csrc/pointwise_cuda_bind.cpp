@@ -1,6 +1,34 @@
-// Python bindings of the dmfx CUDA kernels of the pointwise family (placeholder: filled in by the pointwise work).
+// Python bindings of the pointwise-family CUDA kernels (implemented in pointwise_cuda.cu). The
+// functions have the same names, signatures and semantics as the CPU functions in pointwise_cpu.cpp.
 #include <torch/extension.h>
 
+#include <vector>
+
 namespace dmfx {
-void bind_pointwise(pybind11::module_& m) { (void)m; }
+
+at::Tensor bias_act_fwd_cuda(const at::Tensor& x, const c10::optional<at::Tensor>& bias, int64_t act,
+                             int64_t seed, int64_t offset, double p);
+
+std::vector<at::Tensor> bias_act_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& x,
+                                          const c10::optional<at::Tensor>& bias, int64_t act,
+                                          int64_t seed, int64_t offset, double p,
+                                          std::vector<bool> output_mask);
+
+at::Tensor glu_fwd_cuda(const at::Tensor& gate, const at::Tensor& up, int64_t act);
+
+std::vector<at::Tensor> glu_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& gate,
+                                     const at::Tensor& up, int64_t act, std::vector<bool> output_mask);
+
+std::vector<at::Tensor> rope_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                  const at::Tensor& sin, bool inverse);
+
+void bind_pointwise(pybind11::module_& m) {
+  m.def("bias_act_fwd", &bias_act_fwd_cuda, "fused bias + activation + dropout forward (CUDA)");
+  m.def("bias_act_bwd", &bias_act_bwd_cuda,
+        "fused bias + activation + dropout backward with the bias gradient (CUDA)");
+  m.def("glu_fwd", &glu_fwd_cuda, "gated activation act(gate) * up (CUDA)");
+  m.def("glu_bwd", &glu_bwd_cuda, "gated activation backward [dgate, dup] (CUDA)");
+  m.def("rope", &rope_cuda, "rotary position embedding of q and k; inverse=True is its backward (CUDA)");
+}
+
 }  // namespace dmfx
