@@ -14,7 +14,9 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 echo "== build CUDA kernels"
 python3 -c "import time; from dmfx.cuda_ops import build; t=time.time(); build.load('cuda'); print(f'cuda build/load {time.time()-t:.1f}s')" 2>&1 | tee "$out/gpu_build.log"
 echo "== CUDA tests"
-python3 -m pytest -q $(ls tests/test_cuda_kernels.py 2>/dev/null) tests/test_ops.py tests/test_cuda_build.py -x 2>&1 | tail -15 | tee "$out/gpu_tests.log"
+# every CUDA-vs-CPU test file (tests/test_cuda_*.py: norm, softmax, pointwise families), then the
+# model tests on the GPU path are left to CPU CI; no -x: one failing family must not hide the others
+python3 -m pytest -q tests/test_cuda_*.py 2>&1 | tail -25 | tee "$out/gpu_tests.log"
 echo "== benchmark"
 python3 bench/bert_layer.py --device cuda --dtype bf16 --batch 8 --seq 512 --hidden 1024 --heads 16 --ffn 4096 \
   --rounds 20 --warmup 3 --threads 16 --json "$out/gpu_bert_layer.json" 2>"$out/gpu_bench.err" | tee "$out/gpu_bench.txt"

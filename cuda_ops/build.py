@@ -52,12 +52,24 @@ class Flavor:
     ldflags: tuple[str, ...] = ()
 
 
+def _cpu_capability_flags() -> tuple[str, ...]:
+    """ATen's Vectorized<T> only uses AVX2/AVX-512 when CPU_CAPABILITY_* is defined (as in ATen's own
+    kernel builds). Define it for the whole translation unit, matching what -march=native targets, so
+    no family file depends on the order of the concatenated sources."""
+    try:
+        cap = torch.backends.cpu.get_cpu_capability()
+    except Exception:
+        return ()
+    cap = {"AVX512": "AVX512", "AVX2": "AVX2"}.get(cap)
+    return (f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}") if cap else ()
+
+
 FLAVORS = {
     "cpu": Flavor(
         kind="cpu",
         cpp_sources=(*(f"{f}_cpu.cpp" for f in FAMILIES), "cpu_bindings.cpp"),
         cuda_sources=(),
-        cflags=("-O3", "-march=native", "-fopenmp"),
+        cflags=("-O3", "-march=native", "-fopenmp", *_cpu_capability_flags()),
         ldflags=("-fopenmp",),
     ),
     "cuda": Flavor(

@@ -104,8 +104,40 @@ def _glu_backward_kernel(grad_out, gate, up, act, output_mask):
     return tuple(kernels_for(gate.device).glu_bwd(grad_out, gate, up, code, m))
 
 
+def _memory_order(t: Tensor) -> list[int] | None:
+    """The permutation that makes `t` contiguous when `t` is a permuted dense tensor with the last
+    dim innermost (HF's q/k after view + transpose(1, 2)); None when it is contiguous or not dense."""
+    if t.dim() < 2 or t.is_contiguous():
+        return None
+    order = sorted(range(t.dim() - 1), key=lambda d: -t.stride(d)) + [t.dim() - 1]
+    return order if t.permute(order).is_contiguous() else None
+
+
+def _rope_layout(q: Tensor, k: Tensor) -> list[int] | None:
+    """Outputs keep q's and k's memory order (as eager's element-wise ops do) when both share one.
+    (Only for q and k of one shape: the kernel pairs their last two dims, which a permutation would
+    turn into [heads, D]; grouped-query q/k get contiguous outputs.)"""
+    if q.shape != k.shape:
+        return None
+    order = _memory_order(q)
+    return order if order is not None and _memory_order(k) == order else None
+
+
+def _permuted(t: Tensor, order: list[int], rank: int) -> Tensor:
+    return t.reshape((1,) * (rank - t.dim()) + tuple(t.shape)).permute(order) if t.dim() <= rank else t
+
+
 def _rope_kernel(q, k, cos, sin, inverse):
-    return tuple(kernels_for(q.device).rope(q, k, cos, sin, inverse))
+    order = _rope_layout(q, k)
+    if order is None:
+        return tuple(kernels_for(q.device).rope(q, k, cos, sin, inverse))
+    # run on the memory-order views (contiguous outputs there), hand back the logical views
+    back = sorted(range(len(order)), key=order.__getitem__)
+    r = q.dim()
+    qo, ko = kernels_for(q.device).rope(
+        q.permute(order), k.permute(order), _permuted(cos, order, r), _permuted(sin, order, r), inverse
+    )
+    return qo.permute(back), ko.permute(back)
 
 
 for _dev in ("CPU", "CUDA"):
@@ -158,7 +190,14 @@ def _glu_backward_fake(grad_out, gate, up, act, output_mask):
 
 @torch.library.register_fake("dmfx::rope")
 def _rope_fake(q, k, cos, sin, inverse):
-    return _like(q), _like(k)
+    order = _rope_layout(q, k)
+    if order is None:
+        return _like(q), _like(k)
+    back = sorted(range(len(order)), key=order.__getitem__)
+    return (
+        q.new_empty([q.shape[d] for d in order]).permute(back),
+        k.new_empty([k.shape[d] for d in order]).permute(back),
+    )
 
 
 # ----------------------------------------------------------------------------------------- autograd

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+from . import explain
 from .backend import GraphRecord, dmfx_backend, records, reset
 from .cuda_ops.build import KernelBuildError
 from .cuda_ops.ops import bias_dropout_residual_layer_norm, dropout, layer_norm, rms_norm
@@ -39,6 +40,7 @@ __all__ = [
     "bias_dropout_residual_layer_norm",
     "dmfx_backend",
     "dropout",
+    "explain",
     "layer_norm",
     "records",
     "reset",

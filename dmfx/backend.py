@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.fx import GraphModule
 
+from .observability import emit
 from .options import Options
 
 log = logging.getLogger("dmfx")
@@ -256,7 +257,7 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
         _records.append(record)
     if opts.disable:
         record.fallback = "rewriting disabled (option 'disable' or DMFX_DISABLE)"
-        log.info("dmfx: %s", record.summary())
+        emit(record)
         return gm.forward
 
     start = time.perf_counter()
@@ -267,6 +268,7 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
             raise
         record.fallback = f"could not lower to a functional ATen graph: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         log.warning("dmfx: %s", record.summary())
+        emit(record)
         return gm.forward
     record.aten_ops_before = _count_ops(aten_gm)
     rewritten = rewrite(aten_gm, example_inputs, opts, record)
@@ -284,5 +286,5 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
     )
     compiled = compiler(rewritten, example_inputs)
     record.seconds = time.perf_counter() - start
-    log.info("dmfx: %s", record.summary())
+    emit(record)  # INFO line + DEBUG JSON through the dmfx logger, and a TORCH_TRACE artifact
     return compiled

@@ -4,7 +4,7 @@ Runs after the normalization passes, so it starts from a ``dmfx::layer_norm`` / 
 and walks up its input::
 
     h   = view(addmm(bias, a, w_t), shape)  |  add(view(mm(a, w_t)), bias)  |  any tensor (no bias)
-    d   = native_dropout(h, p, train)[0]    |  h                            (eval / p = 0)
+    d   = native_dropout(h, p, train)[0]    |  h                            (eval / p = 0 / none)
     s   = add(d, residual)                  (either operand order)
     out = layer_norm(s)                     -> bias_dropout_residual_norm(mm_out, bias, residual, ...)
 
@@ -80,7 +80,10 @@ def fuse_bias_dropout_residual_norm(gm: GraphModule, ctx: PassContext) -> None:
         if sm is None or not commuted(s, aten.add):
             continue
         H = sm.shape[-1]
-        for d, residual in commuted(s, aten.add):
+        # the operand order whose left side is a dropout or a linear layer's output first; a plain
+        # residual add (LLaMA's h + attn(h) before RMSNorm) is fused too
+        orders = sorted(commuted(s, aten.add), key=lambda o: not (_dropout_of(o[0]) or _bias_of(o[0], H)))
+        for d, residual in orders:
             rm, dm = tensor_meta(residual), tensor_meta(d)
             if rm is None or dm is None or rm.shape != sm.shape or dm.shape != sm.shape or rm.dtype != sm.dtype or dm.dtype != sm.dtype:
                 continue
@@ -90,8 +93,6 @@ def fuse_bias_dropout_residual_norm(gm: GraphModule, ctx: PassContext) -> None:
                 ctx.miss("bias_dropout_residual_norm", norm, f"dropout output {d.name} has other users")
                 continue
             bias_hit = _bias_of(h, H) if (len(h.users) == 1 or not drop) else None
-            if drop is None and bias_hit is None:
-                continue  # a plain add: not the chain (the other operand order may be)
             x, bias = h, None
             if bias_hit is not None:
                 core, bias, bias_nodes = bias_hit

@@ -336,7 +336,9 @@ def test_rope_matches_reference(dtype):
         q, k = _hf_qk(B, S, Hq, Hk, D, dtype)
         cos, sin = _tables(B if B else 1, S, D, form, dtype)
         qo, ko = torch.ops.dmfx.rope(q, k, cos, sin, False)
-        assert qo.shape == q.shape and ko.shape == k.shape and qo.is_contiguous() and ko.is_contiguous()
+        assert qo.shape == q.shape and ko.shape == k.shape
+        # contiguous, or (q and k permuted alike, as HF makes them) in q's memory order
+        assert (qo.is_contiguous() and ko.is_contiguous()) or (qo.stride() == q.stride() and ko.stride() == k.stride())
         if q.numel() == 0:
             continue
         rq, rk = P.reference_rope(q, k, cos, sin)
@@ -404,3 +406,17 @@ def test_rope_opcheck_and_errors():
         torch.ops.dmfx.rope(q, k, cos.half(), sin, False)
     with pytest.raises(TypeError, match="cos must be a Tensor"):
         P.rope(q, k, None, sin)
+
+
+def test_rope_outputs_keep_the_memory_order_of_permuted_q_and_k():
+    """HF makes q and k with view + transpose(1, 2); eager's element-wise rope keeps that memory
+    order, so the traced graph's later views (e.g. after SDPA) rely on it. dmfx::rope does the same."""
+    from torch.library import opcheck
+
+    q, k = (torch.randn(2, 6, 4, 8).transpose(1, 2) for _ in range(2))
+    cos, sin = torch.randn(2, 6, 8).unsqueeze(1), torch.randn(2, 6, 8).unsqueeze(1)
+    qo, ko = torch.ops.dmfx.rope(q, k, cos, sin, False)
+    assert qo.stride() == q.stride() and ko.stride() == k.stride()
+    rq, rk = P.reference_rope(q, k, cos, sin)
+    assert rel_err(qo, rq) < 1e-6 and rel_err(ko, rk) < 1e-6
+    opcheck(torch.ops.dmfx.rope.default, (q, k, cos, sin, False))
