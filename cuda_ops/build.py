@@ -20,10 +20,12 @@ import importlib.util
 import json
 import logging
 import os
+import shlex
 import shutil
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -85,6 +87,31 @@ _loaded: dict[str, ModuleType] = {}
 _failed: dict[str, KernelBuildError] = {}
 
 
+def warn(msg: str, *args: object) -> None:
+    """A warning on the dmfx logger that the user sees even without configuring logging: dmfx/__init__
+    gives the logger a NullHandler (library convention), which would swallow it, so when no real
+    handler is reachable the same text goes through ``warnings.warn`` too."""
+    log.warning(msg, *args)
+    logger: logging.Logger | None = log
+    while logger is not None:
+        if any(not isinstance(h, logging.NullHandler) for h in logger.handlers):
+            return
+        logger = logger.parent if logger.propagate else None
+    warnings.warn(msg % args if args else msg, RuntimeWarning, stacklevel=3)
+
+
+def _check_compiler(kind: str) -> None:
+    """Fail fast, with a message that says what is missing, when there is no C++ compiler (torch would
+    otherwise start ninja and fail with a long build log)."""
+    cxx = os.environ.get("CXX") or "c++"
+    exe = shlex.split(cxx)[0] if cxx.strip() else "c++"
+    if shutil.which(exe) is None:
+        raise KernelBuildError(
+            f"dmfx could not build its {kind.upper()} kernels: no C++ compiler ({exe!r} is not on PATH; "
+            "install g++ or set CXX)"
+        )
+
+
 def _read(name: str) -> str:
     return (CSRC / name).read_text()
 
@@ -142,7 +169,7 @@ def cache_root() -> Path:
     except OSError as e:
         fallback = Path(tempfile.gettempdir()) / f"dmfx_extensions_{os.getuid()}"
         fallback.mkdir(parents=True, exist_ok=True)
-        log.warning("dmfx: kernel cache %s is not writable (%s); using %s instead", root, e, fallback)
+        warn("dmfx: kernel cache %s is not writable (%s); using %s instead", root, e, fallback)
         return fallback
 
 
@@ -261,10 +288,11 @@ def _build_or_load(kind: str) -> ModuleType:
         module = _import(name, _library_path(build_dir, name))
         log.info("dmfx: loaded %s kernels %s from cache in %.2fs", kind.upper(), name, time.perf_counter() - start)
         return module
+    _check_compiler(kind)
     with FileLock(str(root / f"{name}.lock")):
         if not _is_valid(build_dir, name):  # nobody built it while we waited
             if build_dir.exists():
-                log.warning("dmfx: discarding incomplete or corrupted kernel build in %s", build_dir)
+                warn("dmfx: discarding incomplete or corrupted kernel build in %s", build_dir)
                 shutil.rmtree(build_dir, ignore_errors=True)
             build_dir.mkdir(parents=True)
             print(

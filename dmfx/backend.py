@@ -77,7 +77,9 @@ def reset() -> None:
 def _warn_once(key: str, msg: str, *args: Any) -> None:
     if key not in _warned:
         _warned.add(key)
-        log.warning(msg, *args)
+        from .cuda_ops.build import warn
+
+        warn(msg, *args)  # visible even when the user has not configured logging
     else:
         log.info(msg, *args)
 
@@ -267,7 +269,9 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
         if not opts.fallback:
             raise
         record.fallback = f"could not lower to a functional ATen graph: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-        log.warning("dmfx: %s", record.summary())
+        from .cuda_ops.build import warn
+
+        warn("dmfx: %s", record.summary())
         emit(record)
         return gm.forward
     record.aten_ops_before = _count_ops(aten_gm)
