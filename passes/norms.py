@@ -50,8 +50,10 @@ def fuse_native_layer_norm(gm: GraphModule, ctx: PassContext) -> None:
         if xm is None or not kernel_friendly(xm):
             ctx.miss("layer_norm", n, "unsupported dtype or device")
             continue
-        if len(shape) != 1 or xm.dim() == 0 or shape[0] != xm.shape[-1]:
-            ctx.miss("layer_norm", n, f"normalizes {len(shape)} dims; dmfx normalizes the last one only")
+        # under dynamic shapes the size is a SymInt node: compare its value
+        size = shape[0].meta.get("val") if len(shape) == 1 and isinstance(shape[0], torch.fx.Node) else (shape[0] if len(shape) == 1 else None)
+        if len(shape) != 1 or xm.dim() == 0 or size is None or size != xm.shape[-1]:
+            ctx.miss("layer_norm", n, f"normalizes {len(shape)} dims (sizes {list(shape)}); dmfx normalizes the last one only")
             continue
         if any(p is not None and tensor_meta(p) is not None and tensor_meta(p).dtype != xm.dtype for p in (weight, bias)):
             ctx.miss("layer_norm", n, "weight/bias dtype differs from the input's")

@@ -196,13 +196,6 @@ def test_mark_dynamic_batch_and_sequence(monkeypatch):
     _no_recompile_no_rebuild(f, m, ref, make, monkeypatch)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug in passes/norms.py fuse_native_layer_norm: under dynamic shapes normalized_shape is "
-    "[<SymInt placeholder Node>] and `shape[0] != xm.shape[-1]` compares an fx Node with a SymInt, so "
-    "F.layer_norm(x, x.shape[-1:]) with a dynamic hidden size is never fused (missed: 'normalizes 1 "
-    "dims; dmfx normalizes the last one only')",
-)
 def test_functional_layer_norm_with_a_dynamic_hidden_size_fuses():
     def f(x, w, b):
         return F.layer_norm(x, (x.shape[-1],), w, b)
