@@ -262,7 +262,9 @@ def test_eval_turns_dropout_off_and_train_back_on():
     x, mask = _inputs(2, 8)
     a, b = f(x, mask), f(x, mask)
     assert rel_err(a, b) > 1e-2  # dropout on: two calls differ
-    assert fired().get("bias_dropout_residual_norm", 0) >= 1 and fired().get("dropout", 0) >= 1, fired()
+    # the attention dropout is inside the fused softmax (or a standalone dmfx dropout)
+    assert fired().get("bias_dropout_residual_norm", 0) >= 1, fired()
+    assert fired().get("attention_softmax", 0) + fired().get("dropout", 0) >= 1, fired()
 
     m.eval()
     a, b = f(x, mask), f(x, mask)
