@@ -232,15 +232,39 @@ def rewrite(aten_gm: GraphModule, example_inputs: Sequence[Any], opts: Options, 
 
 
 def _compiler(kind: str, record: GraphRecord) -> Callable:
-    from functorch.compile import make_boxed_func
 
     def compile_fn(gm: GraphModule, example_inputs: Sequence[Any]) -> Callable:
         record.compiled[kind] = _count_ops(gm)
         setattr(record, f"{kind}_graph", gm)
         log.debug("dmfx: graph %d %s graph:\n%s", record.graph_id, kind, gm.code)
-        return make_boxed_func(gm.forward)
+        return _boxed(gm)
 
     return compile_fn
+
+
+def _boxed(gm: GraphModule) -> Callable:
+    """The graph as a boxed callable that frees each input after its last use.
+
+    AOTAutograd hands a graph its inputs (for the backward: every tensor saved by the forward) in one
+    list. With ``make_boxed_func(gm.forward)`` that list keeps every saved activation alive until the
+    whole backward has run, where eager autograd frees each as soon as its node is done: peak memory
+    grew by up to 50% (ViT). The boxed code generator unpacks the list, clears it, and drops each
+    value after its last use, as eager does."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    try:
+        gm.graph.set_codegen(_BoxedCodeGen())
+        gm.recompile()
+    except Exception:  # an FX without boxed codegen: correct, only the memory saving is lost
+        from functorch.compile import make_boxed_func
+
+        return make_boxed_func(gm.forward)
+
+    def run(args: list) -> Any:
+        return gm(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
 
 
 def _partitioner(opts: Options) -> Callable:

@@ -85,7 +85,12 @@ def fuse_bias_dropout_residual_norm(gm: GraphModule, ctx: PassContext) -> None:
         orders = sorted(commuted(s, aten.add), key=lambda o: not (_dropout_of(o[0]) or _bias_of(o[0], H)))
         for d, residual in orders:
             rm, dm = tensor_meta(residual), tensor_meta(d)
-            if rm is None or dm is None or rm.shape != sm.shape or dm.shape != sm.shape or rm.dtype != sm.dtype or dm.dtype != sm.dtype:
+            if rm is None or dm is None or rm.shape != sm.shape or dm.shape != sm.shape or rm.dtype != sm.dtype:
+                continue
+            # Under autocast the GEMM output (and its dropout) is bf16/fp16 while the residual stream
+            # stays fp32, and the add promotes: cast the GEMM output (and bias) up and fuse the rest.
+            upcast = dm.dtype != sm.dtype
+            if upcast and not (dm.dtype in (torch.bfloat16, torch.float16) and sm.dtype == torch.float32):
                 continue
             drop = _dropout_of(d)
             h, p, absorbed = (drop[0], drop[1], [d, drop[2]]) if drop else (d, 0.0, [])
@@ -108,6 +113,10 @@ def fuse_bias_dropout_residual_norm(gm: GraphModule, ctx: PassContext) -> None:
                 if xm is None or xm.shape != sm.shape:
                     ctx.miss("bias_dropout_residual_norm", norm, "bias-free input shape differs")
                     break
+                if upcast:
+                    x = insert_call(graph, ctx, aten._to_copy.default, (x,), {"dtype": sm.dtype})
+                    if bias is not None:
+                        bias = insert_call(graph, ctx, aten._to_copy.default, (bias,), {"dtype": sm.dtype})
                 seed = insert_seed(graph, ctx) if p > 0 else None
                 weight = norm.args[1]
                 norm_bias = None if rms else norm.args[2]
