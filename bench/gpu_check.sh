@@ -2,7 +2,7 @@
 # The prepared GPU check (DESIGN.md, "GPU machine"): installs nothing from the network.
 # Builds the CUDA kernels, runs the CUDA tests, then a short BertLayer benchmark (BERT-large sizes,
 # bf16), and prints the table last. Run from the repository root on the lent GPU machine:
-#   bash bench/gpu_check.sh          (about 5 minutes; writes logs under ${OUT:-bench/results})
+#   bash bench/gpu_check.sh          (about 8 minutes; writes logs under ${OUT:-bench/results})
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-bench/results}"
@@ -20,3 +20,8 @@ python3 -m pytest -q tests/test_cuda_*.py 2>&1 | tail -25 | tee "$out/gpu_tests.
 echo "== benchmark"
 python3 bench/bert_layer.py --device cuda --dtype bf16 --batch 8 --seq 512 --hidden 1024 --heads 16 --ffn 4096 \
   --rounds 20 --warmup 3 --threads 16 --json "$out/gpu_bert_layer.json" 2>"$out/gpu_bench.err" | tee "$out/gpu_bench.txt"
+echo "== bias inside addmm or split out (decides the BRD/BDRLN bias split for CUDA)"
+python3 -m bench.bias_split --device cuda --dtype bf16 --tokens 4096 --hidden 1024 --ffn 4096 --rounds 30 \
+  --json "$out/gpu_bias_split.json" 2>>"$out/gpu_bench.err" | tee "$out/gpu_bias_split.txt"
+echo "== benchmark suite (layer table at BERT-large sizes, two whole models)"
+python3 -m bench --device cuda --only layer,models --models bert-base,llama 2>>"$out/gpu_bench.err" | tee "$out/gpu_suite.txt"
