@@ -13,26 +13,20 @@
 
 #include "dmfx_common.h"
 #include "kernel_api.h"
+#include "philox_cpu.h"
 
 namespace dmfx {
 namespace {
 
-// Keep flags of the H elements starting at logical index `first` (one Philox call per 4 elements).
+// Keep flags of the H elements starting at logical index `first` (Philox words for all their
+// groups at once: philox_cpu.h).
 void fill_keep(const DropoutParams& d, uint64_t first, int64_t H, std::vector<uint8_t>& keep) {
   keep.resize(H);
   if (!d.active) { std::fill(keep.begin(), keep.end(), 1); return; }
   if (d.drop_all) { std::fill(keep.begin(), keep.end(), 0); return; }
-  const uint64_t g0 = first >> 2, g1 = (first + H - 1) >> 2;
-  const int64_t skip = static_cast<int64_t>(first & 3);
-  for (uint64_t g = g0; g <= g1; ++g) {
-    const Philox4 r = philox4x32_10(g, d.offset, d.seed);
-    const uint32_t words[4] = {r.x, r.y, r.z, r.w};
-    const int64_t base = static_cast<int64_t>((g - g0) * 4) - skip;
-    for (int lane = 0; lane < 4; ++lane) {
-      const int64_t j = base + lane;
-      if (j >= 0 && j < H) keep[j] = words[lane] >= d.threshold;
-    }
-  }
+  const uint32_t* w = philox_cpu::words_for(first, H, d.offset, d.seed);
+  const uint32_t t = d.threshold;
+  for (int64_t j = 0; j < H; ++j) keep[j] = w[j] >= t;
 }
 
 template <typename scalar_t>
@@ -266,16 +260,18 @@ void dropout_impl(const at::Tensor& x, at::Tensor& out, const DropoutParams& d, 
   const int64_t n = x.numel();
   const int64_t ngroups = (n + 3) / 4;
   const acc_t scale = static_cast<acc_t>(p >= 1.0 ? 0.0 : 1.0 / (1.0 - p));
+  constexpr int64_t kChunk = 4096;  // elements per Philox batch (a multiple of 4)
   at::parallel_for(0, ngroups, 2048, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const Philox4 r = philox4x32_10(static_cast<uint64_t>(g), d.offset, d.seed);
-      const uint32_t words[4] = {r.x, r.y, r.z, r.w};
-      for (int lane = 0; lane < 4; ++lane) {
-        const int64_t i = g * 4 + lane;
-        if (i >= n) break;
-        const bool keep = !d.drop_all && words[lane] >= d.threshold;
-        op[i] = keep ? static_cast<scalar_t>(static_cast<acc_t>(xp[i]) * scale) : scalar_t(0);
+    for (int64_t i0 = begin * 4; i0 < std::min(end * 4, n); i0 += kChunk) {
+      const int64_t len = std::min({kChunk, end * 4 - i0, n - i0});
+      if (d.drop_all) {
+        for (int64_t j = 0; j < len; ++j) op[i0 + j] = scalar_t(0);
+        continue;
       }
+      const uint32_t* w = philox_cpu::words_for(static_cast<uint64_t>(i0), len, d.offset, d.seed);
+      const uint32_t t = d.threshold;
+      for (int64_t j = 0; j < len; ++j)
+        op[i0 + j] = w[j] >= t ? static_cast<scalar_t>(static_cast<acc_t>(xp[i0 + j]) * scale) : scalar_t(0);
     }
   });
 }
