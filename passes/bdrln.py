@@ -69,6 +69,15 @@ def _bias_of(h: Node, H: int) -> tuple[Node, Node, list[Node]] | None:
     return None
 
 
+def _broadcasts_to(small: torch.Size, full: torch.Size) -> bool:
+    """`small` broadcasts to `full` over leading dims only (same last dim), with static sizes."""
+    if len(small) > len(full) or not small or small[-1] != full[-1]:
+        return False
+    if not all(isinstance(v, int) for v in (*small, *full)):
+        return False  # symbolic sizes: an expand to constants would freeze them
+    return all(a in (1, b) for a, b in zip(reversed(small), reversed(full)))
+
+
 def fuse_bias_dropout_residual_norm(gm: GraphModule, ctx: PassContext) -> None:
     graph = gm.graph
     for norm in list(graph.nodes):
@@ -85,7 +94,12 @@ def fuse_bias_dropout_residual_norm(gm: GraphModule, ctx: PassContext) -> None:
         orders = sorted(commuted(s, aten.add), key=lambda o: not (_dropout_of(o[0]) or _bias_of(o[0], H)))
         for d, residual in orders:
             rm, dm = tensor_meta(residual), tensor_meta(d)
-            if rm is None or dm is None or rm.shape != sm.shape or dm.shape != sm.shape or rm.dtype != sm.dtype:
+            if rm is None or dm is None or dm.shape != sm.shape or rm.dtype != sm.dtype:
+                continue
+            # a residual broadcast over leading dims (BERT's position embeddings [1, S, H]) is read
+            # through an expanded view (0 strides; its gradient is summed by the expand's backward)
+            expand_residual = rm.shape != sm.shape
+            if expand_residual and not _broadcasts_to(rm.shape, sm.shape):
                 continue
             # Under autocast the GEMM output (and its dropout) is bf16/fp16 while the residual stream
             # stays fp32, and the add promotes: cast the GEMM output (and bias) up and fuse the rest.
@@ -117,6 +131,8 @@ def fuse_bias_dropout_residual_norm(gm: GraphModule, ctx: PassContext) -> None:
                     x = insert_call(graph, ctx, aten._to_copy.default, (x,), {"dtype": sm.dtype})
                     if bias is not None:
                         bias = insert_call(graph, ctx, aten._to_copy.default, (bias,), {"dtype": sm.dtype})
+                if expand_residual:
+                    residual = insert_call(graph, ctx, aten.expand.default, (residual, list(sm.shape)))
                 seed = insert_seed(graph, ctx) if p > 0 else None
                 weight = norm.args[1]
                 norm_bias = None if rms else norm.args[2]

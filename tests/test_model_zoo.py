@@ -105,7 +105,7 @@ EXPECTED = {
     "distilbert": {"bias_dropout_residual_norm", "bias_activation_dropout"},
     "minilm": {"bias_dropout_residual_norm", "bias_activation_dropout"},
     "vit": {"bias_dropout_residual_norm", "bias_activation_dropout"},
-    "gpt2": {"bias_dropout_residual_norm", "bias_activation_dropout", "layer_norm"},
+    "gpt2": {"bias_dropout_residual_norm", "bias_activation_dropout"},  # ln_1 of layer 0 takes the embeddings add
     "llama": {"bias_dropout_residual_norm", "rope", "gated_activation", "rms_norm"},
     "t5": {"bias_dropout_residual_norm", "rms_norm"},
 }

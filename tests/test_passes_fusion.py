@@ -302,3 +302,24 @@ def test_residual_add_rmsnorm_llama_style():
     assert f.args[8] is True and f.args[9] is True  # rms, and the sum is returned for the next residual
     assert aten.add.Tensor not in targets(gm)
     check_same(block, gm, h, a, w)
+
+
+def test_broadcast_residual_is_expanded_into_the_norm():
+    """BERT's embeddings: (word + type) + position[1, S, H] -> LayerNorm: the broadcast add fuses too."""
+    def emb(a, pos, w, b):
+        return F.layer_norm(a + pos, (16,), w, b, 1e-12)
+
+    a, pos, w, b = torch.randn(3, 5, 16), torch.randn(1, 5, 16), torch.randn(16), torch.randn(16)
+    gm, ctx = rewrite(emb, a, pos, w, b)
+    assert ctx.fired.get("bias_dropout_residual_norm") == 1 and aten.add.Tensor not in targets(gm)
+    check_same(emb, gm, a, pos, w, b)
+    # gradients through the expanded residual are summed back to [1, S, H]
+    ap, pp = a.clone().requires_grad_(), pos.clone().requires_grad_()
+    out = torch.compile(emb, backend="dmfx")(ap, pp, w, b)
+    R = torch.randn_like(out)
+    (out * R).sum().backward()
+    ae, pe = a.clone().requires_grad_(), pos.clone().requires_grad_()
+    (emb(ae, pe, w, b) * R).sum().backward()
+    assert pp.grad.shape == pos.shape
+    torch.testing.assert_close(pp.grad, pe.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ap.grad, ae.grad, rtol=1e-5, atol=1e-5)
