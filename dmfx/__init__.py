@@ -11,6 +11,8 @@ from . import explain
 from .backend import GraphRecord, dmfx_backend, records, reset
 from .cuda_ops.build import KernelBuildError
 from .cuda_ops.ops import bias_dropout_residual_layer_norm, dropout, layer_norm, rms_norm
+from .cuda_ops.pointwise import bias_act_dropout, glu, rope
+from .cuda_ops.softmax import softmax
 from .options import Options
 
 __version__ = "0.1.0"
@@ -35,14 +37,18 @@ _register_without_entry_point()
 
 __all__ = [
     "GraphRecord",
+    "bias_act_dropout",
     "KernelBuildError",
     "Options",
     "bias_dropout_residual_layer_norm",
     "dmfx_backend",
     "dropout",
     "explain",
+    "glu",
     "layer_norm",
     "records",
     "reset",
     "rms_norm",
+    "rope",
+    "softmax",
 ]
