@@ -110,32 +110,13 @@ def lower_to_aten(gm: GraphModule, example_inputs: Sequence[Any]) -> GraphModule
     return aten_gm
 
 
-# Fused SDPA kernels that scaled_dot_product_attention picked while tracing under no_grad, with the
-# positions of (dropout_p, is_causal) and the name of the mask argument (positional index or kwarg).
+# Fused SDPA kernels with a mask argument that scaled_dot_product_attention may pick while tracing
+# under no_grad: positions of (dropout_p, is_causal) and of the mask (positional index or kwarg name).
 _SDPA_KERNELS = {
     "_scaled_dot_product_flash_attention_for_cpu": dict(dropout=3, causal=4, mask="attn_mask"),
     "_scaled_dot_product_efficient_attention": dict(dropout=5, causal=6, mask=3),
-    "_scaled_dot_product_flash_attention": dict(dropout=3, causal=4, mask=None),
     "_scaled_dot_product_cudnn_attention": dict(dropout=5, causal=6, mask=3),
 }
-
-
-_VIEW_LIKE = ("view", "transpose", "permute", "t", "unsqueeze", "squeeze", "expand", "slice", "select", "alias", "_unsafe_view")
-
-
-def _views_to_reshapes(start: Any) -> None:
-    """Views downstream of `start` (through other view ops) become reshapes: they may have relied on
-    strides the replaced kernel produced."""
-    stack = [start]
-    while stack:
-        n = stack.pop()
-        for u in list(n.users):
-            name = getattr(getattr(u.target, "overloadpacket", None), "__name__", "")
-            if name not in _VIEW_LIKE:
-                continue
-            if name == "view":
-                u.target = torch.ops.aten.reshape.default
-            stack.append(u)
 
 
 def restore_sdpa(aten_gm: GraphModule, input_requires_grad: Sequence[bool]) -> int:
@@ -150,6 +131,8 @@ def restore_sdpa(aten_gm: GraphModule, input_requires_grad: Sequence[bool]) -> i
     """
     import operator
 
+    from .passes.graph_utils import views_to_reshapes
+
     placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
     grad_nodes = {n for n, rg in zip(placeholders, input_requires_grad) if rg}
     for n in aten_gm.graph.nodes:  # nodes computed from an input that requires grad (an over-estimate)
@@ -158,20 +141,19 @@ def restore_sdpa(aten_gm: GraphModule, input_requires_grad: Sequence[bool]) -> i
     count = 0
     for n in list(aten_gm.graph.nodes):
         spec = _SDPA_KERNELS.get(getattr(getattr(n.target, "overloadpacket", None), "__name__", ""))
-        if n.op != "call_function" or spec is None or spec["mask"] is None:
-            continue
-        mask_arg = n.args[spec["mask"]] if isinstance(spec["mask"], int) and spec["mask"] < len(n.args) else n.kwargs.get(spec["mask"]) if isinstance(spec["mask"], str) else None
-        if mask_arg not in grad_nodes:
-            continue
-        if any(not (u.target is operator.getitem and u.args[1] == 0) for u in n.users):
+        if n.op != "call_function" or spec is None:
             continue
         args = list(n.args)
 
         def arg(i, default):
             return args[i] if isinstance(i, int) and i < len(args) else n.kwargs.get(i, default) if isinstance(i, str) else default
 
+        mask = arg(spec["mask"], None)
+        if mask not in grad_nodes:
+            continue
+        if any(not (u.target is operator.getitem and u.args[1] == 0) for u in n.users):
+            continue
         q, k, v = args[:3]
-        mask = arg(spec["mask"], None) if spec["mask"] is not None else None
         qm, km = q.meta.get("val"), k.meta.get("val")
         gqa = qm is not None and km is not None and qm.dim() >= 3 and qm.shape[-3] != km.shape[-3]
         with aten_gm.graph.inserting_before(n):
@@ -185,7 +167,7 @@ def restore_sdpa(aten_gm: GraphModule, input_requires_grad: Sequence[bool]) -> i
             u.replace_all_uses_with(new)
             aten_gm.graph.erase_node(u)
         aten_gm.graph.erase_node(n)
-        _views_to_reshapes(new)
+        views_to_reshapes([new])  # later views may have relied on the fused kernel's output strides
         count += 1
     if count:
         aten_gm.recompile()

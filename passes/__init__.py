@@ -13,7 +13,7 @@ from torch.fx import GraphModule
 from ..cuda_ops import ops as _ops  # noqa: F401  (defines the dmfx:: ops the passes emit)
 from .activations import fuse_activation_idioms, fuse_bias_activation_dropout, fuse_gated_activation
 from .bdrln import fuse_bias_dropout_residual_norm, fuse_dropout
-from .graph_utils import PassContext, dead_code_elimination, finish, remove_metadata_asserts
+from .graph_utils import PassContext, dead_code_elimination, finish, remove_metadata_asserts, views_to_reshapes
 from .norms import fuse_native_layer_norm, fuse_norm_idioms
 from .rope import fuse_rope
 from .softmax import fuse_attention_softmax
@@ -37,30 +37,6 @@ PIPELINE: dict[str, Pass] = {
 }
 
 
-def views_after_fused_ops_to_reshapes(gm: GraphModule) -> int:
-    """``aten.view`` nodes downstream of a dmfx op become ``aten.reshape``.
-
-    A fused op may lay out its output differently from the ops it replaced (e.g. contiguous where an
-    element-wise op would have kept a permuted input's strides), and ops further down (SDPA kernels,
-    element-wise ops) pass such a layout on. A view the traced graph recorded under the old strides
-    could then fail. reshape is the same view whenever the strides allow one, and copies otherwise.
-    """
-    import torch
-
-    start = [n for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", None) == "dmfx"]
-    seen, stack, changed = set(start), list(start), 0
-    while stack:
-        for u in stack.pop().users:
-            if u in seen:
-                continue
-            seen.add(u)
-            stack.append(u)
-            if u.op == "call_function" and u.target is torch.ops.aten.view.default:
-                u.target = torch.ops.aten.reshape.default
-                changed += 1
-    return changed
-
-
 def run_pipeline(gm: GraphModule, ctx: PassContext, skip: tuple[str, ...] = ()) -> GraphModule:
     """Run every pass not in `skip`, removing dead code after each (a later pass must not see what an
     earlier one replaced). Exceptions propagate with the failing pass's name in ctx.current."""
@@ -71,7 +47,8 @@ def run_pipeline(gm: GraphModule, ctx: PassContext, skip: tuple[str, ...] = ()) 
         fn(gm, ctx)
         dead_code_elimination(gm)
     ctx.current = None
-    views_after_fused_ops_to_reshapes(gm)
+    # fused ops may lay out their outputs differently from the ops they replaced
+    views_to_reshapes(n for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", None) == "dmfx")
     return finish(gm)
 
 

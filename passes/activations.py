@@ -21,6 +21,8 @@ from torch.fx import GraphModule, Node
 
 from .graph_utils import (
     PassContext,
+    insert_bias_free_linear,
+    linear_bias,
     aten,
     commuted,
     getitem_users,
@@ -170,19 +172,6 @@ def fuse_gated_activation(gm: GraphModule, ctx: PassContext) -> None:
 # ------------------------------------------------------------------------------------ BRD
 
 
-def _linear_bias(h: Node, N: int) -> tuple[Node, Node, Node | None, list[Node]] | None:
-    """h = view(addmm(bias, a, w)) or addmm(...): (addmm, bias, view or None, absorbed)."""
-    core, view = (h.args[0], h) if is_op(h, aten.view, aten.reshape, aten._unsafe_view) else (h, None)
-    if not isinstance(core, Node) or len(core.users) != 1:
-        return None
-    if not (is_op(core, aten.addmm) and len(core.args) == 3 and not core.kwargs):
-        return None
-    bm = tensor_meta(core.args[0])
-    if bm is None or bm.dim() != 1 or bm.shape[0] != N:
-        return None
-    return core, core.args[0], view, [core] + ([view] if view is not None else [])
-
-
 def _vector_bias(h: Node, N: int) -> tuple[Node, Node] | None:
     """h = x + bias with bias a vector of N (either order): (x, bias)."""
     hm = tensor_meta(h)
@@ -228,11 +217,11 @@ def fuse_bias_activation_dropout(gm: GraphModule, ctx: PassContext) -> None:
             drop = (n, items.get(0, []), float(n.args[1]))
         p = drop[2] if drop else 0.0
 
-        x, bias, view = h, None, None
-        lin = _linear_bias(h, N) if len(h.users) == 1 else None
+        x, bias = h, None
+        lin = linear_bias(h, N) if len(h.users) == 1 else None
         if lin is not None:
-            addmm, bias, view, nodes = lin
-            absorbed += nodes
+            addmm, bias, view = lin
+            absorbed += [addmm] + ([view] if view is not None else [])
         else:
             vb = _vector_bias(h, N) if len(h.users) == 1 else None
             if vb is not None:
@@ -245,9 +234,7 @@ def fuse_bias_activation_dropout(gm: GraphModule, ctx: PassContext) -> None:
         anchor = drop[0] if drop else end
         with graph.inserting_before(anchor):
             if lin is not None:
-                mm = insert_call(graph, ctx, aten.mm.default, (addmm.args[1], addmm.args[2]))
-                # reuse the original view's shape argument: it holds SymInt nodes under dynamic shapes
-                x = insert_call(graph, ctx, aten.view.default, (mm, view.args[1])) if view is not None else mm
+                x = insert_bias_free_linear(graph, ctx, addmm, view)
             xm = tensor_meta(x)
             if xm is None or xm.shape != hm.shape or xm.dtype != hm.dtype:
                 ctx.miss("bias_activation_dropout", n, "the bias-free input has another shape or dtype")

@@ -22,6 +22,9 @@ from torch.fx import GraphModule, Node
 
 from .graph_utils import (
     PassContext,
+    broadcasts_to,
+    insert_bias_free_linear,
+    linear_bias,
     aten,
     commuted,
     getitem_users,
@@ -51,31 +54,26 @@ def _dropout_of(d: Node) -> tuple[Node, float, Node] | None:
     return h, p, drop
 
 
-def _bias_of(h: Node, H: int) -> tuple[Node, Node, list[Node]] | None:
-    """`h` is a linear layer's output with its bias: (bias-free GEMM node to build, bias, absorbed).
-    For ``view(addmm(...))`` the view comes last in `absorbed` (its shape argument is reused)."""
-    # view(addmm(bias, a, b), shape) or addmm itself (2-D activations)
-    core, view = (h.args[0], h) if is_op(h, aten.view, aten.reshape, aten._unsafe_view) else (h, None)
-    if is_op(core, aten.addmm) and len(core.args) == 3 and not core.kwargs:
-        bias = core.args[0]
-        bm = tensor_meta(bias)
-        if bm is not None and bm.dim() == 1 and bm.shape[0] == H and len(core.users) == 1:
-            return core, bias, [core] + ([view] if view is not None else [])
+def _bias_of(h: Node, H: int) -> tuple[Node, Node, list[Node], tuple[Node, Node | None] | None] | None:
+    """`h` is a linear layer's output with its bias: (input without the bias, bias, absorbed nodes,
+    (addmm, view) when the bias is inside a GEMM that must be rebuilt without it)."""
+    lin = linear_bias(h, H)  # view(addmm(bias, a, b), shape) or addmm itself (2-D activations)
+    if lin is not None:
+        addmm, bias, view = lin
+        return addmm, bias, [addmm] + ([view] if view is not None else []), (addmm, view)
     # add(mm_out, bias) with bias a vector of H
     for a, b in commuted(h, aten.add):
         bm = tensor_meta(b)
         if bm is not None and bm.dim() == 1 and bm.shape[0] == H and isinstance(a, Node):
-            return a, b, [h]
+            return a, b, [h], None
     return None
 
 
 def _broadcasts_to(small: torch.Size, full: torch.Size) -> bool:
     """`small` broadcasts to `full` over leading dims only (same last dim), with static sizes."""
-    if len(small) > len(full) or not small or small[-1] != full[-1]:
-        return False
-    if not all(isinstance(v, int) for v in (*small, *full)):
-        return False  # symbolic sizes: an expand to constants would freeze them
-    return all(a in (1, b) for a, b in zip(reversed(small), reversed(full)))
+    if not small or small[-1] != full[-1] or not all(isinstance(v, int) for v in (*small, *full)):
+        return False  # (symbolic sizes: an expand to constants would freeze them)
+    return broadcasts_to(small, full)
 
 
 def fuse_bias_dropout_residual_norm(gm: GraphModule, ctx: PassContext) -> None:
@@ -112,17 +110,14 @@ def fuse_bias_dropout_residual_norm(gm: GraphModule, ctx: PassContext) -> None:
                 ctx.miss("bias_dropout_residual_norm", norm, f"dropout output {d.name} has other users")
                 continue
             bias_hit = _bias_of(h, H) if (len(h.users) == 1 or not drop) else None
-            x, bias = h, None
+            x, bias, gemm = h, None, None
             if bias_hit is not None:
-                core, bias, bias_nodes = bias_hit
-                x, absorbed = core, absorbed + bias_nodes
+                x, bias, bias_nodes, gemm = bias_hit
+                absorbed = absorbed + bias_nodes
             # residual and bias must not come from inside the chain
             with graph.inserting_before(norm):
-                if is_op(x, aten.addmm):  # take the bias out of the GEMM
-                    mm = insert_call(graph, ctx, aten.mm.default, (x.args[1], x.args[2]))
-                    view = absorbed[-1] if is_op(absorbed[-1], aten.view, aten.reshape, aten._unsafe_view) else None
-                    # reuse the original view's shape argument: it holds SymInt nodes under dynamic shapes
-                    x = insert_call(graph, ctx, aten.view.default, (mm, view.args[1])) if view is not None else mm
+                if gemm is not None:  # take the bias out of the GEMM
+                    x = insert_bias_free_linear(graph, ctx, *gemm)
                 xm = tensor_meta(x)
                 if xm is None or xm.shape != sm.shape:
                     ctx.miss("bias_dropout_residual_norm", norm, "bias-free input shape differs")

@@ -169,6 +169,59 @@ def finish(gm: GraphModule) -> GraphModule:
     return gm
 
 
+def linear_bias(h: Any, N: int) -> tuple[Node, Node, Node | None] | None:
+    """`h` is a linear layer's output with its bias inside the GEMM: ``view(addmm(bias, a, w), shape)``
+    or ``addmm(...)`` (2-D), the addmm read only there and `bias` a vector of N. Returns
+    (addmm, bias, the view or None)."""
+    core, view = (h.args[0], h) if is_op(h, aten.view, aten.reshape, aten._unsafe_view) else (h, None)
+    if not isinstance(core, Node) or len(core.users) != 1:
+        return None
+    if not (is_op(core, aten.addmm) and len(core.args) == 3 and not core.kwargs):
+        return None
+    bm = tensor_meta(core.args[0])
+    if bm is None or bm.dim() != 1 or bm.shape[0] != N:
+        return None
+    return core, core.args[0], view
+
+
+def insert_bias_free_linear(graph: Graph, ctx: PassContext, addmm: Node, view: Node | None) -> Node:
+    """``mm(a, w)`` in place of ``addmm(bias, a, w)`` (the bias moves into the fused kernel), viewed
+    like the original output. The view reuses the original shape argument: under dynamic shapes it
+    holds SymInt nodes."""
+    mm = insert_call(graph, ctx, aten.mm.default, (addmm.args[1], addmm.args[2]))
+    return insert_call(graph, ctx, aten.view.default, (mm, view.args[1])) if view is not None else mm
+
+
+def broadcasts_to(small: torch.Size, full: torch.Size) -> bool:
+    """Whether a tensor of shape `small` broadcasts to `full` (without changing `full`)."""
+    try:
+        return tuple(torch.broadcast_shapes(small, full)) == tuple(full)
+    except RuntimeError:
+        return False
+
+
+def views_to_reshapes(starts: Iterable[Node]) -> int:
+    """``aten.view`` nodes downstream of `starts` become ``aten.reshape``.
+
+    A replacement op may lay out its output differently from the ops it replaced (a fused op writing
+    contiguously where an element-wise op kept a permuted input's strides, an SDPA kernel chosen
+    again), and ops further down pass such a layout on. A view the traced graph recorded under the old
+    strides could then fail; reshape is the same view whenever the strides allow one, and copies
+    otherwise."""
+    stack = list(starts)
+    seen, changed = set(stack), 0
+    while stack:
+        for u in stack.pop().users:
+            if u in seen:
+                continue
+            seen.add(u)
+            stack.append(u)
+            if u.op == "call_function" and u.target is aten.view.default:
+                u.target = aten.reshape.default
+                changed += 1
+    return changed
+
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 SUPPORTED_DEVICES = ("cpu", "cuda")
 

@@ -32,6 +32,7 @@ from torch.fx import GraphModule, Node
 
 from .graph_utils import (
     PassContext,
+    broadcasts_to,
     aten,
     getitem_users,
     insert_call,
@@ -107,7 +108,7 @@ def _split_scale(z: Node) -> tuple[Node, float, Node | None]:
 def _is_scores_side(n: Node) -> bool:
     """Whether `n` (after a scale and views) comes from a batched GEMM: the scores operand of an add."""
     s, _, _ = _split_scale(n)
-    while is_op(s, aten.view, aten.reshape, aten._unsafe_view, aten.expand, aten.clone):
+    while is_op(s, *_VIEWS):
         s = s.args[0]
     return is_op(s, aten.bmm, aten.baddbmm, aten.matmul, aten.mm)
 
@@ -147,15 +148,6 @@ def _is_causal_tril(m: Node, scores_shape: torch.Size) -> bool:
         return False
     sq, sk = ones.args[0]
     return len(scores_shape) >= 2 and sq == sk == scores_shape[-2] == scores_shape[-1]
-
-
-def _broadcastable(mask: torch.Tensor, shape: torch.Size) -> bool:
-    if mask.dim() > len(shape):
-        return False
-    for a, b in zip(reversed(mask.shape), reversed(shape)):
-        if a != 1 and a != b:
-            return False
-    return True
 
 
 def _fold_qk_scales(scores: Node, dtype: torch.dtype) -> tuple[float, list[Node]]:
@@ -232,7 +224,7 @@ def fuse_attention_softmax(gm: GraphModule, ctx: PassContext) -> None:
                     mask, causal = None, True
             if mask is not None:
                 mm = tensor_meta(mask)
-                if mm is None or not _broadcastable(mm, shape) or (mm.dtype not in FLOATS and mm.dtype != torch.bool):
+                if mm is None or not broadcasts_to(mm.shape, shape) or (mm.dtype not in FLOATS and mm.dtype != torch.bool):
                     ctx.miss("attention_softmax", sm, "the mask is not broadcastable to the scores or has an unsupported dtype")
                     continue
                 if mm.device != zm.device:
