@@ -55,7 +55,7 @@ struct DropoutParams {
   uint32_t threshold = 0;  // keep iff word >= threshold
   bool drop_all = false;   // p >= 1
   bool active = false;     // p > 0
-  float scale = 1.0f;      // 1 / (1 - p), 0 when p >= 1
+  double scale = 1.0;      // the kept elements' factor: 1 / (1 - p); 1 when p = 0; 0 when p >= 1
 };
 
 inline DropoutParams make_dropout_params(double p, int64_t seed, int64_t offset) {
@@ -67,19 +67,11 @@ inline DropoutParams make_dropout_params(double p, int64_t seed, int64_t offset)
   if (d.active && !d.drop_all) {
     const double t = std::floor(p * 4294967296.0);
     d.threshold = t >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<uint32_t>(t);
-    d.scale = static_cast<float>(1.0 / (1.0 - p));
+    d.scale = 1.0 / (1.0 - p);
   } else if (d.drop_all) {
-    d.scale = 0.0f;
+    d.scale = 0.0;
   }
   return d;
-}
-
-// The multiplier (0 or 1/(1-p)) of the element with logical linear index `idx`.
-DMFX_HD float dropout_multiplier(const DropoutParams& d, uint64_t idx) {
-  if (!d.active) return 1.0f;
-  if (d.drop_all) return 0.0f;
-  const Philox4 r = philox4x32_10(idx >> 2, d.offset, d.seed);
-  return philox_word(r, static_cast<int>(idx & 3)) >= d.threshold ? d.scale : 0.0f;
 }
 
 }  // namespace dmfx

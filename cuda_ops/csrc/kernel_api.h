@@ -129,7 +129,7 @@ inline NormArgs make_norm_args(const at::Tensor& x, double p, double eps, bool r
   a.eps = eps;
   a.rms = rms;
   a.dropout = make_dropout_params(p, seed, offset);
-  a.scale = (p > 0.0 && p < 1.0) ? 1.0 / (1.0 - p) : (p >= 1.0 ? 0.0 : 1.0);
+  a.scale = a.dropout.scale;
   return a;
 }
 

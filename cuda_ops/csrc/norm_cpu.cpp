@@ -259,7 +259,7 @@ void dropout_impl(const at::Tensor& x, at::Tensor& out, const DropoutParams& d, 
   scalar_t* op = out.data_ptr<scalar_t>();
   const int64_t n = x.numel();
   const int64_t ngroups = (n + 3) / 4;
-  const acc_t scale = static_cast<acc_t>(p >= 1.0 ? 0.0 : 1.0 / (1.0 - p));
+  const acc_t scale = static_cast<acc_t>(d.scale);
   constexpr int64_t kChunk = 4096;  // elements per Philox batch (a multiple of 4)
   at::parallel_for(0, ngroups, 2048, [&](int64_t begin, int64_t end) {
     for (int64_t i0 = begin * 4; i0 < std::min(end * 4, n); i0 += kChunk) {

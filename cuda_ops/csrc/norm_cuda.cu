@@ -779,7 +779,7 @@ at::Tensor dropout_cuda(const at::Tensor& x_in, int64_t seed, int64_t offset, do
   if (n == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dmfx_dropout_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const acc_t scale = static_cast<acc_t>(p >= 1.0 ? 0.0 : 1.0 / (1.0 - p));
+    const acc_t scale = static_cast<acc_t>(d.scale);
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t ngroups = (n + 3) / 4;

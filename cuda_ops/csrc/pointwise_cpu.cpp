@@ -97,11 +97,6 @@ void fill_mult(const DropoutParams& d, uint64_t first, int64_t n, acc_t scale, a
   for (int64_t k = 0; k < n; ++k) m[k] = w[k] >= t ? scale : acc_t(0);
 }
 
-template <typename acc_t>
-acc_t dropout_scale(double p) {
-  return static_cast<acc_t>(p >= 1.0 ? 0.0 : (p > 0.0 ? 1.0 / (1.0 - p) : 1.0));
-}
-
 // ------------------------------------------------------------------------------------------------
 // Row cores: float (vectorized) and double (scalar). Null pointers mean "absent".
 // ------------------------------------------------------------------------------------------------
@@ -276,7 +271,7 @@ void bias_act_fwd_impl(const at::Tensor& x, const c10::optional<at::Tensor>& bia
   const Rows<scalar_t> xr(x);
   const std::vector<acc_t> bvec = to_acc_vector<acc_t, scalar_t>(bias);
   const acc_t* b = bvec.empty() ? nullptr : bvec.data();
-  const acc_t scale = dropout_scale<acc_t>(p);
+  const acc_t scale = static_cast<acc_t>(d.scale);
   scalar_t* o = out.data_ptr<scalar_t>();
   at::parallel_for(0, rows, grain_for(N), [&](int64_t begin, int64_t end) {
     std::vector<acc_t> mult(d.active ? N : 0), xbuf(N), obuf(N);
@@ -299,7 +294,7 @@ void bias_act_bwd_impl(const at::Tensor& grad_out, const at::Tensor& x,
   const Rows<scalar_t> gr(grad_out), xr(x);
   const std::vector<acc_t> bvec = to_acc_vector<acc_t, scalar_t>(bias);
   const acc_t* b = bvec.empty() ? nullptr : bvec.data();
-  const acc_t scale = dropout_scale<acc_t>(p);
+  const acc_t scale = static_cast<acc_t>(d.scale);
   scalar_t* dxp = dx.defined() ? dx.data_ptr<scalar_t>() : nullptr;
   const bool need_db = dbias.defined();
   // The bias gradient: every thread sums its rows into its own partial row, then one reduction.

@@ -441,7 +441,7 @@ at::Tensor bias_act_fwd_cuda(const at::Tensor& x_in, const c10::optional<at::Ten
     a.rows = num_rows(x);
     a.N = x.size(-1);
     a.d = d;
-    a.scale = static_cast<acc_t>(p >= 1.0 ? 0.0 : (p > 0.0 ? 1.0 / (1.0 - p) : 1.0));
+    a.scale = static_cast<acc_t>(d.scale);
     launch_bias_act<scalar_t>(false, static_cast<int>(act), a, x, nullptr);
   });
   return out;
@@ -475,7 +475,7 @@ std::vector<at::Tensor> bias_act_bwd_cuda(const at::Tensor& grad_out_in, const a
       a.rows = num_rows(x);
       a.N = x.size(-1);
       a.d = d;
-      a.scale = static_cast<acc_t>(p >= 1.0 ? 0.0 : (p > 0.0 ? 1.0 / (1.0 - p) : 1.0));
+      a.scale = static_cast<acc_t>(d.scale);
       launch_bias_act<scalar_t>(true, static_cast<int>(act), a, x, dbias.defined() ? &dbias : nullptr);
     });
   } else if (dbias.defined()) {

@@ -109,7 +109,7 @@ inline SoftmaxArgs make_fwd_args(const char* op, const at::Tensor& scores, bool 
   TORCH_CHECK(std::isfinite(scale), "dmfx::", op, ": scale must be finite, got ", scale);
   check_p_range(op, p);
   a.dropout = make_dropout_params(p, seed, offset);
-  a.keep_scale = p < 1.0 ? 1.0 / (1.0 - p) : 0.0;
+  a.keep_scale = a.dropout.scale;
   return a;
 }
 
@@ -132,7 +132,7 @@ inline SoftmaxArgs check_bwd_args(const char* op, const at::Tensor& grad_out, co
   a.rows = a.Sk == 0 ? 0 : probs.numel() / a.Sk;
   a.scale = scale;
   a.dropout = make_dropout_params(p, seed, offset);
-  a.keep_scale = p < 1.0 ? 1.0 / (1.0 - p) : 0.0;
+  a.keep_scale = a.dropout.scale;
   return a;
 }
 
