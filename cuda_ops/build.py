@@ -37,6 +37,10 @@ log = logging.getLogger("dmfx")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 FAMILIES = ("norm", "softmax", "pointwise")  # one group of kernels per file; see csrc/cpu_bindings.cpp
+# Families with CPU kernels only (CUDA runs their op's other implementation): attention_cpu.cpp is the
+# cache-resident fused attention; on CUDA dmfx's attention is the GEMMs around the softmax kernels.
+CPU_ONLY_FAMILIES = ("attention",)
+CPU_ONLY_FUNCTIONS = ("flash_bwd", "flash_fwd")
 MARKER = "dmfx_ok.json"
 
 
@@ -69,7 +73,7 @@ def _cpu_capability_flags() -> tuple[str, ...]:
 FLAVORS = {
     "cpu": Flavor(
         kind="cpu",
-        cpp_sources=(*(f"{f}_cpu.cpp" for f in FAMILIES), "cpu_bindings.cpp"),
+        cpp_sources=(*(f"{f}_cpu.cpp" for f in FAMILIES + CPU_ONLY_FAMILIES), "cpu_bindings.cpp"),
         cuda_sources=(),
         cflags=("-O3", "-march=native", "-fopenmp", *_cpu_capability_flags()),
         ldflags=("-fopenmp",),

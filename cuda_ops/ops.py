@@ -309,3 +309,4 @@ torch.library.register_autograd("dmfx::norm_backward", _no_double_backward, setu
 # The other op families register themselves on import (each in its own module and kernel files).
 from . import pointwise as _pointwise  # noqa: E402,F401
 from . import softmax as _softmax  # noqa: E402,F401
+from . import attention as _attention  # noqa: E402,F401

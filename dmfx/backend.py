@@ -41,6 +41,8 @@ class GraphRecord:
 
     graph_id: int
     devices: tuple[str, ...] = ()
+    training: bool = False  # compiled with grad enabled and some input requiring grad
+    attention_forms: dict[str, tuple[str, str]] = field(default_factory=dict)  # node -> (form, why)
     fired: dict[str, int] = field(default_factory=dict)
     replaced: dict[str, int] = field(default_factory=dict)
     missed: list[str] = field(default_factory=list)
@@ -196,7 +198,13 @@ def rewrite(aten_gm: GraphModule, example_inputs: Sequence[Any], opts: Options, 
         record.fallback = f"kernel build failed: {e}"
         return aten_gm
 
-    ctx = PassContext(fake_mode=detect_fake_mode(list(example_inputs)))
+    ctx = PassContext(
+        fake_mode=detect_fake_mode(list(example_inputs)),
+        training=record.training,
+        stack_qkv=opts.stack_qkv,
+        attention=opts.attention,
+        input_requires_grad=tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs),
+    )
     work = _copy(aten_gm)
     try:
         run_pipeline(work, ctx, opts.skip)
@@ -208,6 +216,7 @@ def rewrite(aten_gm: GraphModule, example_inputs: Sequence[Any], opts: Options, 
         record.fallback = f"pass {name} failed: {type(e).__name__}: {e}"
         return aten_gm
     record.fired, record.replaced, record.missed = ctx.fired, ctx.replaced, ctx.missed
+    record.attention_forms = dict(ctx.forms)
     for m in ctx.missed:
         log.debug("dmfx: graph %d: left alone: %s", record.graph_id, m)
     return work
@@ -261,6 +270,7 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
         raise ValueError(f"dmfx: unexpected arguments {sorted(kwargs)}; pass settings as options={{...}}")
     opts = Options.from_user(options)
     record = GraphRecord(graph_id=next(_graph_ids), devices=_devices(example_inputs))
+    record.training = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
     if opts.record:
         _records.append(record)
     if opts.disable:

@@ -480,7 +480,8 @@ def _absorbed_entry(x: Node) -> dict | None:
 
 
 def attribute_absorbed(aten_gm: GraphModule, example_inputs: Sequence[Any] | None = None,
-                       skip: Sequence[str] = ()) -> dict[str, list[dict]]:
+                       skip: Sequence[str] = (), training: bool = True,
+                       stack_qkv: bool | str = "auto", attention: str = "auto") -> dict[str, list[dict]]:
     """Which ATen ops each dmfx:: node absorbed: replays the pass pipeline on a copy of `aten_gm` (the
     lowered graph the backend rewrites), one pass at a time. After each pass, a new dmfx node owns the
     removed nodes found walking back from the nodes that read its results (through removed nodes
@@ -496,7 +497,9 @@ def attribute_absorbed(aten_gm: GraphModule, example_inputs: Sequence[Any] | Non
     gm = _copy(aten_gm)
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     fake_mode = detect_fake_mode(list(example_inputs or [])) or detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-    ctx = PassContext(fake_mode=fake_mode)
+    ctx = PassContext(fake_mode=fake_mode, training=training, stack_qkv=stack_qkv, attention=attention,
+                      input_requires_grad=tuple(isinstance(t, torch.Tensor) and t.requires_grad
+                                                for t in example_inputs) if example_inputs is not None else None)
     owned: dict[Node, list[dict]] = {}
     for pass_name, fn in PIPELINE.items():
         if pass_name in skip:
@@ -691,7 +694,9 @@ class _Captured:
         from .backend import lower_to_aten
 
         aten_gm = getattr(self.record, "aten_graph", None) or lower_to_aten(self.dynamo_graph, self.example_inputs)
-        return attribute_absorbed(aten_gm, self.example_inputs, tuple(self.options.get("skip", ())))
+        return attribute_absorbed(aten_gm, self.example_inputs, tuple(self.options.get("skip", ())),
+                                  training=self.record.training, stack_qkv=self.options.get("stack_qkv", "auto"),
+                                  attention=self.options.get("attention", "auto"))
 
 
 def _capturing_backend(options: dict, captured: list[_Captured]) -> Callable:

@@ -17,6 +17,16 @@ class Options:
     partitioner: str = "min_cut"
     #: On a pass error or kernel build failure: warn and run the graph unrewritten (True), or raise.
     fallback: bool = True
+    #: Stack the Q, K and V projections into one GEMM (the paper's QKV fusion): "auto" does it where
+    #: it pays (training with at least as many tokens as input features: the per-step weight
+    #: concatenation then costs less than the backward's three dX GEMMs and two adds; measured in
+    #: bench/RESULTS.md), True always (where the pattern allows), False never.
+    stack_qkv: bool | str = "auto"
+    #: How attention runs: "auto" (dmfx's cost model, see passes/attention.py choose_form), "flash"
+    #: (dmfx's fused kernel), "gemm" (the paper's GEMMs around the fused softmax) or "sdpa" (PyTorch's
+    #: scaled_dot_product_attention). A forced form still gives way where it cannot run (probabilities
+    #: read elsewhere or a mask gradient need "gemm").
+    attention: str = "auto"
     #: Collected per-graph records (dmfx.records()) are kept; set False to keep nothing.
     record: bool = True
     extra: dict = field(default_factory=dict, repr=False, compare=False)
@@ -43,6 +53,12 @@ class Options:
                 raise ValueError(f"dmfx: option 'skip' names unknown pass(es) {bad}; passes are: {', '.join(PIPELINE)}")
         if options.get("partitioner", "min_cut") not in ("min_cut", "default"):
             raise ValueError(f"dmfx: option 'partitioner' must be 'min_cut' or 'default', got {options['partitioner']!r}")
+        if options.get("stack_qkv", "auto") not in ("auto", True, False):
+            raise ValueError(f"dmfx: option 'stack_qkv' must be 'auto', True or False, got {options['stack_qkv']!r}")
+        if options.get("attention", "auto") not in ("auto", "flash", "gemm", "sdpa"):
+            raise ValueError(
+                f"dmfx: option 'attention' must be 'auto', 'flash', 'gemm' or 'sdpa', got {options['attention']!r}"
+            )
         opts = cls(**options)
         if env_disabled():
             opts = cls(**{**options, "disable": True})

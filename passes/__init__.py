@@ -16,6 +16,7 @@ from .bdrln import fuse_bias_dropout_residual_norm, fuse_dropout
 from .graph_utils import PassContext, dead_code_elimination, finish, remove_metadata_asserts, views_to_reshapes
 from .norms import fuse_native_layer_norm, fuse_norm_idioms
 from .rope import fuse_rope
+from .attention import fuse_attention, stack_qkv
 from .softmax import fuse_attention_softmax
 
 Pass = Callable[[GraphModule, PassContext], None]
@@ -30,6 +31,8 @@ PIPELINE: dict[str, Pass] = {
     "bias_dropout_residual_norm": fuse_bias_dropout_residual_norm,
     "activation_idioms": fuse_activation_idioms,
     "attention_softmax": fuse_attention_softmax,
+    "attention": fuse_attention,
+    "qkv_stacking": stack_qkv,
     "rope": fuse_rope,
     "gated_activation": fuse_gated_activation,
     "bias_activation_dropout": fuse_bias_activation_dropout,

@@ -22,6 +22,30 @@ class PassContext:
     replaced: dict[str, int] = field(default_factory=dict)  # pattern -> ATen nodes absorbed
     missed: list[str] = field(default_factory=list)  # near-misses, with the reason
     current: str | None = None  # the pass running now (named in errors)
+    training: bool = True  # a backward will be derived from this graph (some input requires grad)
+    stack_qkv: bool | str = "auto"  # Options.stack_qkv
+    input_requires_grad: tuple[bool, ...] | None = None  # per placeholder; None: unknown (assume all)
+    attention: str = "auto"  # Options.attention
+    forms: dict[str, tuple[str, str]] = field(default_factory=dict)  # attention node -> (form, why)
+
+    def needs_grad(self, n: Any) -> bool:
+        """Whether `n` may require grad: it is computed from a graph input that requires grad (an
+        over-estimate; unknown inputs count as requiring grad in training)."""
+        if not self.training or not isinstance(n, Node):
+            return False
+        flags = self.input_requires_grad
+        placeholders = [p for p in n.graph.nodes if p.op == "placeholder"]
+        grad_inputs = {p for i, p in enumerate(placeholders) if flags is None or (i < len(flags) and flags[i])}
+        seen, stack = set(), [n]
+        while stack:
+            x = stack.pop()
+            if x in grad_inputs:
+                return True
+            for a in x.all_input_nodes:
+                if a not in seen:
+                    seen.add(a)
+                    stack.append(a)
+        return False
 
     def record(self, pattern: str, absorbed: int, node: Node | None = None) -> None:
         """`node` (the fused op) remembers what it absorbed, so a later pass that fuses it further

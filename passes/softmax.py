@@ -113,6 +113,20 @@ def _is_scores_side(n: Node) -> bool:
     return is_op(s, aten.bmm, aten.baddbmm, aten.matmul, aten.mm)
 
 
+def _second_mask(scores: Node, shape: torch.Size) -> tuple[Node, Node] | None:
+    """scores = s' + m (either order; s' from a batched GEMM, m a float mask broadcastable to
+    `shape`), read only by the outer add: (s', m)."""
+    if not is_op(scores, aten.add) or len(scores.args) != 2 or scores.kwargs.get("alpha", 1) != 1 or len(scores.users) != 1:
+        return None
+    for a, b in (scores.args, scores.args[::-1]):
+        am, bm = tensor_meta(a), tensor_meta(b)
+        if am is None or bm is None or am.shape != shape or not _is_scores_side(a) or _is_scores_side(b):
+            continue
+        if bm.dtype in FLOATS and broadcasts_to(bm.shape, shape) and bm.device == am.device:
+            return a, b
+    return None
+
+
 def _const_value(n: object) -> float | None:
     """A Python number, or a scalar_tensor / full([]) node holding one."""
     if is_scalar(n):
@@ -201,6 +215,13 @@ def fuse_attention_softmax(gm: GraphModule, ctx: PassContext) -> None:
                 ctx.miss("attention_softmax", sm, "an add before the softmax whose operands do not look like scores + mask")
                 continue
             absorbed.append(z)
+            # Two masks, ((s + m2) + m1) as T5 writes (position bias, then the padding mask): one mask
+            # m2 + m1 (broadcast sum; a tensor of at most the scores' size, as the add it replaces).
+            inner = _second_mask(scores, shape)
+            if inner is not None:
+                scores, m2 = inner
+                with graph.inserting_before(sm):
+                    mask = insert_call(graph, ctx, aten.add.Tensor, (m2, mask))
         s, scale, scale_node = _split_scale(scores)
         if scale_node is not None:
             if len(scale_node.users) != 1:

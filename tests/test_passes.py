@@ -22,11 +22,12 @@ def _as_tuple(fn):
     return g
 
 
-def rewrite(fn, *inputs, passes=None):
+def rewrite(fn, *inputs, passes=None, **settings):
     """Lower `fn` (all tensors passed as inputs) to ATen like the backend does, run the dmfx passes,
-    return (graph module, context)."""
+    return (graph module, context). `settings` are PassContext fields (training, attention, ...)."""
     gm = lower_to_aten(_as_tuple(fn), inputs)  # exactly what the backend runs the passes on
-    ctx = PassContext(fake_mode=detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if "val" in n.meta]))
+    settings.setdefault("input_requires_grad", tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs))
+    ctx = PassContext(fake_mode=detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if "val" in n.meta]), **settings)
     skip = () if passes is None else tuple(n for n in PIPELINE if n not in passes)
     return run_pipeline(gm, ctx, skip), ctx
 

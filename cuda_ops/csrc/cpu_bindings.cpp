@@ -8,10 +8,12 @@ namespace dmfx {
 void bind_norm(pybind11::module_& m);
 void bind_softmax(pybind11::module_& m);
 void bind_pointwise(pybind11::module_& m);
+void bind_attention(pybind11::module_& m);
 }  // namespace dmfx
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   dmfx::bind_norm(m);
   dmfx::bind_softmax(m);
   dmfx::bind_pointwise(m);
+  dmfx::bind_attention(m);
 }

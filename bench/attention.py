@@ -1,0 +1,166 @@
+"""Attention alone: dmfx's attention op against PyTorch's SDPA and the eager (math) form.
+
+Method
+------
+q, k and v are views of one stacked projection output ``[B, L, 3, H, D]`` (what a transformer's
+QKV GEMM writes), the mask is HF BERT's additive padding mask ``[B, 1, 1, L]`` (last quarter of half
+the batch padded). Candidates, each timed forward only (``--mode infer``, under no_grad) or forward +
+backward (``--mode train``; the gradient of q, k and v, backward of ``out.sum()``):
+
+* ``eager``: ``softmax(q @ kᵀ * scale + mask) `` → dropout → ``@ v`` written out as HF BERT does;
+* ``sdpa``: ``F.scaled_dot_product_attention`` (PyTorch picks its kernel: on CPU the flash kernel
+  when dropout is 0, the math path otherwise);
+* ``dmfx_gemm``: ``dmfx::attention`` (the paper's form: two strided batched GEMMs around the fused
+  scale + mask + softmax + dropout kernel, no operand copies);
+* ``dmfx_flash``: ``dmfx::flash_attention`` (the fused form: per block of query rows, the scores stay
+  in cache; the backward recomputes them from the logsumexp), what dmfx's cost model picks on the
+  CPU wherever it can (float32/64, probabilities not read elsewhere, mask without gradient).
+
+Candidates run interleaved in one process (round r: all candidates, round r+1: ...), medians over
+``--rounds``; outputs are compared with eager's in eval mode first.
+
+Usage: ``python -m bench.attention [--seq 128,512] [--dropout 0.0,0.1] [--mode train|infer|both]
+[--batch 8 --heads 12 --head-dim 64 --rounds 10 --threads 2] [--json PATH]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+
+import dmfx
+from dmfx.cuda_ops.ops import new_seed  # noqa: F401  (dmfx registers its ops on import)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seq", default="128,512")
+    p.add_argument("--dropout", default="0.0,0.1")
+    p.add_argument("--mode", choices=["train", "infer", "both"], default="both")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def _inputs(B, L, H, D, device, train):
+    qkv = torch.randn(B, L, 3 * H * D, device=device, requires_grad=train)
+    mask = torch.zeros(B, 1, 1, L, device=device)
+    mask[: B // 2, ..., L - L // 4 :] = torch.finfo(torch.float32).min
+    return qkv, mask
+
+
+def _split(qkv, H, D):
+    B, L, _ = qkv.shape
+    return [t.transpose(1, 2) for t in qkv.view(B, L, 3, H, D).unbind(2)]
+
+
+def candidates(H, D, p):
+    scale = D**-0.5
+
+    def eager(qkv, mask):
+        q, k, v = _split(qkv, H, D)
+        probs = torch.softmax(q @ k.transpose(-1, -2) * scale + mask, -1)
+        return F.dropout(probs, p, training=p > 0) @ v
+
+    def sdpa(qkv, mask):
+        q, k, v = _split(qkv, H, D)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=scale)
+
+    def dmfx_gemm(qkv, mask):
+        q, k, v = _split(qkv, H, D)
+        return torch.ops.dmfx.attention(q, k, v, mask, scale, False, new_seed() if p else None, p)[0]
+
+    def dmfx_flash(qkv, mask):
+        q, k, v = _split(qkv, H, D)
+        return torch.ops.dmfx.flash_attention(q, k, v, mask, scale, False, new_seed() if p else None, p)[0]
+
+    return {"eager": eager, "sdpa": sdpa, "dmfx_gemm": dmfx_gemm, "dmfx_flash": dmfx_flash}
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_case(args, L, p, train):
+    B, H, D = args.batch, args.heads, args.head_dim
+    qkv, mask = _inputs(B, L, H, D, args.device, train)
+    cands = candidates(H, D, p)
+    with torch.no_grad():  # same values first (no dropout)
+        ref = candidates(H, D, 0.0)["eager"](qkv, mask)
+        errs = {n: ((f(qkv, mask) - ref).norm() / ref.norm()).item() for n, f in candidates(H, D, 0.0).items()}
+
+    def step(f):
+        if train:
+            qkv.grad = None
+            f(qkv, mask).sum().backward()
+        else:
+            with torch.no_grad():
+                f(qkv, mask)
+
+    times = {n: [] for n in cands}
+    for r in range(args.warmup + args.rounds):
+        for n, f in cands.items():
+            _sync(args.device)
+            t0 = time.perf_counter()
+            step(f)
+            _sync(args.device)
+            if r >= args.warmup:
+                times[n].append((time.perf_counter() - t0) * 1e3)
+    return times, errs
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    modes = ["train", "infer"] if args.mode == "both" else [args.mode]
+    rows, raw = [], []
+    for mode in modes:
+        for L in (int(s) for s in args.seq.split(",")):
+            for p in (float(s) for s in args.dropout.split(",")):
+                if mode == "infer" and p > 0:
+                    continue
+                log(f"[{mode}] L={L} p={p} ...")
+                times, errs = run_case(args, L, p, mode == "train")
+                med = {n: statistics.median(t) for n, t in times.items()}
+                best_torch = min(med["eager"], med["sdpa"])
+                for n, m in med.items():
+                    rows.append([mode, L, p, n, f"{m:.2f}", f"{min(times[n]):.2f}", f"{med['sdpa'] / m:.2f}",
+                                 f"{best_torch / m:.2f}", f"{errs[n]:.1e}"])
+                raw.append({"mode": mode, "seq": L, "dropout": p, "times_ms": times, "rel_err": errs})
+    head = (f"attention alone | torch {torch.__version__} | {args.device} | threads {args.threads} | fp32 | "
+            f"B={args.batch} heads={args.heads} head_dim={args.head_dim} | padding mask | "
+            f"{datetime.datetime.now():%Y-%m-%d %H:%M}")
+    print(head)
+    print(tabulate(rows, headers=["mode", "seq", "dropout", "candidate", "median ms", "min ms", "speedup vs sdpa",
+                                  "vs best of eager/sdpa", "rel err (p=0)"], tablefmt="github"))
+    out = Path(args.json) if args.json else REPO_ROOT / "bench" / "results" / f"attention_{args.device}_{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"config": vars(args), "header": head, "cases": raw}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+// dmfx CPU fused attention: scores never leave the cache.
+//
+//   flash_fwd: for each (batch, head, block of query rows): S = Q_blk · Kᵀ into a per-thread buffer
+//              (at most ~512 KB, so it stays in L2), the fused scale + mask + causal + softmax +
+//              dropout row pass of softmax_cpu.cpp on it, then out_blk = P_dropped · V written
+//              straight into `out` (any strides with a unit last dim: the [B, L, H, D] layout).
+//              Returns the per-row logsumexp [B, H, Lq] (the accumulation type) for the backward.
+//   flash_bwd: for each (batch, kv head): for each query head of the group and block of rows, S is
+//              recomputed and P = exp(S * scale + mask - lse); then dV += P_droppedᵀ · dO,
+//              dP = dO · Vᵀ, dS = scale * P * (dropout(dP) - rowsum(dropout(dP) * P)),
+//              dQ_blk = dS · K, dK += dSᵀ · Q_blk. dq, dk, dv are written in place (strided views:
+//              the stacked QKV gradient's column blocks, or [B, L, H, D] tensors).
+//
+// The GEMMs are ATen's (at::mm_out on strided views: MKL, no copies); this file is the glue and the
+// row math, which is softmax_cpu.cpp's (same logits, exp, Philox mask: element index = row-major
+// index in the [B, Hq, Lq, Lk] scores), so the dropout mask is bit for bit that of the unfused form.
+// This file is concatenated after softmax_cpu.cpp (cuda_ops/build.py), whose helpers it uses.
+// float32 and float64 only: bf16/fp16 attention runs the unfused form (cuda_ops/attention.py).
+
+namespace dmfx {
+namespace attention_impl {
+
+using softmax_impl::causal_limit;
+using softmax_impl::exp_sum;
+using softmax_impl::fill_mult;
+using softmax_impl::load_logits;
+using softmax_impl::mask_value;
+using softmax_impl::MaskView;
+using softmax_impl::NoMask;
+using softmax_impl::RowScratch;
+using softmax_impl::SoftmaxArgs;
+
+struct Shapes {
+  int64_t B, Hq, Hk, Lq, Lk, D, Dv, groups, block;
+};
+
+inline Shapes check(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  for (const auto* t : {&q, &k, &v}) {
+    TORCH_CHECK(t->device().is_cpu(), "dmfx::", op, ": this is the CPU kernel but an input is on ", t->device());
+    TORCH_CHECK(t->dim() == 4, "dmfx::", op, ": q, k and v must be 4-D [B, H, L, D], got shape ", t->sizes());
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "dmfx::", op, ": q, k and v must have one dtype");
+    TORCH_CHECK(t->size(3) <= 1 || t->stride(3) == 1, "dmfx::", op,
+                ": q, k and v need a unit stride in the head dim, got strides ", t->strides());
+  }
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, "dmfx::", op,
+              ": the fused CPU attention takes float32 or float64, got ", q.scalar_type());
+  Shapes s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3), 1, 1};
+  TORCH_CHECK(k.size(0) == s.B && v.size(0) == s.B && v.size(1) == s.Hk && v.size(2) == s.Lk &&
+                  k.size(3) == s.D && s.Hk > 0 && s.Hq % s.Hk == 0,
+              "dmfx::", op, ": q ", q.sizes(), ", k ", k.sizes(), " and v ", v.sizes(),
+              " do not fit [B, Hq, Lq, D], [B, Hk, Lk, D], [B, Hk, Lk, Dv] with Hq a multiple of Hk");
+  s.groups = s.Hq / s.Hk;
+  // rows per block: the [block, Lk] scores (and in the backward two such buffers) stay in L2
+  const int64_t budget = 128 * 1024 / static_cast<int64_t>(q.element_size());
+  s.block = std::max<int64_t>(16, std::min<int64_t>(std::max<int64_t>(s.Lq, 1), budget / std::max<int64_t>(s.Lk, 1)));
+  return s;
+}
+
+inline SoftmaxArgs row_args(const Shapes& s, double scale, bool causal, int64_t seed, int64_t offset, double p) {
+  TORCH_CHECK(std::isfinite(scale), "dmfx::attention: scale must be finite, got ", scale);
+  softmax_impl::check_p_range("attention", p);
+  SoftmaxArgs a;
+  a.Sk = s.Lk;
+  a.Sq = s.Lq;
+  a.rows = s.B * s.Hq * s.Lq;
+  a.scale = scale;
+  a.causal = causal;
+  a.dropout = make_dropout_params(p, seed, offset);
+  a.keep_scale = a.dropout.scale;
+  return a;
+}
+
+// Logits of score row `r` (global row index R) into z; returns (max, number of unmasked columns).
+template <typename acc_t, typename mask_t>
+inline acc_t row_logits(const SoftmaxArgs& a, const MaskView& mv, int64_t R, const acc_t* srow, int64_t n,
+                        acc_t* z) {
+  const acc_t scale = static_cast<acc_t>(a.scale);
+  if constexpr (std::is_same<mask_t, NoMask>::value) {
+    return load_logits<acc_t>(srow, static_cast<const NoMask*>(nullptr), n, scale, acc_t(0), z);
+  } else {
+    const mask_t* m = static_cast<const mask_t*>(mv.t.data_ptr()) + mv.idx.offset(R);
+    if (mv.col_stride == 0) return load_logits<acc_t>(srow, static_cast<const NoMask*>(nullptr), n, scale,
+                                                      mask_value<acc_t>(m, 0), z);
+    return load_logits<acc_t>(srow, m, n, scale, acc_t(0), z);
+  }
+}
+
+template <typename scalar_t, typename mask_t>
+void fwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Tensor& q, const at::Tensor& k,
+         const at::Tensor& v, at::Tensor& out, at::Tensor& lse) {
+  using acc_t = scalar_t;  // float32 / float64 only
+  const int64_t nblocks = (s.Lq + s.block - 1) / s.block;
+  const int64_t items = s.B * s.Hq * nblocks;
+  acc_t* lse_p = lse.data_ptr<acc_t>();
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    // Worker threads do not inherit the caller's dispatch state: the GEMMs below run on tensors
+    // that may require grad, as plain computation (this kernel sits below autograd).
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    at::Tensor S = at::empty({s.block, s.Lk}, q.options());
+    RowScratch<acc_t> scratch(s.Lk, a.dropout.active);
+    acc_t* z = scratch.z.data();
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t blk = it % nblocks, bh = it / nblocks, b = bh / s.Hq, h = bh % s.Hq;
+      const int64_t i0 = blk * s.block, m = std::min(s.block, s.Lq - i0);
+      at::Tensor Sb = S.narrow(0, 0, m);
+      at::mm_out(Sb, q[b][h].narrow(0, i0, m), k[b][h / s.groups].t());
+      acc_t* sp = Sb.data_ptr<acc_t>();
+      for (int64_t r = 0; r < m; ++r) {
+        const int64_t R = bh * s.Lq + i0 + r;
+        const int64_t n = causal_limit(a, R);
+        acc_t* row = sp + r * s.Lk;
+        const acc_t mx = n > 0 ? row_logits<acc_t, mask_t>(a, mv, R, row, n, z) : -std::numeric_limits<acc_t>::infinity();
+        int64_t done = 0;
+        acc_t tail = 0;
+        if (n > 0 && mx != -std::numeric_limits<acc_t>::infinity()) {
+          const acc_t sum = exp_sum(z, n, mx);
+          const acc_t inv = acc_t(1) / sum;
+          tail = acc_t(0) * inv;  // NaN in a NaN row, as eager
+          lse_p[R] = mx + std::log(sum);
+          if (a.dropout.active) {
+            fill_mult(a.dropout, a.keep_scale, static_cast<uint64_t>(R) * static_cast<uint64_t>(s.Lk), n, scratch);
+            const acc_t* mult = scratch.mult.data();
+            for (int64_t j = 0; j < n; ++j) row[j] = z[j] * inv * mult[j];
+          } else {
+            for (int64_t j = 0; j < n; ++j) row[j] = z[j] * inv;
+          }
+          done = n;
+        } else {
+          lse_p[R] = -std::numeric_limits<acc_t>::infinity();  // fully masked: zeros
+        }
+        for (int64_t j = done; j < s.Lk; ++j) row[j] = tail;
+      }
+      at::Tensor ob = out[b][h].narrow(0, i0, m);
+      at::mm_out(ob, Sb, v[b][h / s.groups]);
+    }
+  });
+}
+
+template <typename scalar_t, typename mask_t>
+void bwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Tensor& go, const at::Tensor& q,
+         const at::Tensor& k, const at::Tensor& v, const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk,
+         at::Tensor& dv) {
+  using acc_t = scalar_t;
+  const int64_t nblocks = (s.Lq + s.block - 1) / s.block;
+  const acc_t* lse_p = lse.data_ptr<acc_t>();
+  const acc_t scale = static_cast<acc_t>(a.scale);
+  at::parallel_for(0, s.B * s.Hk, 1, [&](int64_t begin, int64_t end) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // see fwd
+    at::Tensor S = at::empty({s.block, s.Lk}, q.options());   // P (pre-dropout), then dS
+    at::Tensor Pd = at::empty({s.block, s.Lk}, q.options());  // dropped P, then dP
+    RowScratch<acc_t> scratch(s.Lk, a.dropout.active);
+    for (int64_t bk = begin; bk < end; ++bk) {
+      const int64_t b = bk / s.Hk, hk = bk % s.Hk;
+      at::Tensor kb = k[b][hk], vb = v[b][hk], dkb = dk[b][hk], dvb = dv[b][hk];
+      bool first = true;
+      for (int64_t h = hk * s.groups; h < (hk + 1) * s.groups; ++h) {
+        for (int64_t blk = 0; blk < nblocks; ++blk) {
+          const int64_t i0 = blk * s.block, m = std::min(s.block, s.Lq - i0);
+          at::Tensor Sb = S.narrow(0, 0, m), Pb = Pd.narrow(0, 0, m);
+          at::Tensor qb = q[b][h].narrow(0, i0, m), gb = go[b][h].narrow(0, i0, m);
+          at::mm_out(Sb, qb, kb.t());
+          acc_t* sp = Sb.data_ptr<acc_t>();
+          acc_t* pp = Pb.data_ptr<acc_t>();
+          for (int64_t r = 0; r < m; ++r) {  // P = exp(z - lse) (into S), dropped P (into Pd)
+            const int64_t R = (b * s.Hq + h) * s.Lq + i0 + r;
+            const int64_t n = causal_limit(a, R);
+            acc_t* row = sp + r * s.Lk;
+            acc_t* drow = pp + r * s.Lk;
+            const acc_t l = lse_p[R];
+            int64_t done = 0;
+            if (n > 0 && l != -std::numeric_limits<acc_t>::infinity()) {
+              acc_t* z = scratch.z.data();
+              row_logits<acc_t, mask_t>(a, mv, R, row, n, z);
+              for (int64_t j = 0; j < n; ++j) row[j] = softmax_impl::exp_nonpos(z[j] - l > 0 ? acc_t(0) : z[j] - l);
+              if (a.dropout.active) {
+                fill_mult(a.dropout, a.keep_scale, static_cast<uint64_t>(R) * static_cast<uint64_t>(s.Lk), n, scratch);
+                const acc_t* mult = scratch.mult.data();
+                for (int64_t j = 0; j < n; ++j) drow[j] = row[j] * mult[j];
+              } else {
+                for (int64_t j = 0; j < n; ++j) drow[j] = row[j];
+              }
+              done = n;
+            }
+            for (int64_t j = done; j < s.Lk; ++j) row[j] = drow[j] = acc_t(0);
+          }
+          // dV (+)= P_droppedᵀ · dO
+          at::addmm_out(dvb, dvb, Pb.t(), gb, first ? 0 : 1, 1);
+          // dP = dO · Vᵀ (into Pd), then dS = scale * P * (dropout(dP) - rowsum(dropout(dP) * P)) (into S)
+          at::mm_out(Pb, gb, vb.t());
+          for (int64_t r = 0; r < m; ++r) {
+            const int64_t R = (b * s.Hq + h) * s.Lq + i0 + r;
+            acc_t* prow = sp + r * s.Lk;
+            acc_t* grow = pp + r * s.Lk;
+            if (a.dropout.active) {
+              fill_mult(a.dropout, a.keep_scale, static_cast<uint64_t>(R) * static_cast<uint64_t>(s.Lk), s.Lk, scratch);
+              const acc_t* mult = scratch.mult.data();
+              for (int64_t j = 0; j < s.Lk; ++j) grow[j] *= mult[j];
+            }
+            acc_t ps[softmax_impl::kLanes] = {};
+            int64_t j = 0;
+            for (; j + softmax_impl::kLanes <= s.Lk; j += softmax_impl::kLanes)
+              for (int l = 0; l < softmax_impl::kLanes; ++l) ps[l] += grow[j + l] * prow[j + l];
+            for (; j < s.Lk; ++j) ps[0] += grow[j] * prow[j];
+            acc_t dot = 0;
+            for (int l = 0; l < softmax_impl::kLanes; ++l) dot += ps[l];
+            for (int64_t c = 0; c < s.Lk; ++c) prow[c] = scale * prow[c] * (grow[c] - dot);
+          }
+          at::Tensor dqb = dq[b][h].narrow(0, i0, m);
+          at::mm_out(dqb, Sb, kb);
+          at::addmm_out(dkb, dkb, Sb.t(), qb, first ? 0 : 1, 1);
+          first = false;
+        }
+      }
+      if (first) {  // no query rows: the gradients of k and v are zero
+        dkb.zero_();
+        dvb.zero_();
+      }
+    }
+  });
+}
+
+template <typename scalar_t, typename F>
+void with_mask(const MaskView& mv, F&& f) {
+  switch (mv.kind) {
+    case softmax_impl::kNoMask: f(NoMask{}); break;
+    case softmax_impl::kMaskSame: f(scalar_t{}); break;
+    case softmax_impl::kMaskFloat: f(float{}); break;
+    case softmax_impl::kMaskBool: f(bool{}); break;
+    default: TORCH_CHECK(false, "dmfx::attention: internal error: mask kind ", mv.kind);
+  }
+}
+
+inline void check_out(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef shape,
+                      const at::Tensor& like) {
+  TORCH_CHECK(t.sizes() == shape && t.scalar_type() == like.scalar_type() && t.device() == like.device(),
+              "dmfx::", op, ": ", name, " must be a ", like.scalar_type(), " tensor of shape ", shape, ", got ",
+              t.scalar_type(), " ", t.sizes());
+  TORCH_CHECK(t.size(3) <= 1 || t.stride(3) == 1, "dmfx::", op, ": ", name, " needs a unit last-dim stride");
+}
+
+}  // namespace attention_impl
+
+at::Tensor flash_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const c10::optional<at::Tensor>& mask, double scale, bool causal, int64_t seed,
+                         int64_t offset, double p, at::Tensor out) {
+  using namespace attention_impl;
+  const Shapes s = check("flash_fwd", q, k, v);
+  check_out("flash_fwd", "out", out, {s.B, s.Hq, s.Lq, s.Dv}, q);
+  const SoftmaxArgs a = row_args(s, scale, causal, seed, offset, p);
+  at::Tensor lse = at::empty({s.B, s.Hq, s.Lq}, q.options());
+  if (s.B * s.Hq * s.Lq == 0) return lse;
+  if (s.Lk == 0) {
+    out.zero_();
+    lse.fill_(-std::numeric_limits<double>::infinity());
+    return lse;
+  }
+  const at::Tensor shape_like = at::empty({1}, q.options()).expand({s.B, s.Hq, s.Lq, s.Lk});
+  const MaskView mv = softmax_impl::prepare_mask("flash_fwd", mask, shape_like);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dmfx_flash_fwd", [&] {
+    with_mask<scalar_t>(mv, [&](auto tag) { fwd<scalar_t, decltype(tag)>(s, a, mv, q, k, v, out, lse); });
+  });
+  return lse;
+}
+
+void flash_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& lse, const c10::optional<at::Tensor>& mask, double scale, bool causal,
+                   int64_t seed, int64_t offset, double p, at::Tensor dq, at::Tensor dk, at::Tensor dv) {
+  using namespace attention_impl;
+  const Shapes s = check("flash_bwd", q, k, v);
+  check_out("flash_bwd", "grad_out", grad_out, {s.B, s.Hq, s.Lq, s.Dv}, q);
+  check_out("flash_bwd", "dq", dq, q.sizes(), q);
+  check_out("flash_bwd", "dk", dk, k.sizes(), q);
+  check_out("flash_bwd", "dv", dv, v.sizes(), q);
+  TORCH_CHECK(lse.sizes() == at::IntArrayRef({s.B, s.Hq, s.Lq}) && lse.is_contiguous() &&
+                  lse.scalar_type() == q.scalar_type(),
+              "dmfx::flash_bwd: lse must be the forward's contiguous [B, Hq, Lq] logsumexp, got ", lse.sizes());
+  const SoftmaxArgs a = row_args(s, scale, causal, seed, offset, p);
+  if (s.B * s.Hk == 0) return;
+  if (s.Lq == 0 || s.Lk == 0) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return;
+  }
+  const at::Tensor shape_like = at::empty({1}, q.options()).expand({s.B, s.Hq, s.Lq, s.Lk});
+  const MaskView mv = softmax_impl::prepare_mask("flash_bwd", mask, shape_like);
+  const at::Tensor go = grad_out.size(3) <= 1 || grad_out.stride(3) == 1 ? grad_out : grad_out.contiguous();
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dmfx_flash_bwd", [&] {
+    with_mask<scalar_t>(mv, [&](auto tag) { bwd<scalar_t, decltype(tag)>(s, a, mv, go, q, k, v, lse, dq, dk, dv); });
+  });
+}
+
+void bind_attention(pybind11::module_& m) {
+  m.def("flash_fwd", &flash_fwd_cpu,
+        "fused attention forward that keeps the scores in cache (CPU); writes out, returns the logsumexp",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"), pybind11::arg("scale"),
+        pybind11::arg("causal"), pybind11::arg("seed"), pybind11::arg("offset"), pybind11::arg("p"),
+        pybind11::arg("out"));
+  m.def("flash_bwd", &flash_bwd_cpu, "fused attention backward (CPU); writes dq, dk and dv in place",
+        pybind11::arg("grad_out"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("lse"),
+        pybind11::arg("mask"), pybind11::arg("scale"), pybind11::arg("causal"), pybind11::arg("seed"),
+        pybind11::arg("offset"), pybind11::arg("p"), pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"));
+}
+
+}  // namespace dmfx

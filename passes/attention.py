@@ -1,0 +1,395 @@
+"""Attention without layout copies, and the paper's QKV stacking.
+
+``attention`` starts from each fused softmax (``dmfx::softmax``, made by the attention_softmax pass)
+over 4-D scores and walks out to the two batched GEMMs around it, as ATen records ``q @ k.transpose``
+and ``probs @ v`` on ``[B, H, L, D]`` tensors::
+
+    a  = _unsafe_view(clone(expand(q4)), [B*H, Lq, D])       q4 [B, H, Lq, D], usually a permuted view
+    b  = _unsafe_view(clone(expand(kt4)), [B*H, D, Lk])      kt4 = k4.transpose(2, 3)
+    s  = view(bmm(a, b), [B, H, Lq, Lk])
+    o, p = dmfx::softmax(s, mask, scale, causal, seed, p)
+    c  = view(expand(o), [B*H, Lq, Lk]);  d = _unsafe_view(clone(expand(v4)), [B*H, Lk, Dv])
+    ctx = view(bmm(c, d), [B, H, Lq, Dv])
+                        -> dmfx::attention(q4, k4, v4, mask, scale, causal, seed, p)[0]
+
+The ``clone``s are the transpose copies eager runs because ``bmm`` takes 3-D operands; the fused op
+reads q4, k4 and v4 through their strides and writes its output as ``[B, Lq, H, Dv]``, so the
+``transpose(1, 2).contiguous()`` HF applies to the context is no copy either (``noop_clones`` below
+removes it). The backward of the op writes dq, dk and dv in the projections' layout, so the
+backward has none of the copies either. Readers of the probabilities (returned attention weights)
+get the fused op's. Grouped-query attention is not matched yet (``repeat_kv`` expands k and v with a
+copy first); it is left to the softmax fusion and logged.
+
+``qkv_stacking`` then looks at each ``dmfx::attention`` whose q, k and v are the head views
+(``view(linear(x), [B, L, H, D]).transpose(1, 2)``) of three linear layers reading the same input x
+with equal shapes: the paper's algebraic fusion. The three weights (and biases) are concatenated
+and multiplied once, ``qkv = x @ cat(Wq, Wk, Wv)ᵀ + cat(bq, bk, bv)``, and ``dmfx::qkv_attention``
+reads q, k and v as column blocks of qkv. In training the concatenation runs every step (it is
+part of the graph, so the stacked weight can never be stale after an optimizer step); its backward
+is one GEMM for dX, one for the stacked dW (whose row blocks are the three weight gradients, as
+views) and one bias reduction, and the attention backward writes dq, dk and dv straight into the
+stacked gradient.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .graph_utils import (
+    PassContext,
+    aten,
+    getitem_users,
+    insert_call,
+    insert_getitems,
+    is_op,
+    tensor_meta,
+    views_to_reshapes,
+)
+
+_RESHAPES = (aten.view, aten._unsafe_view, aten.reshape)
+log = logging.getLogger("dmfx")
+_ATTENTION_OPS = (torch.ops.dmfx.attention, torch.ops.dmfx.flash_attention)
+_PACKED = {torch.ops.dmfx.attention.default: torch.ops.dmfx.qkv_attention.default,
+           torch.ops.dmfx.flash_attention.default: torch.ops.dmfx.qkv_flash_attention.default}
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(x == y for x, y in zip(a, b))
+
+
+def _unflatten_of(operand: object, shape4) -> Node | None:
+    """`operand` is a bmm operand [B*H, M, K] reshaped from a 4-D [B, H, M, K] tensor, perhaps through
+    a no-op expand and a copy (clone): that 4-D tensor."""
+    if not is_op(operand, *_RESHAPES):
+        return None
+    n = operand.args[0]
+    while True:
+        if is_op(n, aten.clone):
+            n = n.args[0]
+        elif is_op(n, aten.expand) and _same(tensor_meta(n.args[0]).shape, tensor_meta(n).shape):
+            n = n.args[0]
+        else:
+            break
+    m = tensor_meta(n)
+    if m is None or m.dim() != 4 or not _same(m.shape, shape4):
+        return None
+    return n
+
+
+def _bmm_of(s: Node) -> Node | None:
+    """s = view(bmm(a, b), 4-D): the bmm."""
+    if not is_op(s, *_RESHAPES) or len(s.users) != 1:
+        return None
+    b = s.args[0]
+    if not is_op(b, aten.bmm) or len(b.users) != 1:
+        return None
+    return b
+
+
+def choose_form(ctx: PassContext, q4: Node, k4: Node, mask: Node | None, causal: bool, p: float,
+                probs_read: bool) -> tuple[str, str]:
+    """The cost model, checked against bench/attention.py (numbers in bench/RESULTS.md). Returns
+    (form, why) with form one of
+
+    * "gemm": dmfx::attention, the paper's two batched GEMMs around the fused softmax. The only form
+      that hands out the probabilities (returned attention weights) and a mask gradient (T5's
+      learned position bias), so it runs wherever those are needed, and where nothing fused exists
+      (dropout in bf16/fp16 on the CPU).
+    * "flash": dmfx::flash_attention, the scores kept in cache per block of query rows and recomputed
+      in the backward. With dropout on the CPU it is 1.7x (L=128) to 2.7x (L=512) faster than SDPA,
+      which falls back to its unfused math path for dropout on the CPU, and 1.2-1.6x faster than
+      the "gemm" form; it also saves no [B, H, L, L] tensor for the backward.
+    * "sdpa": PyTorch's own scaled_dot_product_attention, without dropout on the CPU (its flash
+      kernel is 1.0-1.3x faster than dmfx's fused form there) and on CUDA (its flash / efficient /
+      cuDNN kernels; dmfx has no fused CUDA attention kernel). Not with a causal mask over
+      different query and key lengths (SDPA aligns it top-left, dmfx and HF bottom-right).
+    """
+    from ..cuda_ops.attention import flash_supported
+
+    qm = tensor_meta(q4)
+    if probs_read:
+        return "gemm", "the attention probabilities are read elsewhere (returned attention weights)"
+    if mask is not None and ctx.needs_grad(mask):
+        return "gemm", "the mask requires grad (a learned position bias): only the unfused form computes its gradient"
+    sdpa_ok = not causal or qm.shape[2] == tensor_meta(k4).shape[2]
+    forced = ctx.attention
+    if forced == "gemm":
+        return "gemm", "option attention='gemm'"
+    if forced == "flash" and flash_supported(qm.device, qm.dtype):
+        return "flash", "option attention='flash'"
+    if forced == "sdpa" and sdpa_ok:
+        return "sdpa", "option attention='sdpa'"
+    if qm.device.type == "cpu" and p > 0:
+        if flash_supported(qm.device, qm.dtype):
+            return "flash", "dropout on the CPU: no fused PyTorch kernel"
+        return "gemm", f"dropout on the CPU in {qm.dtype}: no fused kernel"
+    if sdpa_ok:
+        return "sdpa", "PyTorch's fused kernel is the fastest here"
+    if flash_supported(qm.device, qm.dtype):
+        return "flash", "causal attention over different query and key lengths"
+    return "gemm", "no fused kernel for this case"
+
+
+def _insert_sdpa(graph, ctx, q4, k4, v4, mask, scale, causal, p) -> Node:
+    qm = tensor_meta(q4)
+    if mask is not None and tensor_meta(mask).dtype not in (torch.bool, qm.dtype):
+        mask = insert_call(graph, ctx, aten._to_copy.default, (mask,), {"dtype": qm.dtype})
+    kwargs = {"scale": scale}
+    if qm.shape[1] != tensor_meta(k4).shape[1]:
+        kwargs["enable_gqa"] = True
+    return insert_call(graph, ctx, aten.scaled_dot_product_attention.default, (q4, k4, v4, mask, p, causal), kwargs)
+
+
+def fuse_attention(gm: GraphModule, ctx: PassContext) -> None:
+    graph = gm.graph
+    for sm in list(graph.nodes):
+        if not is_op(sm, torch.ops.dmfx.softmax):
+            continue
+        scores, mask, scale, causal, seed, p = sm.args
+        sm_val = tensor_meta(scores)
+        if sm_val is None or sm_val.dim() != 4:
+            continue
+        B, H, Lq, Lk = sm_val.shape
+        bmm1 = _bmm_of(scores)
+        if bmm1 is None:
+            ctx.miss("attention", sm, "the scores do not come from a batched GEMM read only by the softmax")
+            continue
+        a, b = bmm1.args[:2]
+        D = tensor_meta(a).shape[-1]
+        q4 = _unflatten_of(a, (B, H, Lq, D))
+        kt4 = _unflatten_of(b, (B, H, D, Lk))
+        if q4 is None or kt4 is None:
+            ctx.miss("attention", sm, "q or k is not a 4-D [B, H, L, D] tensor (grouped-query repeat_kv, 3-D q)")
+            continue
+
+        items = getitem_users(sm)
+        outs = items.get(0, [])
+        # The second GEMM: bmm(view(expand(o)), v) viewed back to 4-D.
+        found = None
+        for o in outs:
+            for u in o.users:
+                if is_op(u, aten.expand) and len(u.users) == 1:
+                    (r,) = u.users
+                    if is_op(r, *_RESHAPES) and len(r.users) == 1:
+                        (bmm2,) = r.users
+                        if is_op(bmm2, aten.bmm) and bmm2.args[0] is r and len(bmm2.users) == 1:
+                            found = (o, u, r, bmm2)
+        if found is None:
+            ctx.miss("attention", sm, "the probabilities do not feed a batched GEMM with v")
+            continue
+        o, _, _, bmm2 = found
+        (ctx4,) = bmm2.users
+        vm = tensor_meta(bmm2.args[1])
+        Dv = vm.shape[-1]
+        v4 = _unflatten_of(bmm2.args[1], (B, H, Lk, Dv))
+        c4m = tensor_meta(ctx4)
+        if v4 is None or not is_op(ctx4, *_RESHAPES) or c4m is None or not _same(c4m.shape, (B, H, Lq, Dv)):
+            ctx.miss("attention", sm, "v is not a 4-D [B, H, L, D] tensor or the context is not viewed back to 4-D")
+            continue
+        dtypes = {tensor_meta(t).dtype for t in (q4, kt4, v4)} | {sm_val.dtype}
+        if len(dtypes) != 1:
+            ctx.miss("attention", sm, f"q, k, v and the scores have different dtypes {sorted(map(str, dtypes))}")
+            continue
+
+        probs_read = any(g is not o or len(g.users) > 1 for g in outs) or bool(items.get(1))
+        with graph.inserting_before(sm):
+            if is_op(kt4, aten.transpose) and sorted(d % 4 for d in kt4.args[1:3]) == [2, 3]:
+                k4 = kt4.args[0]  # HF writes k.transpose(-1, -2)
+            else:
+                k4 = insert_call(graph, ctx, aten.transpose.int, (kt4, 2, 3))
+            form, why = choose_form(ctx, q4, k4, mask, causal, p, probs_read)
+            if form == "sdpa":
+                fused = out = _insert_sdpa(graph, ctx, q4, k4, v4, mask, scale, causal, p)
+            else:
+                op = torch.ops.dmfx.flash_attention if form == "flash" else torch.ops.dmfx.attention
+                fused = insert_call(graph, ctx, op.default, (q4, k4, v4, mask, scale, causal, seed, p))
+                out, *rest = insert_getitems(graph, fused, 2 if form == "flash" else 3)
+        ctx4.replace_all_uses_with(out)
+        if form == "sdpa":  # its output layout depends on the kernel PyTorch picks at run time
+            views_to_reshapes([out])
+        if form == "gemm":  # readers of the softmax's outputs elsewhere (returned attention weights)
+            probs, dropped = rest
+            for g in outs:
+                if g is not o or len(g.users) > 1:
+                    g.replace_all_uses_with(dropped if p > 0 else probs, delete_user_cb=lambda u: u is not found[1])
+            for g in items.get(1, []):
+                g.replace_all_uses_with(probs)
+        absorbed = ctx.take_over(sm) + 2 + 4  # the softmax chain, two GEMMs, four views
+        ctx.record("attention", absorbed, fused)
+        ctx.forms[fused.name] = (form, why)
+        log.debug("dmfx: attention at %s runs in the %s form: %s", sm.name, form, why)
+    noop_clones(gm, ctx)
+
+
+# ----------------------------------------------------------------------------------------- QKV stacking
+
+
+def _head_view_of(t: Node):
+    """t = view(h, [B, L, H, D]).transpose(1, 2) (or permute(0, 2, 1, 3)) with h the [B, L, H*D] (or
+    [B*L, H*D]) output of a linear layer: (h, the linear)."""
+    if is_op(t, aten.transpose) and sorted(d % 4 for d in t.args[1:3]) == [1, 2]:
+        pass
+    elif is_op(t, aten.permute) and list(t.args[1]) == [0, 2, 1, 3]:
+        pass
+    else:
+        return None
+    v = t.args[0]
+    if not is_op(v, *_RESHAPES) or len(v.users) != 1 or len(v.args[1]) != 4:
+        return None
+    h = v.args[0]
+    while is_op(h, *_RESHAPES) and len(h.users) == 1:
+        h = h.args[0]
+    if not is_op(h, aten.addmm, aten.mm) or len(h.users) != 1:
+        return None
+    return h, v.args[1]
+
+
+def _same_value(a: object, b: object) -> bool:
+    """a and b are the same node, or the same view of the same value (functionalization records a
+    separate ``view(x, shape)`` for each reader of x)."""
+    if a is b:
+        return True
+    return (
+        is_op(a, *_RESHAPES)
+        and is_op(b, *_RESHAPES)
+        and a.target is b.target
+        and list(a.args[1]) == list(b.args[1])
+        and _same_value(a.args[0], b.args[0])
+    )
+
+
+def _linear_parts(lin: Node):
+    """(input, weight operand [in, out], bias or None) of addmm(bias, x, w) / mm(x, w)."""
+    if is_op(lin, aten.addmm):
+        if lin.kwargs or len(lin.args) != 3:
+            return None
+        bias, x, w = lin.args
+        bm = tensor_meta(bias)
+        if bm is None or bm.dim() != 1:
+            return None
+        return x, w, bias
+    if lin.kwargs or len(lin.args) != 2:
+        return None
+    x, w = lin.args
+    return x, w, None
+
+
+def _concrete(x) -> int:
+    """An int, or a SymInt's hint (the example's value)."""
+    if isinstance(x, int):
+        return x
+    return int(x.node.hint) if getattr(x.node, "hint", None) is not None else int(x.node.shape_env.size_hint(x.node.expr))
+
+
+def stack_qkv(gm: GraphModule, ctx: PassContext) -> None:
+    if ctx.stack_qkv is False:
+        return
+    graph = gm.graph
+    for att in list(graph.nodes):
+        if not is_op(att, *_ATTENTION_OPS):
+            continue
+        q4, k4, v4, mask, scale, causal, seed, p = att.args
+        heads = [_head_view_of(t) for t in (q4, k4, v4)]
+        if any(x is None for x in heads):
+            if sum(x is not None for x in heads) >= 2:  # a near miss (e.g. k and v of a cache)
+                ctx.miss("qkv_stacking", att, "q, k and v are not all head views of linear layers read only here")
+            continue
+        lins = [lin for lin, _ in heads]
+        parts = [_linear_parts(lin) for lin in lins]
+        if any(x is None for x in parts) or not all(_same_value(parts[0][0], x) for x, _, _ in parts[1:]):
+            ctx.miss("qkv_stacking", att, "q, k and v are not projections of the same input")
+            continue
+        ws = [w for _, w, _ in parts]
+        biases = [b for _, _, b in parts]
+        wm = [tensor_meta(w) for w in ws]
+        same_shapes = all(_same(m.shape, wm[0].shape) and m.dtype == wm[0].dtype for m in wm)
+        if not same_shapes or (None in biases and any(b is not None for b in biases)):
+            ctx.miss("qkv_stacking", att, "the three projections differ in shape, dtype or bias")
+            continue
+        qm = tensor_meta(q4)
+        B, H, L, D = qm.shape
+        if not isinstance(H * D, int):
+            ctx.miss("qkv_stacking", att, "the hidden size is dynamic")
+            continue
+        if not _same(tensor_meta(k4).shape, (B, H, L, D)) or not _same(tensor_meta(v4).shape, (B, H, L, D)):
+            ctx.miss("qkv_stacking", att, "q, k and v differ in shape (cross-attention or grouped-query)")
+            continue
+        x = parts[0][0]
+        if ctx.stack_qkv == "auto":
+            # Training: the concatenation moves 2 * 3 * in * out elements every step, the backward
+            # saves two adds of the three dX GEMMs' outputs (2 * 3 * tokens * in elements) and two
+            # GEMM launches. Inference: the GEMM runs no faster stacked (bench/RESULTS.md) and the
+            # concatenation is pure cost.
+            tokens, features = (_concrete(s) for s in tensor_meta(x).shape[-2:]) if tensor_meta(x).dim() == 2 else (0, 1)
+            if not ctx.training or tokens < features:
+                why = "inference" if not ctx.training else f"{tokens} tokens < {features} input features"
+                ctx.miss("qkv_stacking", att, f"not worth it ({why}): the per-step weight concatenation costs more than it saves")
+                continue
+        size_b, size_l = heads[0][1][:2]  # [B, L, H, D] of the head view: ints or SymInt nodes
+        with graph.inserting_before(att):
+            if all(is_op(w, aten.t, aten.permute) and tensor_meta(w.args[0]).dim() == 2 for w in ws):
+                # weights are t(W) of [out, in] parameters: stack rows (a contiguous copy) and transpose
+                W = insert_call(graph, ctx, aten.cat.default, ([w.args[0] for w in ws], 0))
+                w_all = insert_call(graph, ctx, aten.t.default, (W,))
+            else:
+                w_all = insert_call(graph, ctx, aten.cat.default, (ws, 1))
+            if biases[0] is not None:
+                b_all = insert_call(graph, ctx, aten.cat.default, (biases, 0))
+                lin = insert_call(graph, ctx, aten.addmm.default, (b_all, x, w_all))
+            else:
+                lin = insert_call(graph, ctx, aten.mm.default, (x, w_all))
+            qkv = insert_call(graph, ctx, aten.view.default, (lin, [size_b, size_l, 3 * H * D]))
+            fused = insert_call(graph, ctx, _PACKED[att.target], (qkv, H, mask, scale, causal, seed, p))
+        fused.meta["dmfx_fused"] = att.meta.get("dmfx_fused")
+        att.replace_all_uses_with(fused)
+        graph.erase_node(att)
+        ctx.record("qkv_stacking", 2, None)  # two GEMMs (and their bias adds) absorbed
+
+
+# ----------------------------------------------------------------------------------------- layouts
+
+
+def _refresh(n: Node, ctx: PassContext) -> None:
+    """Recompute n's fake value from its inputs' (their layout may have changed)."""
+    if ctx.fake_mode is None or n.op != "call_function" or n.target is operator.getitem:
+        if n.target is operator.getitem:
+            src = n.args[0].meta.get("val")
+            if isinstance(src, (tuple, list)):
+                n.meta["val"] = src[n.args[1]]
+        return
+    args = torch.fx.node.map_arg(n.args, lambda a: a.meta.get("val"))
+    kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: a.meta.get("val"))
+    with ctx.fake_mode:
+        n.meta["val"] = n.target(*args, **kwargs)
+
+
+def noop_clones(gm: GraphModule, ctx: PassContext) -> None:
+    """Drop ``clone`` (contiguous or preserved format) of a tensor that is already contiguous
+    downstream of dmfx's attention ops, whose outputs come in the layout their consumers want.
+
+    Views between the op and the clone get fresh fake values first: they were traced on the old
+    layout. The graph is functional, so a clone of a tensor nobody mutates is only a copy."""
+    graph = gm.graph
+    starts = [n for n in graph.nodes if is_op(n, *_ATTENTION_OPS, *(v.overloadpacket for v in _PACKED.values()))]
+    for start in starts:
+        frontier = [g for g in start.users if g.target is operator.getitem and g.args[1] == 0]
+        for g in frontier:
+            _refresh(g, ctx)
+        while frontier:
+            n = frontier.pop()
+            for u in list(n.users):
+                if is_op(u, aten.clone):
+                    src = tensor_meta(u.args[0])
+                    fmt = u.kwargs.get("memory_format", torch.preserve_format)
+                    if src is not None and src.is_contiguous() and fmt in (torch.contiguous_format, torch.preserve_format):
+                        u.replace_all_uses_with(u.args[0])
+                        graph.erase_node(u)
+                        ctx.record("noop_clone", 1, None)
+                        continue
+                if is_op(u, aten.transpose, aten.permute, *_RESHAPES, aten.expand):
+                    _refresh(u, ctx)
+                    frontier.append(u)

@@ -1,0 +1,201 @@
+"""dmfx::attention / dmfx::qkv_attention and their backwards (cuda_ops/attention.py) on the CPU.
+
+Against reference_attention (pure PyTorch GEMMs in fp32/fp64 around reference_softmax, with the
+kernels' Philox dropout mask): fp32 at relative-norm error 1e-5, fp16/bf16 looser. Gradients: float64
+gradcheck through every output (fixed seed, so the dropout mask is deterministic), the mask gradient
+(T5's position bias) included. Layouts: the output and the gradients come in the projections'
+[B, L, H, D] layout, which is what lets the pass drop eager's transpose copies.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import dmfx  # noqa: F401  (registers the ops)
+from dmfx.cuda_ops.attention import attention, reference_attention
+from dmfx.cuda_ops.ops import new_seed
+
+from conftest import rel_err
+
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float64: 1e-12}
+op = torch.ops.dmfx.attention
+qkv_op = torch.ops.dmfx.qkv_attention
+
+
+def _heads(B, L, H, D, dtype=torch.float32, layout="blhd"):
+    """A [B, H, L, D] tensor laid out as the projections write it ([B, L, H, D]) or contiguous."""
+    if layout == "blhd":
+        return torch.randn(B, L, H, D).to(dtype).transpose(1, 2)
+    return torch.randn(B, H, L, D).to(dtype)
+
+
+def _mask(kind, B, H, Lq, Lk, dtype=torch.float32):
+    if kind == "none":
+        return None
+    if kind == "padding":  # HF BERT: [B, 1, 1, Lk] with finfo.min on padded keys
+        m = torch.zeros(B, 1, 1, Lk)
+        m[-1, ..., Lk // 2 :] = torch.finfo(torch.float32).min
+        return m
+    if kind == "bool":
+        m = torch.rand(Lq, Lk) < 0.8
+        m[:, 0] = True
+        return m
+    if kind == "bias":  # T5: a full [1, H, Lq, Lk] position bias in the scores' dtype
+        return torch.randn(1, H, Lq, Lk).to(dtype)
+    raise ValueError(kind)
+
+
+def _check(outs, refs, dtype):
+    for name, a, b in zip(("out", "probs", "dropped"), outs, refs):
+        assert a.shape == b.shape, name
+        if b.numel():
+            assert rel_err(a, b) < TOL[dtype], (name, rel_err(a, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mask_kind", ["none", "padding", "bool", "bias"])
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_forward_matches_reference(dtype, mask_kind, p):
+    B, H, L, D = 2, 4, 24, 16
+    q, k, v = (_heads(B, L, H, D, dtype) for _ in range(3))
+    mask = _mask(mask_kind, B, H, L, L, dtype)
+    seed = new_seed() if p else None
+    outs = op(q, k, v, mask, 0.25, False, seed, p)
+    _check(outs, reference_attention(q, k, v, mask, 0.25, False, seed, p), dtype)
+
+
+@pytest.mark.parametrize("Hk", [1, 2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_grouped_query_and_cross_attention(Hk, causal):
+    """Hq a multiple of Hk (GQA / MQA without repeat_kv) and key length != query length (cross-
+    attention; causal aligned to the end as SDPA does)."""
+    B, H, Lq, Lk, D, Dv = 2, 4, 5, 9, 8, 12
+    q = _heads(B, Lq, H, D)
+    k = _heads(B, Lk, Hk, D, layout="bhld")
+    v = _heads(B, Lk, Hk, Dv)
+    seed = new_seed()
+    outs = op(q, k, v, None, 0.5, causal, seed, 0.1)
+    _check(outs, reference_attention(q, k, v, None, 0.5, causal, seed, 0.1), torch.float32)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.5, is_causal=causal and Lq == Lk, enable_gqa=True)
+    if not causal or Lq == Lk:
+        assert rel_err(op(q, k, v, None, 0.5, causal and Lq == Lk, None, 0.0)[0], ref) < 1e-5
+
+
+def test_output_and_gradient_layouts():
+    """out is [B, H, L, D] in [B, L, H, D] memory; dq/dk/dv come in the same layout; the stacked
+    op's gradient is one contiguous [B, L, 3*H*D] tensor."""
+    B, H, L, D = 2, 3, 7, 8
+    q, k, v = (_heads(B, L, H, D).requires_grad_() for _ in range(3))
+    out = op(q, k, v, None, 1.0, False, None, 0.0)[0]
+    assert out.shape == (B, H, L, D) and out.transpose(1, 2).is_contiguous()
+    g = torch.randn_like(out)
+    dq, dk, dv, dz = torch.ops.dmfx.attention_backward(g, q, k, v, *op(q, k, v, None, 1.0, False, None, 0.0)[1:], None, 0.0, 1.0, False)
+    for t in (dq, dk, dv):
+        assert t.transpose(1, 2).is_contiguous()
+    assert dz.numel() == 0
+    qkv = torch.randn(B, L, 3 * H * D)
+    outs = qkv_op(qkv, H, None, 1.0, False, None, 0.0)
+    dqkv, _ = torch.ops.dmfx.qkv_attention_backward(g, qkv, H, outs[1], outs[2], None, 0.0, 1.0, False)
+    assert dqkv.shape == qkv.shape and dqkv.is_contiguous()
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_qkv_attention_equals_attention_on_its_blocks(p):
+    B, L, H, D = 2, 11, 4, 8
+    qkv = torch.randn(B, L, 3 * H * D, dtype=torch.float64, requires_grad=True)
+    mask = _mask("padding", B, H, L, L, torch.float64)
+    seed = new_seed()
+    q, k, v = (t.transpose(1, 2) for t in qkv.view(B, L, 3, H, D).unbind(2))
+    a = qkv_op(qkv, H, mask, 0.3, False, seed, p)
+    b = op(q, k, v, mask, 0.3, False, seed, p)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    g = torch.randn_like(a[0])
+    (ga,) = torch.autograd.grad(a[0], qkv, g)
+    (gb,) = torch.autograd.grad(b[0], qkv, g)
+    assert rel_err(ga, gb) < 1e-12
+
+
+@pytest.mark.parametrize("p", [0.0, 0.25])
+@pytest.mark.parametrize("Hk", [1, 2])
+def test_gradcheck_float64_all_outputs(p, Hk):
+    """Gradients of q, k, v and a mask that requires grad, through out, probs and dropped."""
+    B, H, Lq, Lk, D = 2, 2, 4, 5, 3
+    q = _heads(B, Lq, H, D, torch.float64).requires_grad_()
+    k = _heads(B, Lk, Hk, D, torch.float64).requires_grad_()
+    v = _heads(B, Lk, Hk, D, torch.float64).requires_grad_()
+    mask = torch.randn(B, 1, Lq, Lk, dtype=torch.float64, requires_grad=True)
+    seed = new_seed()
+
+    def f(q, k, v, mask):
+        out, probs, dropped = op(q, k, v, mask, 0.7, True, seed, p)
+        return out, probs, dropped
+
+    assert torch.autograd.gradcheck(f, (q, k, v, mask))
+
+
+def test_gradcheck_qkv_float64():
+    B, L, H, D = 2, 5, 2, 3
+    qkv = torch.randn(B, L, 3 * H * D, dtype=torch.float64, requires_grad=True)
+    mask = torch.randn(1, H, L, L, dtype=torch.float64, requires_grad=True)
+    seed = new_seed()
+    assert torch.autograd.gradcheck(lambda x, m: qkv_op(x, H, m, 0.4, False, seed, 0.2), (qkv, mask))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_opcheck(p):
+    B, L, H, D = 2, 6, 2, 4
+    q, k, v = (_heads(B, L, H, D).requires_grad_() for _ in range(3))
+    seed = new_seed() if p else None
+    opcheck(op.default, (q, k, v, _mask("padding", B, H, L, L), 0.5, False, seed, p))
+    qkv = torch.randn(B, L, 3 * H * D, requires_grad=True)
+    opcheck(qkv_op.default, (qkv, H, None, 0.5, True, seed, p))
+
+
+def test_dropout_keeps_the_expected_share():
+    B, H, L, D = 2, 4, 64, 8
+    q, k, v = (_heads(B, L, H, D) for _ in range(3))
+    _, probs, dropped = op(q, k, v, None, 0.1, False, new_seed(), 0.25)
+    kept = (dropped != 0).double().mean().item()
+    assert abs(kept - 0.75) < 0.02
+    assert torch.allclose(dropped[dropped != 0], probs[dropped != 0] / 0.75)
+
+
+def test_fully_masked_rows_give_zeros():
+    B, H, L, D = 1, 2, 4, 8
+    q, k, v = (_heads(B, L, H, D) for _ in range(3))
+    mask = torch.ones(L, L, dtype=torch.bool)
+    mask[1] = False
+    out, probs, _ = op(q, k, v, mask, 1.0, False, None, 0.0)
+    assert torch.isfinite(out).all() and (out[:, :, 1] == 0).all() and (probs[:, :, 1] == 0).all()
+
+
+def test_python_api_matches_sdpa():
+    B, H, L, D = 2, 4, 10, 16
+    q, k, v = (_heads(B, L, H, D) for _ in range(3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert rel_err(attention(q, k, v, causal=True), ref) < 1e-5
+    assert rel_err(attention(q, k, v, causal=True, p=0.5, training=False), ref) < 1e-5
+
+
+def test_bad_input_errors():
+    q = _heads(2, 4, 4, 8)
+    with pytest.raises(ValueError, match="q must be 4-D"):
+        op(q[0], q, q, None, 1.0, False, None, 0.0)
+    with pytest.raises(ValueError, match="multiple of k's and v's 3 heads"):
+        k = _heads(2, 4, 3, 8)
+        op(q, k, k, None, 1.0, False, None, 0.0)
+    with pytest.raises(TypeError, match="one dtype"):
+        op(q, q.double(), q, None, 1.0, False, None, 0.0)
+    with pytest.raises(ValueError, match="do not fit"):
+        op(q, _heads(2, 4, 4, 7), q, None, 1.0, False, None, 0.0)
+    with pytest.raises(ValueError, match="not broadcastable"):
+        op(q, q, q, torch.zeros(3, 4), 1.0, False, None, 0.0)
+    with pytest.raises(ValueError, match="needs a seed"):
+        op(q, q, q, None, 1.0, False, None, 0.5)
+    with pytest.raises(ValueError, match="3 \\* heads \\* head_dim"):
+        qkv_op(torch.randn(2, 4, 20), 3, None, 1.0, False, None, 0.0)
+    with pytest.raises(ValueError, match="qkv must be 3-D"):
+        qkv_op(torch.randn(8, 24), 2, None, 1.0, False, None, 0.0)

@@ -1,0 +1,288 @@
+"""The attention and qkv_stacking passes (passes/attention.py) on small hand-built graphs: attention in
+the forms models write it becomes dmfx::flash_attention / dmfx::attention (or their qkv_ variants
+when Q, K and V are projections of one input), with no transpose copy left in the forward or the
+backward graph, or PyTorch's SDPA where the cost model says so; near misses are left to the softmax
+fusion."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dmfx
+from conftest import rel_err
+from test_passes import check_same, count, rewrite, targets
+
+dmfx_ops = torch.ops.dmfx
+aten = torch.ops.aten
+B, L, H, D = 2, 6, 3, 4
+E = H * D
+
+
+def _heads(t, Lx=L):
+    return t.view(B, Lx, H, D).transpose(1, 2)
+
+
+def bert_self_attention(x, wq, bq, wk, bk, wv, bv, mask):
+    """HF BERT's eager self-attention: three linears, head views, matmul / sqrt(d) + mask, softmax,
+    matmul, transpose back and .contiguous().view()."""
+    q, k, v = (_heads(F.linear(x, w, b)) for w, b in ((wq, bq), (wk, bk), (wv, bv)))
+    s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(D) + mask
+    p = torch.softmax(s, dim=-1)
+    ctx = torch.matmul(p, v)
+    return ctx.permute(0, 2, 1, 3).contiguous().view(B, L, E)
+
+
+def _params():
+    x = torch.randn(B, L, E)
+    ws = [torch.randn(E, E) * 0.3 for _ in range(3)]
+    bs = [torch.randn(E) for _ in range(3)]
+    mask = torch.zeros(B, 1, 1, L)
+    mask[1, ..., 4:] = torch.finfo(torch.float32).min
+    return x, ws[0], bs[0], ws[1], bs[1], ws[2], bs[2], mask
+
+
+FORMS = {"gemm": dmfx_ops.qkv_attention, "flash": dmfx_ops.qkv_flash_attention}
+
+
+@pytest.mark.parametrize("form", ["gemm", "flash"])
+def test_self_attention_becomes_one_stacked_gemm_and_one_attention_op(form):
+    args = _params()
+    gm, ctx = rewrite(bert_self_attention, *args, attention=form)
+    assert ctx.fired.get("attention") == 1 and ctx.fired.get("qkv_stacking") == 1, (ctx.fired, ctx.missed)
+    assert count(gm, FORMS[form]) == 1 and count(gm, dmfx_ops.attention) == 0
+    assert aten.bmm.default not in targets(gm) and aten.clone.default not in targets(gm)
+    assert count(gm, aten.addmm) == 1  # Q, K and V in one GEMM
+    (cat,) = [n for n in gm.graph.nodes if n.target is aten.cat.default and n.meta["val"].dim() == 2]
+    assert tuple(cat.meta["val"].shape) == (3 * E, E)
+    check_same(bert_self_attention, gm, *args)
+
+
+@pytest.mark.parametrize("form", ["gemm", "flash"])
+def test_attention_on_plain_inputs_has_no_copies(form):
+    q, k, v = (torch.randn(B, L, H, D).transpose(1, 2) for _ in range(3))
+
+    def fn(q, k, v):
+        return (torch.softmax(q @ k.transpose(-1, -2) * 0.5, -1) @ v).transpose(1, 2).contiguous()
+
+    gm, ctx = rewrite(fn, q, k, v, attention=form)
+    assert ctx.fired.get("attention") == 1 and "qkv_stacking" not in ctx.fired and not ctx.missed
+    assert aten.clone.default not in targets(gm) and aten.bmm.default not in targets(gm)
+    check_same(fn, gm, q, k, v)
+
+
+@pytest.mark.parametrize("form", ["gemm", "flash", "sdpa"])
+def test_cross_attention_other_key_length(form):
+    q = torch.randn(B, H, L, D)
+    k, v = torch.randn(B, H, 9, D), torch.randn(B, H, 9, 5)
+    mask = torch.randn(B, 1, L, 9)
+
+    def fn(q, k, v, mask):
+        return torch.softmax(q @ k.transpose(-1, -2) + mask, -1) @ v
+
+    gm, ctx = rewrite(fn, q, k, v, mask, attention=form)
+    assert ctx.fired.get("attention") == 1
+    assert [f for f, _ in ctx.forms.values()] == [form]
+    check_same(fn, gm, q, k, v, mask)
+
+
+def test_returned_attention_weights_read_the_fused_ops_probs():
+    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+
+    def fn(q, k, v):
+        p = torch.softmax(q @ k.transpose(-1, -2) * 0.5, -1)
+        return p @ v, p
+
+    gm, ctx = rewrite(fn, q, k, v, attention="flash")
+    assert ctx.fired.get("attention") == 1
+    assert [f for f, _ in ctx.forms.values()] == ["gemm"]  # only the unfused form has the probabilities
+    check_same(fn, gm, q, k, v)
+
+
+def test_projection_read_elsewhere_is_not_stacked():
+    """A KV cache returns k: the three GEMMs stay, attention still fuses, the miss is logged."""
+    args = _params()
+
+    def fn(x, wq, bq, wk, bk, wv, bv, mask):
+        k = F.linear(x, wk, bk)
+        q, kh, v = _heads(F.linear(x, wq, bq)), _heads(k), _heads(F.linear(x, wv, bv))
+        p = torch.softmax(q @ kh.transpose(-1, -2) + mask, -1)
+        return (p @ v).transpose(1, 2).reshape(B, L, E), k
+
+    gm, ctx = rewrite(fn, *args, attention="flash")
+    assert ctx.fired.get("attention") == 1 and "qkv_stacking" not in ctx.fired
+    assert any("qkv_stacking" in m for m in ctx.missed)
+    check_same(fn, gm, *args)
+
+
+def test_different_inputs_are_not_stacked():
+    x, wq, bq, wk, bk, wv, bv, mask = _params()
+    y = torch.randn(B, L, E)
+
+    def fn(x, y, wq, wk, wv):  # cross-attention: k and v read y
+        q, k, v = _heads(F.linear(x, wq)), _heads(F.linear(y, wk)), _heads(F.linear(y, wv))
+        return torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+
+    gm, ctx = rewrite(fn, x, y, wq, wk, wv, attention="gemm")
+    assert ctx.fired.get("attention") == 1 and "qkv_stacking" not in ctx.fired
+    assert any("same input" in m for m in ctx.missed)
+    check_same(fn, gm, x, y, wq, wk, wv)
+
+
+def test_near_misses_are_left_to_the_softmax_fusion():
+    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+
+    def scores_returned(q, k, v):
+        s = q @ k.transpose(-1, -2)
+        return torch.softmax(s * 0.5, -1) @ v, s
+
+    gm, ctx = rewrite(scores_returned, q, k, v)
+    assert "attention" not in ctx.fired and ctx.fired.get("attention_softmax") == 1
+    assert any(m.startswith("attention at") for m in ctx.missed)
+    check_same(scores_returned, gm, q, k, v)
+
+    def no_second_gemm(q, k):
+        return torch.softmax(q @ k.transpose(-1, -2), -1).sum(-1)
+
+    gm, ctx = rewrite(no_second_gemm, q, k)
+    assert "attention" not in ctx.fired
+    check_same(no_second_gemm, gm, q, k)
+
+    def softmax_over_queries(q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2), -2) @ v
+
+    gm, ctx = rewrite(softmax_over_queries, q, k, v)
+    assert not ctx.fired.get("attention")
+    check_same(softmax_over_queries, gm, q, k, v)
+
+    def gqa_repeat_kv(q, k, v):  # LLaMA's repeat_kv copies k and v first: not matched yet
+        k2 = k[:, :1, None].expand(B, 1, H, L, D).reshape(B, H, L, D)
+        v2 = v[:, :1, None].expand(B, 1, H, L, D).reshape(B, H, L, D)
+        return torch.softmax(q @ k2.transpose(-1, -2), -1) @ v2
+
+    gm, ctx = rewrite(gqa_repeat_kv, q, k, v)
+    check_same(gqa_repeat_kv, gm, q, k, v)
+
+
+class _SelfAttention(torch.nn.Module):
+    def __init__(self, p=0.0, bias=True):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(E, E, bias=bias) for _ in range(3))
+        self.o = torch.nn.Linear(E, E)
+        self.drop = torch.nn.Dropout(p)
+
+    def forward(self, x, mask):
+        q, k, v = (_heads(m(x)) for m in (self.q, self.k, self.v))
+        s = q @ k.transpose(-1, -2) / math.sqrt(D) + mask
+        ctx = self.drop(torch.softmax(s, -1)) @ v
+        return self.o(ctx.transpose(1, 2).contiguous().view(B, L, E))
+
+
+@pytest.mark.parametrize("form", ["gemm", "flash"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_training_matches_eager_and_backward_has_no_copies(bias, form):
+    torch.manual_seed(0)
+    model = _SelfAttention(bias=bias)
+    ref = _SelfAttention(bias=bias)
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(B, L, E, requires_grad=True)
+    mask = _params()[-1]
+    out = torch.compile(model, backend="dmfx", options={"attention": form})(x, mask)
+    out.square().sum().backward()
+    gx, x.grad = x.grad, None
+    ref(x, mask).square().sum().backward()
+    assert rel_err(gx, x.grad) < 1e-5
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        # (k's bias gets a zero gradient, softmax being shift-invariant: compare absolutely)
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+    (rec,) = dmfx.records()
+    assert rec.fired.get("qkv_stacking") == 1
+    assert [f for f, _ in rec.attention_forms.values()] == [form]
+    for graph in (rec.forward_graph, rec.backward_graph):
+        ops = targets(graph)
+        assert aten.clone.default not in ops and aten.bmm.default not in ops
+    # the stacked bias gradient is one reduction, dX one GEMM
+    assert sum(1 for t in targets(rec.backward_graph) if t is aten.sum.dim_IntList) == (2 if bias else 1)
+
+
+def test_optimizer_steps_are_seen_by_the_stacked_weight():
+    """The stacked weight is built from the parameters inside the graph: after an optimizer step the
+    next forward uses the new values (no stale copy)."""
+    torch.manual_seed(0)
+    model = _SelfAttention()
+    ref = _SelfAttention()
+    ref.load_state_dict(model.state_dict())
+    opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    compiled = torch.compile(model, backend="dmfx", options={"attention": "flash"})
+    x, mask = torch.randn(B, L, E), _params()[-1]
+    for _ in range(3):
+        for m, o in ((compiled, opt), (ref, opt_ref)):
+            o.zero_grad()
+            m(x, mask).square().mean().backward()
+            o.step()
+    with torch.no_grad():
+        assert rel_err(compiled(x, mask), ref(x, mask)) < 1e-5
+        model.q.weight.mul_(2.0)  # an in-place change outside any optimizer
+        ref.q.weight.mul_(2.0)
+        assert rel_err(compiled(x, mask), ref(x, mask)) < 1e-5
+
+
+def test_dropout_in_training_uses_the_fused_ops_mask():
+    torch.manual_seed(0)
+    model = _SelfAttention(p=0.5).train()
+    x, mask = torch.randn(B, L, E), _params()[-1]
+    out = torch.compile(model, backend="dmfx")(x, mask)
+    (rec,) = dmfx.records()
+    (node,) = [n for n in rec.forward_graph.graph.nodes if n.target is dmfx_ops.qkv_flash_attention.default]
+    assert node.args[-1] == 0.5 and torch.isfinite(out).all()
+    with torch.no_grad():
+        model.eval()
+        ref = _SelfAttention()
+        ref.load_state_dict(model.state_dict())
+        assert rel_err(torch.compile(model, backend="dmfx")(x, mask), ref(x, mask)) < 1e-5
+
+
+# ------------------------------------------------------------------------------ cost model
+
+
+def _forms(model, *inputs, **options):
+    torch._dynamo.reset()
+    dmfx.reset()
+    torch.compile(model, backend="dmfx", options=options)(*inputs)
+    return sorted(f for r in dmfx.records() for f, _ in r.attention_forms.values())
+
+
+def test_cost_model_picks_per_case():
+    """auto: dropout on the CPU -> dmfx's fused kernel; no dropout -> PyTorch's SDPA (faster there,
+    bench/RESULTS.md); bf16 with dropout -> the GEMM form; a mask that requires grad -> the GEMM form."""
+    torch.manual_seed(0)
+    x, mask = torch.randn(B, L, E), _params()[-1]
+    assert _forms(_SelfAttention(p=0.1).train(), x, mask) == ["flash"]
+    with torch.no_grad():
+        assert _forms(_SelfAttention(p=0.1).eval(), x, mask) == ["sdpa"]
+    assert _forms(_SelfAttention(p=0.1).train().to(torch.bfloat16), x.bfloat16(), mask.bfloat16()) == ["gemm"]
+    bias = torch.nn.Parameter(torch.randn(1, H, L, L))
+    assert _forms(_SelfAttention(p=0.1).train(), x, bias) == ["gemm"]
+    assert _forms(_SelfAttention(p=0.1).train(), x, mask, attention="sdpa") == ["sdpa"]
+
+
+def test_sdpa_form_matches_eager_in_training():
+    torch.manual_seed(0)
+    model, ref = _SelfAttention(), _SelfAttention()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(B, L, E, requires_grad=True)
+    mask = _params()[-1]
+    torch.compile(model, backend="dmfx", options={"attention": "sdpa"})(x, mask).square().sum().backward()
+    gx, x.grad = x.grad, None
+    ref(x, mask).square().sum().backward()
+    assert rel_err(gx, x.grad) < 1e-5
+    (rec,) = dmfx.records()
+    assert [f for f, _ in rec.attention_forms.values()] == ["sdpa"]
+
+
+def test_bad_attention_option_is_a_clear_error():
+    with pytest.raises(ValueError, match="'attention' must be"):
+        dmfx.Options.from_user({"attention": "fast"})
+    with pytest.raises(ValueError, match="'stack_qkv' must be"):
+        dmfx.Options.from_user({"stack_qkv": "yes"})
