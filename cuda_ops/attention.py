@@ -481,6 +481,7 @@ def _setup_flash(ctx, inputs, output):
     ctx.scale, ctx.causal, ctx.p = scale, causal, p
     ctx.heads = tensors[1] if len(tensors) == 2 else None  # qkv_flash_attention: (qkv, heads)
     ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(output[1])  # the logsumexp is for the backward only
     saved = [t for t in tensors if isinstance(t, Tensor)]
     ctx.save_for_backward(*saved, output[1], mask, seed)
 

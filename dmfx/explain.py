@@ -206,6 +206,37 @@ def classify(func: Any, args: Sequence[Any] = (), out: Any = None) -> str:
     return OTHER
 
 
+_ATTENTION_OPS = {
+    "attention", "attention_backward", "qkv_attention", "qkv_attention_backward",
+    "flash_attention", "flash_attention_backward", "qkv_flash_attention", "qkv_flash_attention_backward",
+}
+
+
+def _attention_cost(name: str, args: Sequence[Any]) -> tuple[int, int] | None:
+    """(flop, bytes moved inside the op) of a dmfx attention op (None for other ops): the flop of its
+    GEMMs, and for the unfused form (dmfx::attention) the [B, H, Lq, Lk] scores its GEMMs write and its
+    softmax kernels read (forward: written and read once; backward: d(probs) written and read, d(scores)
+    written and read twice). The fused form (flash) keeps them in cache; its backward recomputes Q·Kᵀ."""
+    if name not in _ATTENTION_OPS:
+        return None
+    backward = name.endswith("backward")
+    first = args[1] if backward else args[0]  # q, or the stacked qkv
+    if name.startswith("qkv_"):
+        B, L, F = (_concrete(s) for s in first.shape)
+        H = int(args[2] if backward else args[1])
+        Lq = Lk = L
+        D = Dv = F // (3 * H)
+    else:
+        k, v = (args[2], args[3]) if backward else (args[1], args[2])
+        B, H, Lq, D = (_concrete(s) for s in first.shape)
+        Lk, Dv = _concrete(k.shape[2]), _concrete(v.shape[3])
+    gemm = 2 * B * H * Lq * Lk * (D + Dv)  # Q·Kᵀ and P·V
+    scores = B * H * Lq * Lk * first.element_size()
+    if "flash" in name:
+        return (2 * gemm + 2 * B * H * Lq * Lk * D if backward else gemm), 0
+    return (2 * gemm if backward else gemm), (6 * scores if backward else 2 * scores)
+
+
 def _flop(func: Any, cls: str, args: Sequence[Any], kwargs: dict, out: Any) -> int:
     if cls == CONTRACTION:
         from torch.utils.flop_counter import flop_registry
@@ -224,6 +255,9 @@ def _flop(func: Any, cls: str, args: Sequence[Any], kwargs: dict, out: Any) -> i
         return 0
     elements = max(_numel(t) for t in outs)
     if cls == FUSED:  # a chain of a few element-wise ops and perhaps a normalization
+        cost = _attention_cost(_base_name(func), args)
+        if cost is not None:  # attention: its GEMMs
+            return cost[0]
         elements = max([elements] + [_numel(t) for t in _tensors(args)])
         return 8 * elements
     return _FLOP_PER_ELEMENT.get(_base_name(func), 1) * elements
@@ -257,6 +291,11 @@ def op_cost(func: Any, args: Sequence[Any], kwargs: dict | None, out: Any) -> Op
         read = min(tensor_bytes(args[0]), written) + sum(tensor_bytes(t) for t in _tensors((args[1:], kwargs)))
     else:
         read = sum(tensor_bytes(t) for t in _tensors((args, kwargs)))
+    if cls == FUSED:
+        cost = _attention_cost(_base_name(func), args)
+        if cost is not None and cost[1]:  # the unfused form's scores go through memory inside the op
+            read, written = read + cost[1] // 2, written + cost[1] // 2
+            return OpCost(name, cls, cost[0], read, written, "includes the scores written and read inside the op")
     return OpCost(name, cls, _flop(func, cls, args, kwargs, out), read, written)
 
 

@@ -80,6 +80,26 @@ def _unflatten_of(operand: object, shape4) -> Node | None:
     return n
 
 
+def _repeat_kv_source(t: Node) -> Node | None:
+    """t = repeat_kv(x) as HF LLaMA/Mistral write it, ``x[:, :, None].expand(B, Hk, g, L, D)
+    .reshape(B, Hk * g, L, D)`` (at ATen: unsqueeze, expand, clone, _unsafe_view): x [B, Hk, L, D]."""
+    if not is_op(t, *_RESHAPES):
+        return None
+    n = t.args[0]
+    if is_op(n, aten.clone):
+        n = n.args[0]
+    if not is_op(n, aten.expand) or tensor_meta(n).dim() != 5:
+        return None
+    x5 = n.args[0]
+    if not is_op(x5, aten.unsqueeze) or x5.args[1] not in (2, -3):
+        return None
+    x = x5.args[0]
+    xm, tm = tensor_meta(x), tensor_meta(t)
+    if xm is None or xm.dim() != 4 or tm is None or not _same(xm.shape[2:], tm.shape[2:]) or xm.shape[0] != tm.shape[0]:
+        return None
+    return x
+
+
 def _bmm_of(s: Node) -> Node | None:
     """s = view(bmm(a, b), 4-D): the bmm."""
     if not is_op(s, *_RESHAPES) or len(s.users) != 1:
@@ -190,14 +210,23 @@ def fuse_attention(gm: GraphModule, ctx: PassContext) -> None:
         if v4 is None or not is_op(ctx4, *_RESHAPES) or c4m is None or not _same(c4m.shape, (B, H, Lq, Dv)):
             ctx.miss("attention", sm, "v is not a 4-D [B, H, L, D] tensor or the context is not viewed back to 4-D")
             continue
-        dtypes = {tensor_meta(t).dtype for t in (q4, kt4, v4)} | {sm_val.dtype}
+        # grouped-query attention: read k and v before repeat_kv's copies (the ops index kv heads)
+        k_src = _repeat_kv_source(kt4.args[0]) if is_op(kt4, aten.transpose) and sorted(d % 4 for d in kt4.args[1:3]) == [2, 3] else None
+        v_src = _repeat_kv_source(v4)
+        if k_src is not None and v_src is not None and tensor_meta(k_src).shape[1] == tensor_meta(v_src).shape[1]:
+            kt4, v4 = None, v_src
+        else:
+            k_src = None
+        dtypes = {tensor_meta(t).dtype for t in (q4, k_src if kt4 is None else kt4, v4)} | {sm_val.dtype}
         if len(dtypes) != 1:
             ctx.miss("attention", sm, f"q, k, v and the scores have different dtypes {sorted(map(str, dtypes))}")
             continue
 
         probs_read = any(g is not o or len(g.users) > 1 for g in outs) or bool(items.get(1))
         with graph.inserting_before(sm):
-            if is_op(kt4, aten.transpose) and sorted(d % 4 for d in kt4.args[1:3]) == [2, 3]:
+            if kt4 is None:
+                k4 = k_src
+            elif is_op(kt4, aten.transpose) and sorted(d % 4 for d in kt4.args[1:3]) == [2, 3]:
                 k4 = kt4.args[0]  # HF writes k.transpose(-1, -2)
             else:
                 k4 = insert_call(graph, ctx, aten.transpose.int, (kt4, 2, 3))
@@ -262,6 +291,38 @@ def _same_value(a: object, b: object) -> bool:
     )
 
 
+def _split_source(q4: Node, k4: Node, v4: Node) -> Node | None:
+    """q4, k4, v4 = the head views (view(., [B, L, H, D]).transpose(1, 2)) of the three equal chunks of
+    ``split(x, E, -1)`` with x [B, L, 3E], in order: x."""
+    srcs = []
+    for i, t in enumerate((q4, k4, v4)):
+        if not (is_op(t, aten.transpose) and sorted(d % 4 for d in t.args[1:3]) == [1, 2]):
+            return None
+        v = t.args[0]
+        if not is_op(v, *_RESHAPES) or len(v.users) != 1:
+            return None
+        g = v.args[0]
+        if not (isinstance(g, Node) and g.target is operator.getitem and g.args[1] == i and len(g.users) == 1):
+            return None
+        srcs.append(g.args[0])
+    split = srcs[0]
+    if not all(s is split for s in srcs) or not is_op(split, aten.split, aten.split_with_sizes):
+        return None
+    x = split.args[0]
+    xm, qm = tensor_meta(x), tensor_meta(q4)
+    if xm is None or xm.dim() != 3 or split.args[2] not in (2, -1) or len(x.users) != 1:
+        return None
+    B, H, L, D = qm.shape
+    if not isinstance(H * D, int) or xm.shape[2] != 3 * H * D or not _same(xm.shape[:2], (B, L)):
+        return None
+    sizes = split.args[1]
+    if (isinstance(sizes, int) and sizes != H * D) or (not isinstance(sizes, int) and list(sizes) != [H * D] * 3):
+        return None
+    if any(not _same(tensor_meta(t).shape, (B, H, L, D)) for t in (k4, v4)):
+        return None
+    return x
+
+
 def _linear_parts(lin: Node):
     """(input, weight operand [in, out], bias or None) of addmm(bias, x, w) / mm(x, w)."""
     if is_op(lin, aten.addmm):
@@ -293,6 +354,16 @@ def stack_qkv(gm: GraphModule, ctx: PassContext) -> None:
         if not is_op(att, *_ATTENTION_OPS):
             continue
         q4, k4, v4, mask, scale, causal, seed, p = att.args
+        packed = _split_source(q4, k4, v4)
+        if packed is not None:  # GPT-2: one GEMM already, split into q, k and v
+            with graph.inserting_before(att):
+                fused = insert_call(graph, ctx, _PACKED[att.target], (packed, tensor_meta(q4).shape[1], mask, scale, causal, seed, p))
+            fused.meta["dmfx_fused"] = att.meta.get("dmfx_fused")
+            ctx.forms[fused.name] = ctx.forms.pop(att.name, ("", ""))
+            att.replace_all_uses_with(fused)
+            graph.erase_node(att)
+            ctx.record("qkv_stacking", 1, None)  # the split (and its backward's concatenation)
+            continue
         heads = [_head_view_of(t) for t in (q4, k4, v4)]
         if any(x is None for x in heads):
             if sum(x is not None for x in heads) >= 2:  # a near miss (e.g. k and v of a cache)
@@ -345,6 +416,7 @@ def stack_qkv(gm: GraphModule, ctx: PassContext) -> None:
             qkv = insert_call(graph, ctx, aten.view.default, (lin, [size_b, size_l, 3 * H * D]))
             fused = insert_call(graph, ctx, _PACKED[att.target], (qkv, H, mask, scale, causal, seed, p))
         fused.meta["dmfx_fused"] = att.meta.get("dmfx_fused")
+        ctx.forms[fused.name] = ctx.forms.pop(att.name, ("", ""))
         att.replace_all_uses_with(fused)
         graph.erase_node(att)
         ctx.record("qkv_stacking", 2, None)  # two GEMMs (and their bias adds) absorbed

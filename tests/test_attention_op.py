@@ -199,3 +199,103 @@ def test_bad_input_errors():
         qkv_op(torch.randn(2, 4, 20), 3, None, 1.0, False, None, 0.0)
     with pytest.raises(ValueError, match="qkv must be 3-D"):
         qkv_op(torch.randn(8, 24), 2, None, 1.0, False, None, 0.0)
+
+
+# ------------------------------------------------------------------------------ fused (flash) form
+
+flash = torch.ops.dmfx.flash_attention
+qkv_flash = torch.ops.dmfx.qkv_flash_attention
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("mask_kind", ["none", "padding", "bool", "bias"])
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_flash_matches_the_gemm_form(dtype, mask_kind, p):
+    """Same values and the same dropout mask (the kernels share the Philox element indexing), with
+    a block size that splits the query rows (Lq > rows per block only for long keys: both covered)."""
+    for L in (24, 300):
+        B, H, D = 2, 2, 8
+        q, k, v = (_heads(B, L, H, D, dtype) for _ in range(3))
+        mask = _mask(mask_kind, B, H, L, L, dtype)
+        seed = new_seed() if p else None
+        out, lse = flash(q, k, v, mask, 0.3, False, seed, p)
+        ref = op(q, k, v, mask, 0.3, False, seed, p)
+        assert out.transpose(1, 2).is_contiguous() and lse.shape == (B, H, L)
+        assert rel_err(out, ref[0]) < TOL[dtype] * 10
+        qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+        g = torch.randn_like(ref[0])
+        got = torch.autograd.grad(flash(qs, ks, vs, mask, 0.3, False, seed, p)[0], (qs, ks, vs), g)
+        exp = torch.autograd.grad(op(qs, ks, vs, mask, 0.3, False, seed, p)[0], (qs, ks, vs), g)
+        for a, b in zip(got, exp):
+            assert rel_err(a, b) < TOL[dtype] * 10
+
+
+@pytest.mark.parametrize("Hk", [1, 2])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_flash_gradcheck_float64(Hk, causal, p):
+    B, H, Lq, Lk, D = 2, 2, 5, 7, 3
+    q = _heads(B, Lq, H, D, torch.float64).requires_grad_()
+    k = _heads(B, Lk, Hk, D, torch.float64).requires_grad_()
+    v = _heads(B, Lk, Hk, D, torch.float64).requires_grad_()
+    mask = torch.randn(B, 1, 1, Lk, dtype=torch.float64)
+    seed = new_seed()
+    assert torch.autograd.gradcheck(lambda q, k, v: flash(q, k, v, mask, 0.7, causal, seed, p)[0], (q, k, v))
+
+
+def test_qkv_flash_gradient_is_one_stacked_tensor():
+    B, L, H, D = 2, 9, 3, 4
+    qkv = torch.randn(B, L, 3 * H * D, dtype=torch.float64, requires_grad=True)
+    seed = new_seed()
+    assert torch.autograd.gradcheck(lambda x: qkv_flash(x, H, None, 0.4, True, seed, 0.2)[0], (qkv,))
+    out, lse = qkv_flash(qkv.detach(), H, None, 0.4, True, seed, 0.2)
+    ref = qkv_op(qkv.detach(), H, None, 0.4, True, seed, 0.2)[0]
+    assert rel_err(out, ref) < 1e-12
+    dqkv = torch.ops.dmfx.qkv_flash_attention_backward(torch.ones_like(out), qkv.detach(), H, lse, None, 0.4, True, seed, 0.2)
+    assert dqkv.shape == qkv.shape and dqkv.is_contiguous()
+
+
+def test_flash_fully_masked_rows_and_empty_keys():
+    B, H, L, D = 1, 2, 4, 8
+    q, k, v = (_heads(B, L, H, D).requires_grad_() for _ in range(3))
+    mask = torch.ones(L, L, dtype=torch.bool)
+    mask[2] = False
+    out, lse = flash(q, k, v, mask, 1.0, False, None, 0.0)
+    assert (out[:, :, 2] == 0).all() and torch.isinf(lse[:, :, 2]).all()
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    empty = torch.zeros(B, H, 0, D)
+    o, _ = flash(q.detach(), empty, empty, None, 1.0, False, None, 0.0)
+    assert o.shape == (B, H, L, D) and (o == 0).all()
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_flash_opcheck(p):
+    B, L, H, D = 2, 6, 2, 4
+    q, k, v = (_heads(B, L, H, D).requires_grad_() for _ in range(3))
+    seed = new_seed() if p else None
+    opcheck(flash.default, (q, k, v, _mask("padding", B, H, L, L), 0.5, False, seed, p))
+    opcheck(qkv_flash.default, (torch.randn(B, L, 3 * H * D, requires_grad=True), H, None, 0.5, True, seed, p))
+
+
+def test_flash_mask_gradient_is_a_clear_error():
+    B, L, H, D = 1, 4, 2, 4
+    q, k, v = (_heads(B, L, H, D).requires_grad_() for _ in range(3))
+    bias = torch.randn(1, H, L, L, requires_grad=True)
+    out, _ = flash(q, k, v, bias, 1.0, False, None, 0.0)
+    with pytest.raises(NotImplementedError, match="mask requires grad"):
+        out.sum().backward()
+
+
+def test_flash_kernel_errors():
+    from dmfx.cuda_ops.build import load
+
+    m = load("cpu")
+    q = _heads(1, 4, 2, 8)
+    out = torch.empty(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        m.flash_fwd(q.half(), q.half(), q.half(), None, 1.0, False, 0, 0, 0.0, out.half())
+    with pytest.raises(RuntimeError, match="out must be"):
+        m.flash_fwd(q, q, q, None, 1.0, False, 0, 0, 0.0, torch.empty(1, 2, 4, 7))
+    with pytest.raises(RuntimeError, match="unit stride in the head dim"):
+        m.flash_fwd(q.transpose(2, 3), q.transpose(2, 3), q.transpose(2, 3), None, 1.0, False, 0, 0, 0.0, out.transpose(2, 3))

@@ -50,8 +50,9 @@ inline Shapes check(const char* op, const at::Tensor& q, const at::Tensor& k, co
               "dmfx::", op, ": q ", q.sizes(), ", k ", k.sizes(), " and v ", v.sizes(),
               " do not fit [B, Hq, Lq, D], [B, Hk, Lk, D], [B, Hk, Lk, Dv] with Hq a multiple of Hk");
   s.groups = s.Hq / s.Hk;
-  // rows per block: the [block, Lk] scores (and in the backward two such buffers) stay in L2
-  const int64_t budget = 128 * 1024 / static_cast<int64_t>(q.element_size());
+  // rows per block: the [block, Lk] scores (in the backward two such buffers) stay in L2; 512 KB
+  // measured best of 128 KB / 512 KB / 1 MB (bench/RESULTS.md: 1.27x faster than 128 KB at L=512)
+  const int64_t budget = 512 * 1024 / static_cast<int64_t>(q.element_size());
   s.block = std::max<int64_t>(16, std::min<int64_t>(std::max<int64_t>(s.Lq, 1), budget / std::max<int64_t>(s.Lk, 1)));
   return s;
 }
