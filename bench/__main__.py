@@ -9,6 +9,8 @@
 Sections
   layer    the paper's table: one encoder layer, forward / backward / total, eager, Inductor, dmfx and the
            GEMM floor, interleaved, medians, ratios and multiples of the floor (bench/layer_table.py)
+  attention  attention alone, forward + backward and inference, L = 128 and 512, with and without dropout:
+           eager, PyTorch's SDPA, dmfx's GEMM form and its fused (flash) form (bench/attention.py)
   models   BERT-base, GPT-2, a small LLaMA, ViT-base, all-MiniLM-L6-v2 (real weights): inference and training,
            time, peak memory, bytes moved, ratios against eager and Inductor (bench/models.py)
   compile  time to first result for Inductor and dmfx, cold and warm caches, in fresh processes (bench/compile_cost.py)
@@ -28,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from . import compile_cost, layer_table, models
+from . import attention, compile_cost, layer_table, models
 from .common import RESULTS, environment, log
 
-SECTIONS = ("layer", "models", "compile")
+SECTIONS = ("layer", "attention", "models", "compile")
 
 
 def parse_args(argv=None):
@@ -56,7 +58,7 @@ def parse_args(argv=None):
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
     if a.smoke and a.only == ",".join(SECTIONS):
-        a.sections = ["layer", "models"]
+        a.sections = ["layer", "attention", "models"]
     return a
 
 
@@ -76,6 +78,15 @@ def main(argv=None) -> dict:
         configs = layer_table.SMOKE_CONFIGS if a.smoke else layer_table.GPU_CONFIGS if gpu else layer_table.CPU_CONFIGS
         out["layer"] = layer_table.run(a.device, configs, cands, rounds, warmup)
         tables.append(("One encoder layer (ms; in brackets: multiple of the GEMM floor)", layer_table.table(out["layer"])))
+
+    if "attention" in a.sections:
+        att_args = attention.parse_args([
+            "--device", a.device, "--rounds", str(rounds), "--warmup", str(warmup),
+            "--threads", str(torch.get_num_threads()),
+            *(["--seq", "16", "--batch", "2", "--heads", "2", "--head-dim", "8"] if a.smoke else []),
+        ])
+        out["attention"] = attention.run(att_args)
+        tables.append(("Attention alone (ms)", attention.table(out["attention"])))
 
     if "models" in a.sections:
         cands = [c for c in (a.candidates or ("eager,dmfx" if a.smoke else "eager,inductor,dmfx")).split(",") if c != "floor"]

@@ -131,31 +131,44 @@ def run_case(args, L, p, train):
     return times, errs
 
 
+def run(args) -> list[dict]:
+    """Every (mode, seq, dropout) case of `args`: raw times and errors per candidate."""
+    modes = ["train", "infer"] if args.mode == "both" else [args.mode]
+    raw = []
+    for mode in modes:
+        for L in (int(s) for s in str(args.seq).split(",")):
+            for p in (float(s) for s in str(args.dropout).split(",")):
+                if mode == "infer" and p > 0:
+                    continue
+                log(f"[attention {mode}] L={L} p={p} ...")
+                times, errs = run_case(args, L, p, mode == "train")
+                raw.append({"mode": mode, "seq": L, "dropout": p, "times_ms": times, "rel_err": errs})
+    return raw
+
+
+def table(raw: list[dict]) -> str:
+    rows = []
+    for case in raw:
+        times = case["times_ms"]
+        med = {n: statistics.median(t) for n, t in times.items()}
+        best_torch = min(med["eager"], med["sdpa"])
+        for n, m in med.items():
+            rows.append([case["mode"], case["seq"], case["dropout"], n, f"{m:.2f}", f"{min(times[n]):.2f}",
+                         f"{med['sdpa'] / m:.2f}", f"{best_torch / m:.2f}", f"{case['rel_err'][n]:.1e}"])
+    return tabulate(rows, headers=["mode", "seq", "dropout", "candidate", "median ms", "min ms", "speedup vs sdpa",
+                                   "vs best of eager/sdpa", "rel err (p=0)"], tablefmt="github")
+
+
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    modes = ["train", "infer"] if args.mode == "both" else [args.mode]
-    rows, raw = [], []
-    for mode in modes:
-        for L in (int(s) for s in args.seq.split(",")):
-            for p in (float(s) for s in args.dropout.split(",")):
-                if mode == "infer" and p > 0:
-                    continue
-                log(f"[{mode}] L={L} p={p} ...")
-                times, errs = run_case(args, L, p, mode == "train")
-                med = {n: statistics.median(t) for n, t in times.items()}
-                best_torch = min(med["eager"], med["sdpa"])
-                for n, m in med.items():
-                    rows.append([mode, L, p, n, f"{m:.2f}", f"{min(times[n]):.2f}", f"{med['sdpa'] / m:.2f}",
-                                 f"{best_torch / m:.2f}", f"{errs[n]:.1e}"])
-                raw.append({"mode": mode, "seq": L, "dropout": p, "times_ms": times, "rel_err": errs})
+    raw = run(args)
     head = (f"attention alone | torch {torch.__version__} | {args.device} | threads {args.threads} | fp32 | "
             f"B={args.batch} heads={args.heads} head_dim={args.head_dim} | padding mask | "
             f"{datetime.datetime.now():%Y-%m-%d %H:%M}")
     print(head)
-    print(tabulate(rows, headers=["mode", "seq", "dropout", "candidate", "median ms", "min ms", "speedup vs sdpa",
-                                  "vs best of eager/sdpa", "rel err (p=0)"], tablefmt="github"))
+    print(table(raw))
     out = Path(args.json) if args.json else REPO_ROOT / "bench" / "results" / f"attention_{args.device}_{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": vars(args), "header": head, "cases": raw}, indent=1))

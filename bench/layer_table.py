@@ -17,7 +17,10 @@ from .bert_layer import GemmRecorder, build_layer, dmfx_unavailable_reason, forw
 from .common import interleaved, log, median, timer
 from .models import _fresh_compile_state
 
-CPU_CONFIGS = [dict(name="BERT-base B=8 L=128 fp32", batch=8, seq=128, hidden=768, heads=12, ffn=3072, dtype="fp32")]
+CPU_CONFIGS = [
+    dict(name="BERT-base B=8 L=128 fp32", batch=8, seq=128, hidden=768, heads=12, ffn=3072, dtype="fp32"),
+    dict(name="BERT-base B=8 L=512 fp32", batch=8, seq=512, hidden=768, heads=12, ffn=3072, dtype="fp32"),
+]
 GPU_CONFIGS = [
     dict(name="BERT-large B=8 L=512 bf16", batch=8, seq=512, hidden=1024, heads=16, ffn=4096, dtype="bf16"),
     dict(name="BERT-large B=96 L=128 bf16", batch=96, seq=128, hidden=1024, heads=16, ffn=4096, dtype="bf16"),

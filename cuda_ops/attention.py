@@ -73,18 +73,18 @@ _lib.define(
 
 _lib.define(
     "flash_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, Tensor? seed, float p) "
-    "-> (Tensor out, Tensor lse)"
+    "-> (Tensor out, Tensor stats)"
 )
 _lib.define(
-    "flash_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor lse, Tensor? mask, float scale, "
+    "flash_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor stats, Tensor? mask, float scale, "
     "bool causal, Tensor? seed, float p) -> (Tensor dq, Tensor dk, Tensor dv)"
 )
 _lib.define(
     "qkv_flash_attention(Tensor qkv, int heads, Tensor? mask, float scale, bool causal, Tensor? seed, float p) "
-    "-> (Tensor out, Tensor lse)"
+    "-> (Tensor out, Tensor stats)"
 )
 _lib.define(
-    "qkv_flash_attention_backward(Tensor grad_out, Tensor qkv, int heads, Tensor lse, Tensor? mask, float scale, "
+    "qkv_flash_attention_backward(Tensor grad_out, Tensor qkv, int heads, Tensor stats, Tensor? mask, float scale, "
     "bool causal, Tensor? seed, float p) -> Tensor"
 )
 
@@ -259,7 +259,8 @@ def _qkv_attention_backward_kernel(grad_out, qkv, heads, probs, dropped, seed, p
 # ------------------------------------------------------------------------------- fused (flash) form
 #
 # CPU: csrc/attention_cpu.cpp, per block of query rows with the scores in cache; the backward
-# recomputes them from the per-row logsumexp. float32/float64 only. Elsewhere (CUDA, bf16/fp16) the
+# recomputes them from the row statistics (max and 1 / sum of the exps: stats [2, B, H, Lq]).
+# float32/float64 only. Elsewhere (CUDA, bf16/fp16) the
 # same op runs the unfused form: the forward discards the probabilities and the backward recomputes
 # them with the softmax kernel (same Philox mask), so results never depend on the path taken.
 
@@ -275,19 +276,19 @@ def _flash_forward(q, k, v, mask, scale, causal, seed, p, out):
     B, Hq, Lq, _ = q.shape
     if flash_supported(q.device, q.dtype):
         s, o = _seed_values(seed, "flash_attention")
-        lse = kernels_for(q.device).flash_fwd(q, k, v, _kernel_mask(mask, q), scale, causal, s, o, p, out)
-        return out, lse
+        stats = kernels_for(q.device).flash_fwd(q, k, v, _kernel_mask(mask, q), scale, causal, s, o, p, out)
+        return out, stats
     _forward(q, k, v, mask, scale, causal, seed, p, out)
-    return out, q.new_empty((B, Hq, Lq), dtype=_lse_dtype(q.dtype))
+    return out, q.new_empty((2, B, Hq, Lq), dtype=_stats_dtype(q.dtype))
 
 
-def _flash_backward(grad_out, q, k, v, lse, mask, scale, causal, seed, p, dq, dk, dv):
+def _flash_backward(grad_out, q, k, v, stats, mask, scale, causal, seed, p, dq, dk, dv):
     from .softmax import _kernel_mask
 
     if flash_supported(q.device, q.dtype):
         s, o = _seed_values(seed, "flash_attention_backward")
         go = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
-        kernels_for(q.device).flash_bwd(go, q, k, v, lse, _kernel_mask(mask, q), scale, causal, s, o, p, dq, dk, dv)
+        kernels_for(q.device).flash_bwd(go, q, k, v, stats, _kernel_mask(mask, q), scale, causal, s, o, p, dq, dk, dv)
         return dq, dk, dv
     # unfused: recompute the probabilities (and the dropped ones) once, then the GEMM backward
     B, Hq, Lq, _ = q.shape
@@ -296,7 +297,7 @@ def _flash_backward(grad_out, q, k, v, lse, mask, scale, causal, seed, p, dq, dk
     return dq, dk, dv
 
 
-def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -307,11 +308,11 @@ def _flash_attention_kernel(q, k, v, mask, scale, causal, seed, p):
     return _flash_forward(q, k, v, mask, scale, causal, seed, p, _blhd(B, Hq, Lq, v.shape[3], q))
 
 
-def _flash_attention_backward_kernel(grad_out, q, k, v, lse, mask, scale, causal, seed, p):
+def _flash_attention_backward_kernel(grad_out, q, k, v, stats, mask, scale, causal, seed, p):
     _check_qkv("flash_attention_backward", q, k, v)
     _check_p("flash_attention_backward", p, seed)
     dq, dk, dv = (_blhd(*t.shape, t) for t in (q, k, v))
-    return _flash_backward(grad_out, q, k, v, lse, mask, scale, causal, seed, p, dq, dk, dv)
+    return _flash_backward(grad_out, q, k, v, stats, mask, scale, causal, seed, p, dq, dk, dv)
 
 
 def _qkv_flash_attention_kernel(qkv, heads, mask, scale, causal, seed, p):
@@ -321,12 +322,12 @@ def _qkv_flash_attention_kernel(qkv, heads, mask, scale, causal, seed, p):
     return _flash_forward(q, k, v, mask, scale, causal, seed, p, _blhd(B, H, L, D, q))
 
 
-def _qkv_flash_attention_backward_kernel(grad_out, qkv, heads, lse, mask, scale, causal, seed, p):
+def _qkv_flash_attention_backward_kernel(grad_out, qkv, heads, stats, mask, scale, causal, seed, p):
     q, k, v = _split_qkv("qkv_flash_attention_backward", qkv, heads)
     _check_p("qkv_flash_attention_backward", p, seed)
     dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
     dq, dk, dv = _split_qkv("qkv_flash_attention_backward", dqkv, heads)
-    _flash_backward(grad_out, q, k, v, lse, mask, scale, causal, seed, p, dq, dk, dv)
+    _flash_backward(grad_out, q, k, v, stats, mask, scale, causal, seed, p, dq, dk, dv)
     return dqkv
 
 
@@ -389,11 +390,11 @@ def _flash_attention_fake(q, k, v, mask, scale, causal, seed, p):
     _check_qkv("flash_attention", q, k, v)
     B, Hq, Lq, _ = q.shape
     _check_softmax(q.new_empty((B, Hq, Lq, k.shape[2])), mask, causal, seed, p)
-    return _blhd(B, Hq, Lq, v.shape[3], q), q.new_empty((B, Hq, Lq), dtype=_lse_dtype(q.dtype))
+    return _blhd(B, Hq, Lq, v.shape[3], q), q.new_empty((2, B, Hq, Lq), dtype=_stats_dtype(q.dtype))
 
 
 @torch.library.register_fake("dmfx::flash_attention_backward")
-def _flash_attention_backward_fake(grad_out, q, k, v, lse, mask, scale, causal, seed, p):
+def _flash_attention_backward_fake(grad_out, q, k, v, stats, mask, scale, causal, seed, p):
     _check_qkv("flash_attention_backward", q, k, v)
     _check_p("flash_attention_backward", p, seed)
     return tuple(_blhd(*t.shape, t) for t in (q, k, v))
@@ -404,11 +405,11 @@ def _qkv_flash_attention_fake(qkv, heads, mask, scale, causal, seed, p):
     q, _, v = _split_qkv("qkv_flash_attention", qkv, heads)
     B, H, L, _ = q.shape
     _check_softmax(q.new_empty((B, H, L, L)), mask, causal, seed, p)
-    return _blhd(B, H, L, v.shape[3], q), q.new_empty((B, H, L), dtype=_lse_dtype(q.dtype))
+    return _blhd(B, H, L, v.shape[3], q), q.new_empty((2, B, H, L), dtype=_stats_dtype(q.dtype))
 
 
 @torch.library.register_fake("dmfx::qkv_flash_attention_backward")
-def _qkv_flash_attention_backward_fake(grad_out, qkv, heads, lse, mask, scale, causal, seed, p):
+def _qkv_flash_attention_backward_fake(grad_out, qkv, heads, stats, mask, scale, causal, seed, p):
     _split_qkv("qkv_flash_attention_backward", qkv, heads)
     _check_p("qkv_flash_attention_backward", p, seed)
     return qkv.new_empty(qkv.shape)
@@ -481,13 +482,13 @@ def _setup_flash(ctx, inputs, output):
     ctx.scale, ctx.causal, ctx.p = scale, causal, p
     ctx.heads = tensors[1] if len(tensors) == 2 else None  # qkv_flash_attention: (qkv, heads)
     ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(output[1])  # the logsumexp is for the backward only
+    ctx.mark_non_differentiable(output[1])  # the row statistics are for the backward only
     saved = [t for t in tensors if isinstance(t, Tensor)]
     ctx.save_for_backward(*saved, output[1], mask, seed)
 
 
 def _backward_flash(ctx, grad_out, grad_lse):
-    *tensors, lse, mask, seed = ctx.saved_tensors
+    *tensors, stats, mask, seed = ctx.saved_tensors
     packed = ctx.heads is not None
     n_in = 7 if packed else 8
     mask_index = 2 if packed else 3
@@ -497,17 +498,17 @@ def _backward_flash(ctx, grad_out, grad_lse):
             "does not compute a mask gradient. dmfx's attention pass uses dmfx::attention for such masks."
         )
     if grad_lse is not None:
-        raise NotImplementedError("dmfx::flash_attention: a gradient through the logsumexp output is not supported")
+        raise NotImplementedError("dmfx::flash_attention: a gradient through the row statistics is not supported")
     if grad_out is None:
         return (None,) * n_in
     if packed:
         (qkv,) = tensors
         dqkv = torch.ops.dmfx.qkv_flash_attention_backward(
-            grad_out, qkv, ctx.heads, lse, mask, ctx.scale, ctx.causal, seed, ctx.p
+            grad_out, qkv, ctx.heads, stats, mask, ctx.scale, ctx.causal, seed, ctx.p
         )
         return (dqkv,) + (None,) * 6
     q, k, v = tensors
-    dq, dk, dv = torch.ops.dmfx.flash_attention_backward(grad_out, q, k, v, lse, mask, ctx.scale, ctx.causal, seed, ctx.p)
+    dq, dk, dv = torch.ops.dmfx.flash_attention_backward(grad_out, q, k, v, stats, mask, ctx.scale, ctx.causal, seed, ctx.p)
     return (dq, dk, dv) + (None,) * 5
 
 

@@ -12,6 +12,7 @@ from .backend import GraphRecord, dmfx_backend, records, reset
 from .cuda_ops.build import KernelBuildError
 from .cuda_ops.ops import bias_dropout_residual_layer_norm, dropout, layer_norm, rms_norm
 from .cuda_ops.pointwise import bias_act_dropout, glu, rope
+from .cuda_ops.attention import attention
 from .cuda_ops.softmax import softmax
 from .options import Options
 
@@ -37,6 +38,7 @@ _register_without_entry_point()
 
 __all__ = [
     "GraphRecord",
+    "attention",
     "bias_act_dropout",
     "KernelBuildError",
     "Options",

@@ -1019,6 +1019,14 @@ class Report:
             lines.append("dmfx kernels (absorbed ATen ops):")
             lines.append(tabulate([[g, op, v["n"], _fmt_bytes(v["bytes"]), ab] for (g, op, ab), v in groups.items()],
                                   headers=["graph", "kernel", "count", "bytes", "absorbed"], tablefmt="github", disable_numparse=True))
+        if d.get("attention_forms"):
+            lines.append("")
+            lines.append("attention (form chosen by the cost model; see passes/attention.py):")
+            forms: dict[tuple, int] = {}
+            for a in d["attention_forms"]:
+                forms[(a["form"], a["why"])] = forms.get((a["form"], a["why"]), 0) + 1
+            lines.append(tabulate([[f, n, why] for (f, why), n in forms.items()], headers=["form", "count", "why"],
+                                  tablefmt="github", disable_numparse=True))
         cov = d["coverage"]
         lines.append("")
         lines.append(f"coverage: {cov['fused']} of {cov['total']} memory-bound ATen ops are inside dmfx kernels ({100 * cov['ratio']:.1f}%)")
@@ -1150,6 +1158,8 @@ def explain(model: torch.nn.Module, *args: Any, training: bool = True, measure: 
         "fired": _merge_counts(r.fired for r in records),
         "replaced": _merge_counts(r.replaced for r in records),
         "missed": missed,
+        "attention_forms": [{"graph": r.graph_id, "node": node, "form": form, "why": why}
+                            for r in records for node, (form, why) in r.attention_forms.items()],
         "fallbacks": fallbacks,
         "runtime": runtime,
         "peak_memory": {"before": before_peak.to_dict(), "after": after_peak.to_dict()},

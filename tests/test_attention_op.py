@@ -218,9 +218,9 @@ def test_flash_matches_the_gemm_form(dtype, mask_kind, p):
         q, k, v = (_heads(B, L, H, D, dtype) for _ in range(3))
         mask = _mask(mask_kind, B, H, L, L, dtype)
         seed = new_seed() if p else None
-        out, lse = flash(q, k, v, mask, 0.3, False, seed, p)
+        out, stats = flash(q, k, v, mask, 0.3, False, seed, p)
         ref = op(q, k, v, mask, 0.3, False, seed, p)
-        assert out.transpose(1, 2).is_contiguous() and lse.shape == (B, H, L)
+        assert out.transpose(1, 2).is_contiguous() and stats.shape == (2, B, H, L)
         assert rel_err(out, ref[0]) < TOL[dtype] * 10
         qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
         g = torch.randn_like(ref[0])
@@ -248,10 +248,10 @@ def test_qkv_flash_gradient_is_one_stacked_tensor():
     qkv = torch.randn(B, L, 3 * H * D, dtype=torch.float64, requires_grad=True)
     seed = new_seed()
     assert torch.autograd.gradcheck(lambda x: qkv_flash(x, H, None, 0.4, True, seed, 0.2)[0], (qkv,))
-    out, lse = qkv_flash(qkv.detach(), H, None, 0.4, True, seed, 0.2)
+    out, stats = qkv_flash(qkv.detach(), H, None, 0.4, True, seed, 0.2)
     ref = qkv_op(qkv.detach(), H, None, 0.4, True, seed, 0.2)[0]
     assert rel_err(out, ref) < 1e-12
-    dqkv = torch.ops.dmfx.qkv_flash_attention_backward(torch.ones_like(out), qkv.detach(), H, lse, None, 0.4, True, seed, 0.2)
+    dqkv = torch.ops.dmfx.qkv_flash_attention_backward(torch.ones_like(out), qkv.detach(), H, stats, None, 0.4, True, seed, 0.2)
     assert dqkv.shape == qkv.shape and dqkv.is_contiguous()
 
 
@@ -260,8 +260,8 @@ def test_flash_fully_masked_rows_and_empty_keys():
     q, k, v = (_heads(B, L, H, D).requires_grad_() for _ in range(3))
     mask = torch.ones(L, L, dtype=torch.bool)
     mask[2] = False
-    out, lse = flash(q, k, v, mask, 1.0, False, None, 0.0)
-    assert (out[:, :, 2] == 0).all() and torch.isinf(lse[:, :, 2]).all()
+    out, stats = flash(q, k, v, mask, 1.0, False, None, 0.0)
+    assert (out[:, :, 2] == 0).all() and torch.isinf(stats[0, :, :, 2]).all()
     out.sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
     empty = torch.zeros(B, H, 0, D)
@@ -299,3 +299,28 @@ def test_flash_kernel_errors():
         m.flash_fwd(q, q, q, None, 1.0, False, 0, 0, 0.0, torch.empty(1, 2, 4, 7))
     with pytest.raises(RuntimeError, match="unit stride in the head dim"):
         m.flash_fwd(q.transpose(2, 3), q.transpose(2, 3), q.transpose(2, 3), None, 1.0, False, 0, 0, 0.0, out.transpose(2, 3))
+
+
+@pytest.mark.parametrize("kind", ["float", "bool"])
+def test_flash_skips_padded_keys_exactly(kind):
+    """HF padding ([B, 1, 1, Lk], finfo.min or False past each sequence's end) lets the fused kernel
+    skip the padded keys: results equal the unfused form's, hidden keys get exactly zero gradient,
+    and a batch element whose keys are all hidden still gets the softmax over equal values."""
+    B, H, L, D = 3, 2, 40, 8
+    q, k, v = (_heads(B, L, H, D).requires_grad_() for _ in range(3))
+    keep = torch.ones(B, 1, 1, L, dtype=torch.bool)
+    keep[0, ..., 25:] = False
+    keep[2] = False  # everything hidden
+    mask = keep if kind == "bool" else torch.where(keep, 0.0, torch.finfo(torch.float32).min)
+    seed = new_seed()
+    a = flash(q, k, v, mask, 0.3, False, seed, 0.1)[0]
+    b = op(q, k, v, mask, 0.3, False, seed, 0.1)[0]
+    if kind == "bool":  # every key hidden: NaN-free zeros in both (fully masked rows)
+        assert (a[2] == 0).all() and (b[2] == 0).all()
+    assert rel_err(a, b) < 1e-5
+    g = torch.randn_like(a)
+    ga = torch.autograd.grad(a, (q, k, v), g)
+    gb = torch.autograd.grad(b, (q, k, v), g)
+    for x, y in zip(ga, gb):
+        assert rel_err(x, y) < 1e-5
+    assert (ga[1][0, :, 25:] == 0).all() and (ga[2][0, :, 25:] == 0).all()

@@ -4,12 +4,16 @@
 //              (at most ~512 KB, so it stays in L2), the fused scale + mask + causal + softmax +
 //              dropout row pass of softmax_cpu.cpp on it, then out_blk = P_dropped · V written
 //              straight into `out` (any strides with a unit last dim: the [B, L, H, D] layout).
-//              Returns the per-row logsumexp [B, H, Lq] (the accumulation type) for the backward.
+//              Returns the row statistics [2, B, H, Lq] (the accumulation type) for the backward:
+//              the max of the logits and 1 / sum of their exps. (Not one logsumexp: with HF's
+//              finfo.min masks a fully padded row's max is -3.4e38, and max + log(sum) rounds to it.)
 //   flash_bwd: for each (batch, kv head): for each query head of the group and block of rows, S is
-//              recomputed and P = exp(S * scale + mask - lse); then dV += P_droppedᵀ · dO,
+//              recomputed and P = exp(S * scale + mask - max) / sum; then dV += P_droppedᵀ · dO,
 //              dP = dO · Vᵀ, dS = scale * P * (dropout(dP) - rowsum(dropout(dP) * P)),
 //              dQ_blk = dS · K, dK += dSᵀ · Q_blk. dq, dk, dv are written in place (strided views:
 //              the stacked QKV gradient's column blocks, or [B, L, H, D] tensors).
+//   Both skip the keys an HF padding mask hides from a whole batch element (key_lengths below):
+//   padded positions cost no GEMM work and no row work.
 //
 // The GEMMs are ATen's (at::mm_out on strided views: MKL, no copies); this file is the glue and the
 // row math, which is softmax_cpu.cpp's (same logits, exp, Philox mask: element index = row-major
@@ -86,13 +90,45 @@ inline acc_t row_logits(const SoftmaxArgs& a, const MaskView& mv, int64_t R, con
   }
 }
 
+// Keys a padding mask hides from every query of batch b: HF's [B, 1, 1, Lk] masks pad at the end of
+// each sequence. Returns, per batch, the number of leading keys to compute with (Lk when the mask
+// is not per-key, or hides everything). Keys at or past it carry -inf (bool False) or a value at or
+// below kPadValue (HF uses finfo.min), so exp(z - max) is exactly 0 for them in any row that has one
+// visible key: skipping them in the GEMMs and the row pass changes no result bit.
+constexpr double kPadValue = -1e30;
+
+template <typename mask_t>
+std::vector<int64_t> key_lengths(const Shapes& s, const MaskView& mv) {
+  std::vector<int64_t> len(s.B, s.Lk);
+  if constexpr (std::is_same<mask_t, NoMask>::value) {
+    return len;
+  } else {
+    const at::Tensor& t = mv.t;  // [B, Hq, Lq, Lk] broadcast view
+    if (mv.col_stride == 0 || (s.Hq > 1 && t.stride(1) != 0) || (s.Lq > 1 && t.stride(2) != 0)) return len;
+    const mask_t* base = static_cast<const mask_t*>(t.data_ptr());
+    for (int64_t b = 0; b < s.B; ++b) {
+      const mask_t* m = base + b * t.stride(0);
+      int64_t n = s.Lk;
+      while (n > 0) {
+        const double v = static_cast<double>(mask_value<double>(m, n - 1));
+        if (!(v <= kPadValue)) break;  // NaN and visible keys stop the scan
+        --n;
+      }
+      len[b] = n == 0 ? s.Lk : n;  // all hidden: keep every key (softmax over equal values)
+    }
+    return len;
+  }
+}
+
 template <typename scalar_t, typename mask_t>
 void fwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Tensor& q, const at::Tensor& k,
-         const at::Tensor& v, at::Tensor& out, at::Tensor& lse) {
+         const at::Tensor& v, at::Tensor& out, at::Tensor& stats) {
   using acc_t = scalar_t;  // float32 / float64 only
   const int64_t nblocks = (s.Lq + s.block - 1) / s.block;
   const int64_t items = s.B * s.Hq * nblocks;
-  acc_t* lse_p = lse.data_ptr<acc_t>();
+  acc_t* max_p = stats.data_ptr<acc_t>();
+  acc_t* inv_p = max_p + s.B * s.Hq * s.Lq;
+  const std::vector<int64_t> keys = key_lengths<mask_t>(s, mv);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     // Worker threads do not inherit the caller's dispatch state: the GEMMs below run on tensors
     // that may require grad, as plain computation (this kernel sits below autograd).
@@ -102,13 +138,13 @@ void fwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Te
     acc_t* z = scratch.z.data();
     for (int64_t it = begin; it < end; ++it) {
       const int64_t blk = it % nblocks, bh = it / nblocks, b = bh / s.Hq, h = bh % s.Hq;
-      const int64_t i0 = blk * s.block, m = std::min(s.block, s.Lq - i0);
-      at::Tensor Sb = S.narrow(0, 0, m);
-      at::mm_out(Sb, q[b][h].narrow(0, i0, m), k[b][h / s.groups].t());
+      const int64_t i0 = blk * s.block, m = std::min(s.block, s.Lq - i0), nk = keys[b];
+      at::Tensor Sb = S.narrow(0, 0, m).narrow(1, 0, nk);
+      at::mm_out(Sb, q[b][h].narrow(0, i0, m), k[b][h / s.groups].narrow(0, 0, nk).t());
       acc_t* sp = Sb.data_ptr<acc_t>();
       for (int64_t r = 0; r < m; ++r) {
         const int64_t R = bh * s.Lq + i0 + r;
-        const int64_t n = causal_limit(a, R);
+        const int64_t n = std::min(causal_limit(a, R), nk);
         acc_t* row = sp + r * s.Lk;
         const acc_t mx = n > 0 ? row_logits<acc_t, mask_t>(a, mv, R, row, n, z) : -std::numeric_limits<acc_t>::infinity();
         int64_t done = 0;
@@ -117,7 +153,8 @@ void fwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Te
           const acc_t sum = exp_sum(z, n, mx);
           const acc_t inv = acc_t(1) / sum;
           tail = acc_t(0) * inv;  // NaN in a NaN row, as eager
-          lse_p[R] = mx + std::log(sum);
+          max_p[R] = mx;
+          inv_p[R] = inv;
           if (a.dropout.active) {
             fill_mult(a.dropout, a.keep_scale, static_cast<uint64_t>(R) * static_cast<uint64_t>(s.Lk), n, scratch);
             const acc_t* mult = scratch.mult.data();
@@ -127,52 +164,60 @@ void fwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Te
           }
           done = n;
         } else {
-          lse_p[R] = -std::numeric_limits<acc_t>::infinity();  // fully masked: zeros
+          max_p[R] = -std::numeric_limits<acc_t>::infinity();  // fully masked: zeros
+          inv_p[R] = acc_t(0);
         }
-        for (int64_t j = done; j < s.Lk; ++j) row[j] = tail;
+        for (int64_t j = done; j < nk; ++j) row[j] = tail;
       }
       at::Tensor ob = out[b][h].narrow(0, i0, m);
-      at::mm_out(ob, Sb, v[b][h / s.groups]);
+      at::mm_out(ob, Sb, v[b][h / s.groups].narrow(0, 0, nk));
     }
   });
 }
 
 template <typename scalar_t, typename mask_t>
 void bwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Tensor& go, const at::Tensor& q,
-         const at::Tensor& k, const at::Tensor& v, const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk,
+         const at::Tensor& k, const at::Tensor& v, const at::Tensor& stats, at::Tensor& dq, at::Tensor& dk,
          at::Tensor& dv) {
   using acc_t = scalar_t;
   const int64_t nblocks = (s.Lq + s.block - 1) / s.block;
-  const acc_t* lse_p = lse.data_ptr<acc_t>();
+  const acc_t* max_p = stats.data_ptr<acc_t>();
+  const acc_t* inv_p = max_p + s.B * s.Hq * s.Lq;
   const acc_t scale = static_cast<acc_t>(a.scale);
+  const std::vector<int64_t> keys = key_lengths<mask_t>(s, mv);
   at::parallel_for(0, s.B * s.Hk, 1, [&](int64_t begin, int64_t end) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // see fwd
     at::Tensor S = at::empty({s.block, s.Lk}, q.options());   // P (pre-dropout), then dS
     at::Tensor Pd = at::empty({s.block, s.Lk}, q.options());  // dropped P, then dP
     RowScratch<acc_t> scratch(s.Lk, a.dropout.active);
     for (int64_t bk = begin; bk < end; ++bk) {
-      const int64_t b = bk / s.Hk, hk = bk % s.Hk;
-      at::Tensor kb = k[b][hk], vb = v[b][hk], dkb = dk[b][hk], dvb = dv[b][hk];
+      const int64_t b = bk / s.Hk, hk = bk % s.Hk, nk = keys[b];
+      at::Tensor kb = k[b][hk].narrow(0, 0, nk), vb = v[b][hk].narrow(0, 0, nk);
+      at::Tensor dkb = dk[b][hk].narrow(0, 0, nk), dvb = dv[b][hk].narrow(0, 0, nk);
+      if (nk < s.Lk) {  // hidden keys get no gradient
+        dk[b][hk].narrow(0, nk, s.Lk - nk).zero_();
+        dv[b][hk].narrow(0, nk, s.Lk - nk).zero_();
+      }
       bool first = true;
       for (int64_t h = hk * s.groups; h < (hk + 1) * s.groups; ++h) {
         for (int64_t blk = 0; blk < nblocks; ++blk) {
           const int64_t i0 = blk * s.block, m = std::min(s.block, s.Lq - i0);
-          at::Tensor Sb = S.narrow(0, 0, m), Pb = Pd.narrow(0, 0, m);
+          at::Tensor Sb = S.narrow(0, 0, m).narrow(1, 0, nk), Pb = Pd.narrow(0, 0, m).narrow(1, 0, nk);
           at::Tensor qb = q[b][h].narrow(0, i0, m), gb = go[b][h].narrow(0, i0, m);
           at::mm_out(Sb, qb, kb.t());
           acc_t* sp = Sb.data_ptr<acc_t>();
           acc_t* pp = Pb.data_ptr<acc_t>();
-          for (int64_t r = 0; r < m; ++r) {  // P = exp(z - lse) (into S), dropped P (into Pd)
+          for (int64_t r = 0; r < m; ++r) {  // P = exp(z - max) / sum (into S), dropped P (into Pd)
             const int64_t R = (b * s.Hq + h) * s.Lq + i0 + r;
-            const int64_t n = causal_limit(a, R);
+            const int64_t n = std::min(causal_limit(a, R), nk);
             acc_t* row = sp + r * s.Lk;
             acc_t* drow = pp + r * s.Lk;
-            const acc_t l = lse_p[R];
+            const acc_t mx = max_p[R], inv = inv_p[R];
             int64_t done = 0;
-            if (n > 0 && l != -std::numeric_limits<acc_t>::infinity()) {
+            if (n > 0 && mx != -std::numeric_limits<acc_t>::infinity()) {
               acc_t* z = scratch.z.data();
               row_logits<acc_t, mask_t>(a, mv, R, row, n, z);
-              for (int64_t j = 0; j < n; ++j) row[j] = softmax_impl::exp_nonpos(z[j] - l > 0 ? acc_t(0) : z[j] - l);
+              for (int64_t j = 0; j < n; ++j) row[j] = softmax_impl::exp_nonpos(z[j] - mx) * inv;
               if (a.dropout.active) {
                 fill_mult(a.dropout, a.keep_scale, static_cast<uint64_t>(R) * static_cast<uint64_t>(s.Lk), n, scratch);
                 const acc_t* mult = scratch.mult.data();
@@ -182,7 +227,7 @@ void bwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Te
               }
               done = n;
             }
-            for (int64_t j = done; j < s.Lk; ++j) row[j] = drow[j] = acc_t(0);
+            for (int64_t j = done; j < nk; ++j) row[j] = drow[j] = acc_t(0);
           }
           // dV (+)= P_droppedᵀ · dO
           at::addmm_out(dvb, dvb, Pb.t(), gb, first ? 0 : 1, 1);
@@ -193,18 +238,18 @@ void bwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Te
             acc_t* prow = sp + r * s.Lk;
             acc_t* grow = pp + r * s.Lk;
             if (a.dropout.active) {
-              fill_mult(a.dropout, a.keep_scale, static_cast<uint64_t>(R) * static_cast<uint64_t>(s.Lk), s.Lk, scratch);
+              fill_mult(a.dropout, a.keep_scale, static_cast<uint64_t>(R) * static_cast<uint64_t>(s.Lk), nk, scratch);
               const acc_t* mult = scratch.mult.data();
-              for (int64_t j = 0; j < s.Lk; ++j) grow[j] *= mult[j];
+              for (int64_t j = 0; j < nk; ++j) grow[j] *= mult[j];
             }
             acc_t ps[softmax_impl::kLanes] = {};
             int64_t j = 0;
-            for (; j + softmax_impl::kLanes <= s.Lk; j += softmax_impl::kLanes)
+            for (; j + softmax_impl::kLanes <= nk; j += softmax_impl::kLanes)
               for (int l = 0; l < softmax_impl::kLanes; ++l) ps[l] += grow[j + l] * prow[j + l];
-            for (; j < s.Lk; ++j) ps[0] += grow[j] * prow[j];
+            for (; j < nk; ++j) ps[0] += grow[j] * prow[j];
             acc_t dot = 0;
             for (int l = 0; l < softmax_impl::kLanes; ++l) dot += ps[l];
-            for (int64_t c = 0; c < s.Lk; ++c) prow[c] = scale * prow[c] * (grow[c] - dot);
+            for (int64_t c = 0; c < nk; ++c) prow[c] = scale * prow[c] * (grow[c] - dot);
           }
           at::Tensor dqb = dq[b][h].narrow(0, i0, m);
           at::mm_out(dqb, Sb, kb);
@@ -248,23 +293,24 @@ at::Tensor flash_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const Shapes s = check("flash_fwd", q, k, v);
   check_out("flash_fwd", "out", out, {s.B, s.Hq, s.Lq, s.Dv}, q);
   const SoftmaxArgs a = row_args(s, scale, causal, seed, offset, p);
-  at::Tensor lse = at::empty({s.B, s.Hq, s.Lq}, q.options());
-  if (s.B * s.Hq * s.Lq == 0) return lse;
+  at::Tensor stats = at::empty({2, s.B, s.Hq, s.Lq}, q.options());
+  if (s.B * s.Hq * s.Lq == 0) return stats;
   if (s.Lk == 0) {
     out.zero_();
-    lse.fill_(-std::numeric_limits<double>::infinity());
-    return lse;
+    stats[0].fill_(-std::numeric_limits<double>::infinity());
+    stats[1].zero_();
+    return stats;
   }
   const at::Tensor shape_like = at::empty({1}, q.options()).expand({s.B, s.Hq, s.Lq, s.Lk});
   const MaskView mv = softmax_impl::prepare_mask("flash_fwd", mask, shape_like);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dmfx_flash_fwd", [&] {
-    with_mask<scalar_t>(mv, [&](auto tag) { fwd<scalar_t, decltype(tag)>(s, a, mv, q, k, v, out, lse); });
+    with_mask<scalar_t>(mv, [&](auto tag) { fwd<scalar_t, decltype(tag)>(s, a, mv, q, k, v, out, stats); });
   });
-  return lse;
+  return stats;
 }
 
 void flash_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                   const at::Tensor& lse, const c10::optional<at::Tensor>& mask, double scale, bool causal,
+                   const at::Tensor& stats, const c10::optional<at::Tensor>& mask, double scale, bool causal,
                    int64_t seed, int64_t offset, double p, at::Tensor dq, at::Tensor dk, at::Tensor dv) {
   using namespace attention_impl;
   const Shapes s = check("flash_bwd", q, k, v);
@@ -272,9 +318,10 @@ void flash_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Te
   check_out("flash_bwd", "dq", dq, q.sizes(), q);
   check_out("flash_bwd", "dk", dk, k.sizes(), q);
   check_out("flash_bwd", "dv", dv, v.sizes(), q);
-  TORCH_CHECK(lse.sizes() == at::IntArrayRef({s.B, s.Hq, s.Lq}) && lse.is_contiguous() &&
-                  lse.scalar_type() == q.scalar_type(),
-              "dmfx::flash_bwd: lse must be the forward's contiguous [B, Hq, Lq] logsumexp, got ", lse.sizes());
+  TORCH_CHECK(stats.sizes() == at::IntArrayRef({2, s.B, s.Hq, s.Lq}) && stats.is_contiguous() &&
+                  stats.scalar_type() == q.scalar_type(),
+              "dmfx::flash_bwd: stats must be the forward's contiguous [2, B, Hq, Lq] row statistics, got ",
+              stats.sizes());
   const SoftmaxArgs a = row_args(s, scale, causal, seed, offset, p);
   if (s.B * s.Hk == 0) return;
   if (s.Lq == 0 || s.Lk == 0) {
@@ -287,18 +334,18 @@ void flash_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Te
   const MaskView mv = softmax_impl::prepare_mask("flash_bwd", mask, shape_like);
   const at::Tensor go = grad_out.size(3) <= 1 || grad_out.stride(3) == 1 ? grad_out : grad_out.contiguous();
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dmfx_flash_bwd", [&] {
-    with_mask<scalar_t>(mv, [&](auto tag) { bwd<scalar_t, decltype(tag)>(s, a, mv, go, q, k, v, lse, dq, dk, dv); });
+    with_mask<scalar_t>(mv, [&](auto tag) { bwd<scalar_t, decltype(tag)>(s, a, mv, go, q, k, v, stats, dq, dk, dv); });
   });
 }
 
 void bind_attention(pybind11::module_& m) {
   m.def("flash_fwd", &flash_fwd_cpu,
-        "fused attention forward that keeps the scores in cache (CPU); writes out, returns the logsumexp",
+        "fused attention forward that keeps the scores in cache (CPU); writes out, returns the row statistics",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"), pybind11::arg("scale"),
         pybind11::arg("causal"), pybind11::arg("seed"), pybind11::arg("offset"), pybind11::arg("p"),
         pybind11::arg("out"));
   m.def("flash_bwd", &flash_bwd_cpu, "fused attention backward (CPU); writes dq, dk and dv in place",
-        pybind11::arg("grad_out"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("lse"),
+        pybind11::arg("grad_out"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("stats"),
         pybind11::arg("mask"), pybind11::arg("scale"), pybind11::arg("causal"), pybind11::arg("seed"),
         pybind11::arg("offset"), pybind11::arg("p"), pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"));
 }
