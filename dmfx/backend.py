@@ -203,6 +203,7 @@ def rewrite(aten_gm: GraphModule, example_inputs: Sequence[Any], opts: Options, 
         training=record.training,
         stack_qkv=opts.stack_qkv,
         attention=opts.attention,
+        tune=opts.tune,
         input_requires_grad=tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs),
     )
     work = _copy(aten_gm)

@@ -520,7 +520,7 @@ def _absorbed_entry(x: Node) -> dict | None:
 
 def attribute_absorbed(aten_gm: GraphModule, example_inputs: Sequence[Any] | None = None,
                        skip: Sequence[str] = (), training: bool = True,
-                       stack_qkv: bool | str = "auto", attention: str = "auto") -> dict[str, list[dict]]:
+                       stack_qkv: bool | str = "auto", attention: str = "auto", tune: bool = False) -> dict[str, list[dict]]:
     """Which ATen ops each dmfx:: node absorbed: replays the pass pipeline on a copy of `aten_gm` (the
     lowered graph the backend rewrites), one pass at a time. After each pass, a new dmfx node owns the
     removed nodes found walking back from the nodes that read its results (through removed nodes
@@ -536,7 +536,7 @@ def attribute_absorbed(aten_gm: GraphModule, example_inputs: Sequence[Any] | Non
     gm = _copy(aten_gm)
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     fake_mode = detect_fake_mode(list(example_inputs or [])) or detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-    ctx = PassContext(fake_mode=fake_mode, training=training, stack_qkv=stack_qkv, attention=attention,
+    ctx = PassContext(fake_mode=fake_mode, training=training, stack_qkv=stack_qkv, attention=attention, tune=tune,
                       input_requires_grad=tuple(isinstance(t, torch.Tensor) and t.requires_grad
                                                 for t in example_inputs) if example_inputs is not None else None)
     owned: dict[Node, list[dict]] = {}
@@ -735,7 +735,7 @@ class _Captured:
         aten_gm = getattr(self.record, "aten_graph", None) or lower_to_aten(self.dynamo_graph, self.example_inputs)
         return attribute_absorbed(aten_gm, self.example_inputs, tuple(self.options.get("skip", ())),
                                   training=self.record.training, stack_qkv=self.options.get("stack_qkv", "auto"),
-                                  attention=self.options.get("attention", "auto"))
+                                  attention=self.options.get("attention", "auto"), tune=self.options.get("tune", False))
 
 
 def _capturing_backend(options: dict, captured: list[_Captured]) -> Callable:

@@ -27,6 +27,10 @@ class Options:
     #: scaled_dot_product_attention). A forced form still gives way where it cannot run (probabilities
     #: read elsewhere or a mask gradient need "gemm").
     attention: str = "auto"
+    #: Time the candidates where dmfx has a choice (today: attention's form) on this machine instead
+    #: of using the cost model's rules; results are cached on disk (dmfx_tuning.json in the kernel
+    #: cache directory), so each case is timed once per machine.
+    tune: bool = False
     #: Collected per-graph records (dmfx.records()) are kept; set False to keep nothing.
     record: bool = True
     extra: dict = field(default_factory=dict, repr=False, compare=False)

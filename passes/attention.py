@@ -110,8 +110,8 @@ def _bmm_of(s: Node) -> Node | None:
     return b
 
 
-def choose_form(ctx: PassContext, q4: Node, k4: Node, mask: Node | None, causal: bool, p: float,
-                probs_read: bool) -> tuple[str, str]:
+def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | None, causal: bool, p: float,
+                scale: float, probs_read: bool) -> tuple[str, str]:
     """The cost model, checked against bench/attention.py (numbers in bench/RESULTS.md). Returns
     (form, why) with form one of
 
@@ -123,6 +123,8 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, mask: Node | None, causal:
       in the backward. With dropout on the CPU it is 1.7x (L=128) to 2.7x (L=512) faster than SDPA,
       which falls back to its unfused math path for dropout on the CPU, and 1.2-1.6x faster than
       the "gemm" form; it also saves no [B, H, L, L] tensor for the backward.
+    With ``options={"tune": True}`` the feasible forms are timed instead (passes/tuning.py).
+
     * "sdpa": PyTorch's own scaled_dot_product_attention, without dropout on the CPU (its flash
       kernel is 1.0-1.3x faster than dmfx's fused form there) and on CUDA (its flash / efficient /
       cuDNN kernels; dmfx has no fused CUDA attention kernel). Not with a causal mask over
@@ -136,6 +138,15 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, mask: Node | None, causal:
     if mask is not None and ctx.needs_grad(mask):
         return "gemm", "the mask requires grad (a learned position bias): only the unfused form computes its gradient"
     sdpa_ok = not causal or qm.shape[2] == tensor_meta(k4).shape[2]
+    if ctx.tune and ctx.attention == "auto":
+        from .tuning import attention_case, tuned_attention_form
+
+        forms = ["gemm"] + (["flash"] if flash_supported(qm.device, qm.dtype) else []) + (["sdpa"] if sdpa_ok else [])
+        case = attention_case(qm, tensor_meta(k4), tensor_meta(v4), tensor_meta(mask), causal, p, ctx.training)
+        tuned = tuned_attention_form(case, forms, scale, p)
+        if tuned is not None:
+            best, ms = tuned
+            return best, "tuned: " + ", ".join(f"{f} {t:.2f} ms" for f, t in sorted(ms.items(), key=lambda kv: kv[1]))
     forced = ctx.attention
     if forced == "gemm":
         return "gemm", "option attention='gemm'"
@@ -230,7 +241,7 @@ def fuse_attention(gm: GraphModule, ctx: PassContext) -> None:
                 k4 = kt4.args[0]  # HF writes k.transpose(-1, -2)
             else:
                 k4 = insert_call(graph, ctx, aten.transpose.int, (kt4, 2, 3))
-            form, why = choose_form(ctx, q4, k4, mask, causal, p, probs_read)
+            form, why = choose_form(ctx, q4, k4, v4, mask, causal, p, scale, probs_read)
             if form == "sdpa":
                 fused = out = _insert_sdpa(graph, ctx, q4, k4, v4, mask, scale, causal, p)
             else:

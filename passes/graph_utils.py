@@ -26,6 +26,7 @@ class PassContext:
     stack_qkv: bool | str = "auto"  # Options.stack_qkv
     input_requires_grad: tuple[bool, ...] | None = None  # per placeholder; None: unknown (assume all)
     attention: str = "auto"  # Options.attention
+    tune: bool = False  # Options.tune: time the candidate forms (passes/tuning.py)
     forms: dict[str, tuple[str, str]] = field(default_factory=dict)  # attention node -> (form, why)
 
     def needs_grad(self, n: Any) -> bool:

@@ -4,6 +4,7 @@ when Q, K and V are projections of one input), with no transpose copy left in th
 backward graph, or PyTorch's SDPA where the cost model says so; near misses are left to the softmax
 fusion."""
 
+import json
 import math
 
 import pytest
@@ -286,3 +287,30 @@ def test_bad_attention_option_is_a_clear_error():
         dmfx.Options.from_user({"attention": "fast"})
     with pytest.raises(ValueError, match="'stack_qkv' must be"):
         dmfx.Options.from_user({"stack_qkv": "yes"})
+
+
+def test_tune_times_each_case_once_and_caches_it(tmp_path, monkeypatch):
+    """options={"tune": True}: the feasible forms are timed on this machine, the fastest runs, and
+    the result is cached on disk, so a second compile of the same case times nothing."""
+    from dmfx.passes import tuning
+
+    path = tmp_path / tuning.FILE
+    monkeypatch.setattr(tuning, "_path", lambda: path)
+    torch.manual_seed(0)
+    x, mask = torch.randn(B, L, E), _params()[-1]
+    model = _SelfAttention(p=0.1).train()
+    (first,) = _forms(model, x, mask, tune=True)
+    (rec,) = dmfx.records()
+    (why,) = [w for _, w in rec.attention_forms.values()]
+    assert why.startswith("tuned: ") and all(f in why for f in ("flash", "gemm", "sdpa")), why
+    cached = json.loads(path.read_text())
+    assert len(cached) == 1 and next(iter(cached.values()))["best"] == first
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a cached case was timed again")
+
+    monkeypatch.setattr(tuning, "_time", no_timing)
+    assert _forms(model, x, mask, tune=True) == [first]
+    # a corrupt cache file is ignored: the case is timed again (here: timing fails -> the cost model)
+    path.write_text("{not json")
+    assert _forms(model, x, mask, tune=True) == ["flash"]

@@ -1,0 +1,155 @@
+"""Measured choices, cached on disk per machine: ``options={"tune": True}``.
+
+With tuning on, the attention pass does not trust its cost model's rules: for each attention shape
+it times every form that can run it (dmfx's fused kernel, dmfx's GEMM form, PyTorch's SDPA) on
+random inputs of the same shapes, dtype, layout and mask, forward + backward in training and
+forward alone in inference, and takes the fastest. Results are kept in ``dmfx_tuning.json`` in the
+kernel cache directory (``DMFX_CACHE_DIR`` / the torch extensions directory), keyed by the machine
+(CPU model and flags or GPU name), torch version, thread count and the case, so each case is timed
+once per machine. A corrupt or unreadable file is ignored (and rewritten); timing failures fall back
+to the cost model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("dmfx")
+
+FILE = "dmfx_tuning.json"
+REPEATS = 3
+
+
+def _path() -> Path:
+    from ..cuda_ops.build import cache_root
+
+    return cache_root() / FILE
+
+
+def _machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from ..cuda_ops.build import _machine_tag
+
+    return _machine_tag()
+
+
+def _load(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _store(path: Path, key: str, value: dict) -> None:
+    from filelock import FileLock
+
+    try:
+        with FileLock(str(path) + ".lock", timeout=30):
+            data = _load(path)
+            data[key] = value
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+    except Exception as e:  # a read-only or full disk: the measurement is still used this time
+        log.info("dmfx: could not save tuning results to %s: %s", path, e)
+
+
+def _time(fn: Callable[[], None], device: torch.device) -> float:
+    fn()  # warm-up (first-call allocations, kernel selection)
+    times = []
+    for _ in range(REPEATS):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def attention_case(q, k, v, mask, causal: bool, p: float, training: bool) -> dict:
+    """The case a timing stands for (fake or real tensors; sizes as ints)."""
+    from .attention import _concrete
+
+    def shape(t):
+        return [_concrete(s) for s in t.shape]
+
+    return {
+        "op": "attention", "device": q.device.type, "dtype": str(q.dtype), "q": shape(q), "k": shape(k), "v": shape(v),
+        "mask": None if mask is None else [shape(mask), str(mask.dtype)], "causal": causal, "dropout": p > 0,
+        "training": training,
+    }
+
+
+def _attention_runner(form: str, case: dict, device: torch.device, scale: float, p: float) -> Callable[[], None]:
+    dtype = getattr(torch, case["dtype"].split(".")[-1])
+    B, Hq, Lq, D = case["q"]
+    Hk, Lk, Dv = case["k"][1], case["k"][2], case["v"][3]
+    training = case["training"]
+
+    def heads(H, L, E):  # the projections' [B, L, H, D] layout
+        return torch.randn(B, L, H, E, device=device, dtype=dtype).transpose(1, 2).requires_grad_(training)
+
+    q, k, v = heads(Hq, Lq, D), heads(Hk, Lk, D), heads(Hk, Lk, Dv)
+    mask = None
+    if case["mask"] is not None:
+        mshape, mdtype = case["mask"]
+        mdtype = getattr(torch, mdtype.split(".")[-1])
+        mask = torch.ones(mshape, device=device, dtype=torch.bool) if mdtype == torch.bool else torch.zeros(mshape, device=device, dtype=mdtype)
+    from ..cuda_ops.ops import new_seed
+
+    def forward():
+        seed = new_seed() if p > 0 else None
+        if form == "flash":
+            return torch.ops.dmfx.flash_attention(q, k, v, mask, scale, case["causal"], seed, p)[0]
+        if form == "gemm":
+            return torch.ops.dmfx.attention(q, k, v, mask, scale, case["causal"], seed, p)[0]
+        m = mask if mask is None or mask.dtype in (torch.bool, dtype) else mask.to(dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=p, is_causal=case["causal"], scale=scale,
+                                              enable_gqa=Hq != Hk)
+
+    def step():
+        if training:
+            with torch.enable_grad():
+                forward().sum().backward()
+        else:
+            with torch.no_grad():
+                forward()
+
+    return step
+
+
+def tuned_attention_form(case: dict, forms: list[str], scale: float, p: float) -> tuple[str, dict] | None:
+    """The fastest of `forms` for `case` (from the cache, or measured now and cached), with the times
+    in ms; None when nothing could be timed."""
+    device = torch.device(case["device"])
+    key = json.dumps({**case, "forms": sorted(forms), "machine": _machine(device), "torch": torch.__version__,
+                      "threads": torch.get_num_threads()}, sort_keys=True)
+    path = _path()
+    hit = _load(path).get(key)
+    if isinstance(hit, dict) and hit.get("best") in forms:
+        return hit["best"], hit.get("ms", {})
+    times = {}
+    for form in forms:
+        try:
+            times[form] = 1e3 * _time(_attention_runner(form, case, device, scale, p), device)
+        except Exception as e:  # a form that cannot run this case (e.g. an SDPA restriction)
+            log.info("dmfx: tuning: attention form %s failed on %s: %s", form, case, e)
+    if not times:
+        return None
+    best = min(times, key=times.get)
+    _store(path, key, {"best": best, "ms": {f: round(t, 3) for f, t in times.items()}})
+    log.info("dmfx: tuned attention %s: %s", case, times)
+    return best, times
