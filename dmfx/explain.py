@@ -507,14 +507,20 @@ def _is_dmfx_node(n: Node) -> bool:
     return n.op == "call_function" and is_fused(n.target)
 
 
-def _absorbed_entry(x: Node) -> dict | None:
+def _absorbed_entry(x: Node, pass_name: str = "") -> dict | None:
     if x.op != "call_function" or x.target is operator.getitem:
         return None
     c = _node_cost(x)
     if c.cls == VIEW:
         return None
-    # a GEMM whose bias the kernel took over is re-emitted without it: only the bias is absorbed
-    op = f"bias of {c.op}" if c.cls == CONTRACTION else c.op
+    op = c.op
+    if c.cls == CONTRACTION:
+        if pass_name == "attention":  # the batched GEMMs run inside the attention op
+            op = f"{c.op} (inside the op)"
+        elif pass_name == "qkv_stacking":  # three projections became one GEMM over the stacked weight
+            op = f"{c.op} (stacked with the other projections)"
+        else:  # a GEMM whose bias the kernel took over is re-emitted without it: only the bias is absorbed
+            op = f"bias of {c.op}"
     return {"node": x.name, "op": op, "class": c.cls}
 
 
@@ -545,7 +551,7 @@ def attribute_absorbed(aten_gm: GraphModule, example_inputs: Sequence[Any] | Non
             continue
         nodes = list(gm.graph.nodes)
         inputs_of = {n: list(n.all_input_nodes) for n in nodes}
-        entries = {n: _absorbed_entry(n) for n in nodes}
+        entries = {n: _absorbed_entry(n, pass_name) for n in nodes}
         ctx.current = pass_name
         fn(gm, ctx)
         dead_code_elimination(gm)
@@ -566,6 +572,8 @@ def attribute_absorbed(aten_gm: GraphModule, example_inputs: Sequence[Any] | Non
                     else:
                         consumers.append(u)
             stack = [i for u in consumers if u in before for i in inputs_of[u] if i in removed]
+            # a node that replaced an earlier one keeps that one's getitems (they now read f)
+            stack += [i for r in results if r in before for i in inputs_of[r] if i in removed]
             region = []
             while stack:
                 x = stack.pop()
