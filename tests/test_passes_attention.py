@@ -157,13 +157,32 @@ def test_near_misses_are_left_to_the_softmax_fusion():
     assert not ctx.fired.get("attention")
     check_same(softmax_over_queries, gm, q, k, v)
 
-    def gqa_repeat_kv(q, k, v):  # LLaMA's repeat_kv copies k and v first: not matched yet
-        k2 = k[:, :1, None].expand(B, 1, H, L, D).reshape(B, H, L, D)
-        v2 = v[:, :1, None].expand(B, 1, H, L, D).reshape(B, H, L, D)
-        return torch.softmax(q @ k2.transpose(-1, -2), -1) @ v2
+    def mask_from_scores(q, k, v):  # the scores are read twice: no attention op (softmax still fuses)
+        s = q @ k.transpose(-1, -2)
+        return torch.softmax(s + (s > 0).float() * -1e4, -1) @ v
 
-    gm, ctx = rewrite(gqa_repeat_kv, q, k, v)
-    check_same(gqa_repeat_kv, gm, q, k, v)
+    gm, ctx = rewrite(mask_from_scores, q, k, v)
+    assert "attention" not in ctx.fired and any(m.startswith("attention at") for m in ctx.missed)
+    check_same(mask_from_scores, gm, q, k, v)
+
+
+def test_grouped_query_attention_reads_k_and_v_before_repeat_kv():
+    """LLaMA's repeat_kv (unsqueeze, expand, reshape: a copy) is bypassed: the ops index kv heads."""
+    q = torch.randn(B, H, L, D)
+    k, v = torch.randn(B, 1, L, D), torch.randn(B, 1, L, D)
+
+    def gqa_repeat_kv(q, k, v):
+        k2 = k[:, :, None].expand(B, 1, H, L, D).reshape(B, H, L, D)
+        v2 = v[:, :, None].expand(B, 1, H, L, D).reshape(B, H, L, D)
+        return torch.softmax(q @ k2.transpose(-1, -2) * 0.5, -1) @ v2
+
+    for form in ("flash", "gemm", "sdpa"):
+        gm, ctx = rewrite(gqa_repeat_kv, q, k, v, attention=form)
+        assert ctx.fired.get("attention") == 1, ctx.missed
+        assert aten.clone.default not in targets(gm) and aten.expand.default not in targets(gm)
+        (att,) = [n for n in gm.graph.nodes if n.op == "call_function" and "attention" in str(n.target)]
+        assert att.args[1].meta["val"].shape[1] == 1  # k with its one kv head
+        check_same(gqa_repeat_kv, gm, q, k, v)
 
 
 class _SelfAttention(torch.nn.Module):
