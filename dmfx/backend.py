@@ -43,6 +43,7 @@ class GraphRecord:
     devices: tuple[str, ...] = ()
     training: bool = False  # compiled with grad enabled and some input requiring grad
     attention_forms: dict[str, tuple[str, str]] = field(default_factory=dict)  # node -> (form, why)
+    copies: list[dict] = field(default_factory=list)  # copies dmfx added knowingly (node, bytes, why)
     fired: dict[str, int] = field(default_factory=dict)
     replaced: dict[str, int] = field(default_factory=dict)
     missed: list[str] = field(default_factory=list)
@@ -218,6 +219,7 @@ def rewrite(aten_gm: GraphModule, example_inputs: Sequence[Any], opts: Options, 
         return aten_gm
     record.fired, record.replaced, record.missed = ctx.fired, ctx.replaced, ctx.missed
     record.attention_forms = dict(ctx.forms)
+    record.copies = list(ctx.copies)
     for m in ctx.missed:
         log.debug("dmfx: graph %d: left alone: %s", record.graph_id, m)
     return work

@@ -1035,6 +1035,11 @@ class Report:
                 forms[(a["form"], a["why"])] = forms.get((a["form"], a["why"]), 0) + 1
             lines.append(tabulate([[f, n, why] for (f, why), n in forms.items()], headers=["form", "count", "why"],
                                   tablefmt="github", disable_numparse=True))
+        if d.get("copies_added"):
+            lines.append("")
+            lines.append("copies dmfx added knowingly (every other layout copy of the eager graph is gone or PyTorch's own):")
+            lines.append(tabulate([[c["node"], _fmt_bytes(c["bytes"]), c["why"]] for c in d["copies_added"]],
+                                  headers=["node", "bytes", "why"], tablefmt="github", disable_numparse=True))
         cov = d["coverage"]
         lines.append("")
         lines.append(f"coverage: {cov['fused']} of {cov['total']} memory-bound ATen ops are inside dmfx kernels ({100 * cov['ratio']:.1f}%)")
@@ -1168,6 +1173,7 @@ def explain(model: torch.nn.Module, *args: Any, training: bool = True, measure: 
         "missed": missed,
         "attention_forms": [{"graph": r.graph_id, "node": node, "form": form, "why": why}
                             for r in records for node, (form, why) in r.attention_forms.items()],
+        "copies_added": [{"graph": r.graph_id, **c} for r in records for c in getattr(r, "copies", [])],
         "fallbacks": fallbacks,
         "runtime": runtime,
         "peak_memory": {"before": before_peak.to_dict(), "after": after_peak.to_dict()},

@@ -411,6 +411,10 @@ def stack_qkv(gm: GraphModule, ctx: PassContext) -> None:
                 why = "inference" if not ctx.training else f"{tokens} tokens < {features} input features"
                 ctx.miss("qkv_stacking", att, f"not worth it ({why}): the per-step weight concatenation costs more than it saves")
                 continue
+        w_bytes = 2 * 3 * _concrete(wm[0].numel()) * wm[0].element_size()  # read + written
+        why = ("QKV stacking: the three weights are concatenated every step (bytes: read + written); "
+               "it saves two GEMM launches and the backward's two dX adds")
+        log.debug("dmfx: %s at %s", why, att.name)
         size_b, size_l = heads[0][1][:2]  # [B, L, H, D] of the head view: ints or SymInt nodes
         with graph.inserting_before(att):
             if all(is_op(w, aten.t, aten.permute) and tensor_meta(w.args[0]).dim() == 2 for w in ws):
@@ -418,7 +422,8 @@ def stack_qkv(gm: GraphModule, ctx: PassContext) -> None:
                 W = insert_call(graph, ctx, aten.cat.default, ([w.args[0] for w in ws], 0))
                 w_all = insert_call(graph, ctx, aten.t.default, (W,))
             else:
-                w_all = insert_call(graph, ctx, aten.cat.default, (ws, 1))
+                W = w_all = insert_call(graph, ctx, aten.cat.default, (ws, 1))
+            ctx.copies.append({"node": W.name, "bytes": w_bytes, "why": why})
             if biases[0] is not None:
                 b_all = insert_call(graph, ctx, aten.cat.default, (biases, 0))
                 lin = insert_call(graph, ctx, aten.addmm.default, (b_all, x, w_all))

@@ -28,6 +28,7 @@ class PassContext:
     attention: str = "auto"  # Options.attention
     tune: bool = False  # Options.tune: time the candidate forms (passes/tuning.py)
     forms: dict[str, tuple[str, str]] = field(default_factory=dict)  # attention node -> (form, why)
+    copies: list[dict] = field(default_factory=list)  # copies a pass added knowingly: node, bytes, why
 
     def needs_grad(self, n: Any) -> bool:
         """Whether `n` may require grad: it is computed from a graph input that requires grad (an
