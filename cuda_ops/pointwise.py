@@ -114,10 +114,10 @@ def _memory_order(t: Tensor) -> list[int] | None:
 
 
 def _rope_layout(q: Tensor, k: Tensor) -> list[int] | None:
-    """Outputs keep q's and k's memory order (as eager's element-wise ops do) when both share one.
-    (Only for q and k of one shape: the kernel pairs their last two dims, which a permutation would
-    turn into [heads, D]; grouped-query q/k get contiguous outputs.)"""
-    if q.shape != k.shape:
+    """Outputs keep q's and k's memory order (as eager's element-wise ops do) when both share one,
+    grouped-query k with fewer heads included (cos and sin are permuted alike and broadcast to each).
+    Otherwise the backward of a [B, L, H, D]-laid-out attention would copy dq and dk back."""
+    if q.dim() != k.dim():
         return None
     order = _memory_order(q)
     return order if order is not None and _memory_order(k) == order else None

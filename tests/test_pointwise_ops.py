@@ -400,8 +400,10 @@ def test_rope_opcheck_and_errors():
         torch.ops.dmfx.rope(q, k, cos, torch.randn(2, 2, 3, 8), False)
     with pytest.raises(RuntimeError, match="same rank"):
         torch.ops.dmfx.rope(q, k[0], cos, sin, False)
-    with pytest.raises(RuntimeError, match=r"agree in their last two dims"):
-        torch.ops.dmfx.rope(q, torch.randn(2, 1, 4, 8), cos, sin, False)
+    with pytest.raises(RuntimeError, match=r"cos of shape .* must broadcast to k's shape"):
+        torch.ops.dmfx.rope(q, torch.randn(2, 1, 4, 8), cos, sin, False)  # k of another length
+    with pytest.raises(RuntimeError, match=r"same head dim D"):
+        torch.ops.dmfx.rope(q, torch.randn(2, 1, 3, 6), cos, sin, False)
     with pytest.raises(RuntimeError, match="cos has dtype Half but q has dtype Float"):
         torch.ops.dmfx.rope(q, k, cos.half(), sin, False)
     with pytest.raises(TypeError, match="cos must be a Tensor"):
@@ -420,3 +422,17 @@ def test_rope_outputs_keep_the_memory_order_of_permuted_q_and_k():
     rq, rk = P.reference_rope(q, k, cos, sin)
     assert rel_err(qo, rq) < 1e-6 and rel_err(ko, rk) < 1e-6
     opcheck(torch.ops.dmfx.rope.default, (q, k, cos, sin, False))
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_grouped_query_k_keeps_its_memory_order_too(inverse):
+    """k with fewer heads (GQA) in the same [B, L, H, D] memory order: both outputs keep it (else the
+    backward of a dmfx attention, whose dq/dk come in that layout, would copy them back)."""
+    q = torch.randn(2, 6, 4, 8).transpose(1, 2)
+    k = torch.randn(2, 6, 2, 8).transpose(1, 2)
+    cos, sin = torch.randn(2, 6, 8).unsqueeze(1), torch.randn(2, 6, 8).unsqueeze(1)
+    qo, ko = torch.ops.dmfx.rope(q, k, cos, sin, inverse)
+    assert qo.stride() == q.stride() and ko.stride() == k.stride()
+    rq, _ = torch.ops.dmfx.rope(q.contiguous(), q.contiguous(), cos, sin, inverse)
+    rk, _ = torch.ops.dmfx.rope(k.contiguous(), k.contiguous(), cos, sin, inverse)
+    assert torch.equal(qo, rq) and torch.equal(ko, rk)

@@ -236,9 +236,11 @@ inline std::vector<RopeSide> check_rope(const char* op, const at::Tensor& q, con
   TORCH_CHECK(q.dim() >= 2 && k.dim() == q.dim(), "dmfx::", op,
               ": q and k must have the same rank >= 2 ([..., S, D]), got q ", q.sizes(), " and k ",
               k.sizes());
-  TORCH_CHECK(q.size(-1) == k.size(-1) && q.size(-2) == k.size(-2), "dmfx::", op,
-              ": q and k must agree in their last two dims [S, D], got q ", q.sizes(), " and k ",
-              k.sizes());
+  // Each side is indexed on its own (cos and sin broadcast to each, checked below), so q and k may
+  // differ in any dim but D: grouped-query k has fewer heads, and the Python side may hand both in
+  // their memory order ([B, S, H, D]), where the heads are the second-to-last dim.
+  TORCH_CHECK(q.size(-1) == k.size(-1), "dmfx::", op, ": q and k must have the same head dim D (last dim), got q ",
+              q.sizes(), " and k ", k.sizes());
   TORCH_CHECK(q.size(-1) % 2 == 0, "dmfx::", op, ": the head dim D (last dim of q and k) must be even, got ",
               q.size(-1));
   return {prepare_rope_side(op, "q", q, cos, sin), prepare_rope_side(op, "k", k, cos, sin)};
