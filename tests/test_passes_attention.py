@@ -4,6 +4,7 @@ when Q, K and V are projections of one input), with no transpose copy left in th
 backward graph, or PyTorch's SDPA where the cost model says so; near misses are left to the softmax
 fusion."""
 
+import copy
 import json
 import math
 
@@ -333,3 +334,31 @@ def test_tune_times_each_case_once_and_caches_it(tmp_path, monkeypatch):
     # a corrupt cache file is ignored: the case is timed again (here: timing fails -> the cost model)
     path.write_text("{not json")
     assert _forms(model, x, mask, tune=True) == ["flash"]
+
+
+@pytest.mark.parametrize("form", ["flash", "gemm"])
+def test_dynamic_shapes_stacked_attention(form):
+    """A dynamic sequence length (mark_dynamic): the stacked projection's view takes the SymInt batch
+    and length from the graph; new lengths run without recompiling and match eager. (With
+    dynamic=True Dynamo also makes the module's head size symbolic, and the 1/sqrt(d) scale becomes
+    a data-dependent scalar the passes cannot fold yet: attention is then left to the softmax fusion.)"""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    layer = transformers.models.bert.modeling_bert.BertLayer(cfg).train()
+    ref = copy.deepcopy(layer)
+    f = torch.compile(layer, backend="dmfx", options={"attention": form, "stack_qkv": True, "fallback": False})
+    for L in (9, 13, 30):
+        x = torch.randn(2, L, 32, requires_grad=True)
+        torch._dynamo.mark_dynamic(x, 1)
+        R = torch.randn(2, L, 32)  # (a LayerNorm output's squared sum is constant: no gradient to compare)
+        out = f(x)[0]
+        (out * R).sum().backward()
+        gx, x.grad = x.grad, None
+        exp = ref(x)[0]
+        (exp * R).sum().backward()
+        assert rel_err(out, exp) < 1e-5 and rel_err(gx, x.grad) < 1e-5
+    recs = dmfx.records()
+    assert len(recs) == 1 and recs[0].fired.get("qkv_stacking") == 1, [r.summary() for r in recs]
