@@ -476,7 +476,8 @@ def noop_clones(gm: GraphModule, ctx: PassContext) -> None:
                     if src is not None and src.is_contiguous() and fmt in (torch.contiguous_format, torch.preserve_format):
                         u.replace_all_uses_with(u.args[0])
                         graph.erase_node(u)
-                        ctx.record("noop_clone", 1, None)
+                        # the context's transpose copy: absorbed by the attention (not a fusion of its own)
+                        ctx.replaced["attention"] = ctx.replaced.get("attention", 0) + 1
                         continue
                 if is_op(u, aten.transpose, aten.permute, *_RESHAPES, aten.expand):
                     _refresh(u, ctx)
