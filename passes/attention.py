@@ -10,25 +10,27 @@ and ``probs @ v`` on ``[B, H, L, D]`` tensors::
     o, p = dmfx::softmax(s, mask, scale, causal, seed, p)
     c  = view(expand(o), [B*H, Lq, Lk]);  d = _unsafe_view(clone(expand(v4)), [B*H, Lk, Dv])
     ctx = view(bmm(c, d), [B, H, Lq, Dv])
-                        -> dmfx::attention(q4, k4, v4, mask, scale, causal, seed, p)[0]
 
-The ``clone``s are the transpose copies eager runs because ``bmm`` takes 3-D operands; the fused op
-reads q4, k4 and v4 through their strides and writes its output as ``[B, Lq, H, Dv]``, so the
-``transpose(1, 2).contiguous()`` HF applies to the context is no copy either (``noop_clones`` below
-removes it). The backward of the op writes dq, dk and dv in the projections' layout, so the
-backward has none of the copies either. Readers of the probabilities (returned attention weights)
-get the fused op's. Grouped-query attention is not matched yet (``repeat_kv`` expands k and v with a
-copy first); it is left to the softmax fusion and logged.
+and replaces the chain with one attention in the form ``choose_form`` picks (the cost model, or
+measurements with ``options={"tune": True}``): ``dmfx::flash_attention`` (CPU kernel, scores kept
+in cache), ``dmfx::attention`` (the paper's GEMMs around the fused softmax) or PyTorch's
+``scaled_dot_product_attention``. The ``clone``s are the transpose copies eager runs because ``bmm``
+takes 3-D operands; dmfx's ops read q4, k4 and v4 through their strides and write the context as
+``[B, Lq, H, Dv]``, so HF's ``transpose(1, 2).contiguous()`` after it is no copy either
+(``noop_clones`` removes it), and their backwards write dq, dk and dv in the projections' layout.
+Grouped-query k and v are read before ``repeat_kv``'s copies. Readers of the probabilities (returned
+attention weights) get the fused op's, which only the GEMM form has.
 
-``qkv_stacking`` then looks at each ``dmfx::attention`` whose q, k and v are the head views
+``qkv_stacking`` then looks at each dmfx attention whose q, k and v are the head views
 (``view(linear(x), [B, L, H, D]).transpose(1, 2)``) of three linear layers reading the same input x
 with equal shapes: the paper's algebraic fusion. The three weights (and biases) are concatenated
-and multiplied once, ``qkv = x @ cat(Wq, Wk, Wv)ᵀ + cat(bq, bk, bv)``, and ``dmfx::qkv_attention``
-reads q, k and v as column blocks of qkv. In training the concatenation runs every step (it is
-part of the graph, so the stacked weight can never be stale after an optimizer step); its backward
-is one GEMM for dX, one for the stacked dW (whose row blocks are the three weight gradients, as
-views) and one bias reduction, and the attention backward writes dq, dk and dv straight into the
-stacked gradient.
+and multiplied once, ``qkv = x @ cat(Wq, Wk, Wv)ᵀ + cat(bq, bk, bv)``, and ``dmfx::qkv_attention`` /
+``dmfx::qkv_flash_attention`` read q, k and v as column blocks of qkv (GPT-2's single Conv1D split
+into q, k, v feeds them directly). In training the concatenation runs every step (it is part of the
+graph, so the stacked weight can never be stale after an optimizer step); its backward is one GEMM
+for dX, one for the stacked dW (whose row blocks are the three weight gradients, as views) and one
+bias reduction, and the attention backward writes dq, dk and dv straight into the stacked gradient.
+``stack_qkv="auto"`` stacks only where that pays (training with tokens >= input features).
 """
 
 from __future__ import annotations
@@ -98,6 +100,33 @@ def _repeat_kv_source(t: Node) -> Node | None:
     if xm is None or xm.dim() != 4 or tm is None or not _same(xm.shape[2:], tm.shape[2:]) or xm.shape[0] != tm.shape[0]:
         return None
     return x
+
+
+def _is_last_two_transpose(n: object) -> bool:
+    return is_op(n, aten.transpose) and sorted(d % 4 for d in n.args[1:3]) == [2, 3]
+
+
+def _second_gemm(outs: list[Node]) -> tuple[Node, Node, Node] | None:
+    """The softmax output `o` (one of `outs`) feeds ``bmm(view(expand(o)), v)``: (o, the expand, the bmm)."""
+    for o in outs:
+        for u in o.users:
+            if is_op(u, aten.expand) and len(u.users) == 1:
+                (r,) = u.users
+                if is_op(r, *_RESHAPES) and len(r.users) == 1:
+                    (bmm2,) = r.users
+                    if is_op(bmm2, aten.bmm) and bmm2.args[0] is r and len(bmm2.users) == 1:
+                        return o, u, bmm2
+    return None
+
+
+def _grouped_kv(kt4: Node, v4: Node) -> tuple[Node | None, Node]:
+    """Grouped-query attention: k and v as they were before repeat_kv's copies (the ops index kv
+    heads themselves): (k, v), or (None, v4) when they are not repeat_kv outputs."""
+    k_src = _repeat_kv_source(kt4.args[0]) if _is_last_two_transpose(kt4) else None
+    v_src = _repeat_kv_source(v4)
+    if k_src is not None and v_src is not None and tensor_meta(k_src).shape[1] == tensor_meta(v_src).shape[1]:
+        return k_src, v_src
+    return None, v4
 
 
 def _bmm_of(s: Node) -> Node | None:
@@ -199,20 +228,11 @@ def fuse_attention(gm: GraphModule, ctx: PassContext) -> None:
 
         items = getitem_users(sm)
         outs = items.get(0, [])
-        # The second GEMM: bmm(view(expand(o)), v) viewed back to 4-D.
-        found = None
-        for o in outs:
-            for u in o.users:
-                if is_op(u, aten.expand) and len(u.users) == 1:
-                    (r,) = u.users
-                    if is_op(r, *_RESHAPES) and len(r.users) == 1:
-                        (bmm2,) = r.users
-                        if is_op(bmm2, aten.bmm) and bmm2.args[0] is r and len(bmm2.users) == 1:
-                            found = (o, u, r, bmm2)
+        found = _second_gemm(outs)
         if found is None:
             ctx.miss("attention", sm, "the probabilities do not feed a batched GEMM with v")
             continue
-        o, _, _, bmm2 = found
+        o, expand, bmm2 = found
         (ctx4,) = bmm2.users
         vm = tensor_meta(bmm2.args[1])
         Dv = vm.shape[-1]
@@ -221,23 +241,17 @@ def fuse_attention(gm: GraphModule, ctx: PassContext) -> None:
         if v4 is None or not is_op(ctx4, *_RESHAPES) or c4m is None or not _same(c4m.shape, (B, H, Lq, Dv)):
             ctx.miss("attention", sm, "v is not a 4-D [B, H, L, D] tensor or the context is not viewed back to 4-D")
             continue
-        # grouped-query attention: read k and v before repeat_kv's copies (the ops index kv heads)
-        k_src = _repeat_kv_source(kt4.args[0]) if is_op(kt4, aten.transpose) and sorted(d % 4 for d in kt4.args[1:3]) == [2, 3] else None
-        v_src = _repeat_kv_source(v4)
-        if k_src is not None and v_src is not None and tensor_meta(k_src).shape[1] == tensor_meta(v_src).shape[1]:
-            kt4, v4 = None, v_src
-        else:
-            k_src = None
-        dtypes = {tensor_meta(t).dtype for t in (q4, k_src if kt4 is None else kt4, v4)} | {sm_val.dtype}
+        k_src, v4 = _grouped_kv(kt4, v4)
+        dtypes = {tensor_meta(t).dtype for t in (q4, k_src if k_src is not None else kt4, v4)} | {sm_val.dtype}
         if len(dtypes) != 1:
             ctx.miss("attention", sm, f"q, k, v and the scores have different dtypes {sorted(map(str, dtypes))}")
             continue
 
         probs_read = any(g is not o or len(g.users) > 1 for g in outs) or bool(items.get(1))
         with graph.inserting_before(sm):
-            if kt4 is None:
+            if k_src is not None:
                 k4 = k_src
-            elif is_op(kt4, aten.transpose) and sorted(d % 4 for d in kt4.args[1:3]) == [2, 3]:
+            elif _is_last_two_transpose(kt4):
                 k4 = kt4.args[0]  # HF writes k.transpose(-1, -2)
             else:
                 k4 = insert_call(graph, ctx, aten.transpose.int, (kt4, 2, 3))
@@ -255,7 +269,7 @@ def fuse_attention(gm: GraphModule, ctx: PassContext) -> None:
             probs, dropped = rest
             for g in outs:
                 if g is not o or len(g.users) > 1:
-                    g.replace_all_uses_with(dropped if p > 0 else probs, delete_user_cb=lambda u: u is not found[1])
+                    g.replace_all_uses_with(dropped if p > 0 else probs, delete_user_cb=lambda u: u is not expand)
             for g in items.get(1, []):
                 g.replace_all_uses_with(probs)
         absorbed = ctx.take_over(sm) + 2 + 4  # the softmax chain, two GEMMs, four views
