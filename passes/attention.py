@@ -107,11 +107,16 @@ def _is_last_two_transpose(n: object) -> bool:
 
 
 def _second_gemm(outs: list[Node]) -> tuple[Node, Node, Node] | None:
-    """The softmax output `o` (one of `outs`) feeds ``bmm(view(expand(o)), v)``: (o, the expand, the bmm)."""
+    """The softmax output `o` (one of `outs`) feeds ``bmm(view(expand(o)), v)``, perhaps through a
+    ``clone`` (a dropout with p=0 in training, as some torch versions trace it): (o, o's user on that
+    chain, the bmm)."""
     for o in outs:
         for u in o.users:
-            if is_op(u, aten.expand) and len(u.users) == 1:
-                (r,) = u.users
+            n = u
+            while is_op(n, aten.clone) and len(n.users) == 1:
+                (n,) = n.users
+            if is_op(n, aten.expand) and len(n.users) == 1:
+                (r,) = n.users
                 if is_op(r, *_RESHAPES) and len(r.users) == 1:
                     (bmm2,) = r.users
                     if is_op(bmm2, aten.bmm) and bmm2.args[0] is r and len(bmm2.users) == 1:
@@ -232,7 +237,7 @@ def fuse_attention(gm: GraphModule, ctx: PassContext) -> None:
         if found is None:
             ctx.miss("attention", sm, "the probabilities do not feed a batched GEMM with v")
             continue
-        o, expand, bmm2 = found
+        o, chain, bmm2 = found
         (ctx4,) = bmm2.users
         vm = tensor_meta(bmm2.args[1])
         Dv = vm.shape[-1]
@@ -269,7 +274,7 @@ def fuse_attention(gm: GraphModule, ctx: PassContext) -> None:
             probs, dropped = rest
             for g in outs:
                 if g is not o or len(g.users) > 1:
-                    g.replace_all_uses_with(dropped if p > 0 else probs, delete_user_cb=lambda u: u is not expand)
+                    g.replace_all_uses_with(dropped if p > 0 else probs, delete_user_cb=lambda u: u is not chain)
             for g in items.get(1, []):
                 g.replace_all_uses_with(probs)
         absorbed = ctx.take_over(sm) + 2 + 4  # the softmax chain, two GEMMs, four views
