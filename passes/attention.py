@@ -134,6 +134,15 @@ def _grouped_kv(kt4: Node, v4: Node) -> tuple[Node | None, Node]:
     return None, v4
 
 
+def _runtime_scale(scores: Node) -> bool:
+    """scores = s * c with c a run-time scalar (a graph node holding a number, not a tensor), read
+    only by the softmax."""
+    if not (is_op(scores, aten.mul) and len(scores.args) == 2 and len(scores.users) == 1):
+        return False
+    c = scores.args[1]
+    return isinstance(c, Node) and isinstance(c.meta.get("val"), (torch.SymFloat, torch.SymInt, float, int))
+
+
 def _bmm_of(s: Node) -> Node | None:
     """s = view(bmm(a, b), 4-D): the bmm."""
     if not is_op(s, *_RESHAPES) or len(s.users) != 1:
@@ -219,7 +228,11 @@ def fuse_attention(gm: GraphModule, ctx: PassContext) -> None:
         if sm_val is None or sm_val.dim() != 4:
             continue
         B, H, Lq, Lk = sm_val.shape
-        bmm1 = _bmm_of(scores)
+        bmm1, q_scale = _bmm_of(scores), None
+        if bmm1 is None and _runtime_scale(scores):
+            # the scale is a run-time scalar (torch.compile(dynamic=True) makes HF's 1/sqrt(d) one):
+            # it cannot be the ops' float argument, so it moves onto q (one pass over q, not the scores)
+            bmm1, q_scale = _bmm_of(scores.args[0]), scores.args[1]
         if bmm1 is None:
             ctx.miss("attention", sm, "the scores do not come from a batched GEMM read only by the softmax")
             continue
@@ -260,6 +273,8 @@ def fuse_attention(gm: GraphModule, ctx: PassContext) -> None:
                 k4 = kt4.args[0]  # HF writes k.transpose(-1, -2)
             else:
                 k4 = insert_call(graph, ctx, aten.transpose.int, (kt4, 2, 3))
+            if q_scale is not None:
+                q4 = insert_call(graph, ctx, aten.mul.Tensor, (q4, q_scale))
             form, why = choose_form(ctx, q4, k4, v4, mask, causal, p, scale, probs_read)
             if form == "sdpa":
                 fused = out = _insert_sdpa(graph, ctx, q4, k4, v4, mask, scale, causal, p)

@@ -339,9 +339,7 @@ def test_tune_times_each_case_once_and_caches_it(tmp_path, monkeypatch):
 @pytest.mark.parametrize("form", ["flash", "gemm"])
 def test_dynamic_shapes_stacked_attention(form):
     """A dynamic sequence length (mark_dynamic): the stacked projection's view takes the SymInt batch
-    and length from the graph; new lengths run without recompiling and match eager. (With
-    dynamic=True Dynamo also makes the module's head size symbolic, and the 1/sqrt(d) scale becomes
-    a data-dependent scalar the passes cannot fold yet: attention is then left to the softmax fusion.)"""
+    and length from the graph; new lengths run without recompiling and match eager."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64,
                                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -362,3 +360,24 @@ def test_dynamic_shapes_stacked_attention(form):
         assert rel_err(out, exp) < 1e-5 and rel_err(gx, x.grad) < 1e-5
     recs = dmfx.records()
     assert len(recs) == 1 and recs[0].fired.get("qkv_stacking") == 1, [r.summary() for r in recs]
+
+
+def test_dynamic_true_runtime_scale_moves_onto_q():
+    """torch.compile(dynamic=True) turns HF's 1/sqrt(d) into a run-time scalar: it multiplies q, and the
+    attention still fuses (without stacking, q being scaled), matching eager over several lengths."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    layer = transformers.models.bert.modeling_bert.BertLayer(cfg).train()
+    ref = copy.deepcopy(layer)
+    f = torch.compile(layer, backend="dmfx", dynamic=True, options={"attention": "flash", "fallback": False})
+    for L in (9, 13):
+        x = torch.randn(2, L, 32, requires_grad=True)
+        R = torch.randn(2, L, 32)
+        (f(x)[0] * R).sum().backward()
+        gx, x.grad = x.grad, None
+        (ref(x)[0] * R).sum().backward()
+        assert rel_err(gx, x.grad) < 1e-5
+    assert any(r.fired.get("attention") for r in dmfx.records()), [r.missed for r in dmfx.records()]
