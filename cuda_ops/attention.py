@@ -38,6 +38,14 @@ the GEMMs are ATen's (MKL / cuBLAS), the softmax kernels are dmfx's own)
     The gradient of the stacked projection in one contiguous ``[B, L, 3 * heads * D]`` tensor: the
     three GEMMs write dq, dk and dv straight into its column blocks, so the stacked weight's backward
     is one GEMM for dX, one for dW and one bias reduction, with no concatenation.
+``dmfx::flash_attention(q, k, v, mask, scale, causal, seed, p) -> (Tensor out, Tensor stats)`` and
+``dmfx::qkv_flash_attention(qkv, heads, mask, scale, causal, seed, p) -> (Tensor out, Tensor stats)``
+    The same attention in the fused form (csrc/attention_cpu.cpp): per block of query rows the
+    scores stay in cache and never reach memory; ``stats`` ``[2, B, H, Lq]`` holds each row's max and
+    1 / sum of exps for the backward (``flash_attention_backward`` -> (dq, dk, dv),
+    ``qkv_flash_attention_backward`` -> dqkv), which recomputes the scores. Same dropout mask as the
+    unfused form. No mask gradient (it raises). CPU float32/float64; elsewhere the same ops run the
+    unfused form.
 """
 
 from __future__ import annotations
