@@ -145,6 +145,24 @@ def _blhd(B: int, H: int, L: int, D: int, like: Tensor) -> Tensor:
     return torch.empty((B, L, H, D), dtype=like.dtype, device=like.device).transpose(1, 2)
 
 
+def _context(q: Tensor, v: Tensor) -> Tensor:
+    """The attention output [B, Hq, Lq, Dv], laid out as [B, Lq, Hq, Dv]."""
+    B, Hq, Lq, _ = q.shape
+    return _blhd(B, Hq, Lq, v.shape[3], q)
+
+
+def _grads_like(*ts: Tensor) -> tuple[Tensor, ...]:
+    """Empty gradients of [B, H, L, D] tensors, laid out as [B, L, H, D]."""
+    return tuple(_blhd(*t.shape, t) for t in ts)
+
+
+def _check_forward(op: str, q: Tensor, k: Tensor, v: Tensor, mask, causal: bool, seed, p: float) -> None:
+    """Every check of a forward (kernels and fakes): q, k, v and the softmax's (mask, causal, dropout)."""
+    _check_qkv(op, q, k, v)
+    B, Hq, Lq, _ = q.shape
+    _check_softmax(q.new_empty((1,)).expand(B, Hq, Lq, k.shape[2]), mask, causal, seed, p)
+
+
 # ----------------------------------------------------------------------------------------- GEMMs
 
 
@@ -235,24 +253,20 @@ def _backward(grad_out, q, k, v, probs, dropped, seed, p, scale, mask_grad, grad
 
 
 def _attention_kernel(q, k, v, mask, scale, causal, seed, p):
-    _check_qkv("attention", q, k, v)
-    B, Hq, Lq, _ = q.shape
-    _check_softmax(q.new_empty((1,)).expand(B, Hq, Lq, k.shape[2]), mask, causal, seed, p)
-    return _forward(q, k, v, mask, scale, causal, seed, p, _blhd(B, Hq, Lq, v.shape[3], q))
+    _check_forward("attention", q, k, v, mask, causal, seed, p)
+    return _forward(q, k, v, mask, scale, causal, seed, p, _context(q, v))
 
 
 def _attention_backward_kernel(grad_out, q, k, v, probs, dropped, seed, p, scale, mask_grad, grad_probs=None, grad_dropped=None):
     _check_qkv("attention_backward", q, k, v)
     _check_p("attention_backward", p, seed)
-    dq, dk, dv = (_blhd(*t.shape, t) for t in (q, k, v))
-    return _backward(grad_out, q, k, v, probs, dropped, seed, p, scale, mask_grad, grad_probs, grad_dropped, dq, dk, dv)
+    return _backward(grad_out, q, k, v, probs, dropped, seed, p, scale, mask_grad, grad_probs, grad_dropped, *_grads_like(q, k, v))
 
 
 def _qkv_attention_kernel(qkv, heads, mask, scale, causal, seed, p):
     q, k, v = _split_qkv("qkv_attention", qkv, heads)
-    B, H, L, D = q.shape
-    _check_softmax(q.new_empty((1,)).expand(B, H, L, L), mask, causal, seed, p)
-    return _forward(q, k, v, mask, scale, causal, seed, p, _blhd(B, H, L, D, q))
+    _check_forward("qkv_attention", q, k, v, mask, causal, seed, p)
+    return _forward(q, k, v, mask, scale, causal, seed, p, _context(q, v))
 
 
 def _qkv_attention_backward_kernel(grad_out, qkv, heads, probs, dropped, seed, p, scale, mask_grad, grad_probs=None, grad_dropped=None):
@@ -281,13 +295,12 @@ def flash_supported(device: torch.device, dtype: torch.dtype) -> bool:
 def _flash_forward(q, k, v, mask, scale, causal, seed, p, out):
     from .softmax import _kernel_mask
 
-    B, Hq, Lq, _ = q.shape
     if flash_supported(q.device, q.dtype):
         s, o = _seed_values(seed, "flash_attention")
         stats = kernels_for(q.device).flash_fwd(q, k, v, _kernel_mask(mask, q), scale, causal, s, o, p, out)
         return out, stats
     _forward(q, k, v, mask, scale, causal, seed, p, out)
-    return out, q.new_empty((2, B, Hq, Lq), dtype=_stats_dtype(q.dtype))
+    return out, q.new_empty((2, *q.shape[:3]), dtype=_stats_dtype(q.dtype))  # unused by the unfused backward
 
 
 def _flash_backward(grad_out, q, k, v, stats, mask, scale, causal, seed, p, dq, dk, dv):
@@ -299,8 +312,7 @@ def _flash_backward(grad_out, q, k, v, stats, mask, scale, causal, seed, p, dq, 
         kernels_for(q.device).flash_bwd(go, q, k, v, stats, _kernel_mask(mask, q), scale, causal, s, o, p, dq, dk, dv)
         return dq, dk, dv
     # unfused: recompute the probabilities (and the dropped ones) once, then the GEMM backward
-    B, Hq, Lq, _ = q.shape
-    _, probs, dropped = _forward(q, k, v, mask, scale, causal, seed, p, _blhd(B, Hq, Lq, v.shape[3], q))
+    _, probs, dropped = _forward(q, k, v, mask, scale, causal, seed, p, _context(q, v))
     _backward(grad_out, q, k, v, probs, dropped, seed, p, scale, False, None, None, dq, dk, dv)
     return dq, dk, dv
 
@@ -310,24 +322,20 @@ def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _flash_attention_kernel(q, k, v, mask, scale, causal, seed, p):
-    _check_qkv("flash_attention", q, k, v)
-    B, Hq, Lq, _ = q.shape
-    _check_softmax(q.new_empty((1,)).expand(B, Hq, Lq, k.shape[2]), mask, causal, seed, p)
-    return _flash_forward(q, k, v, mask, scale, causal, seed, p, _blhd(B, Hq, Lq, v.shape[3], q))
+    _check_forward("flash_attention", q, k, v, mask, causal, seed, p)
+    return _flash_forward(q, k, v, mask, scale, causal, seed, p, _context(q, v))
 
 
 def _flash_attention_backward_kernel(grad_out, q, k, v, stats, mask, scale, causal, seed, p):
     _check_qkv("flash_attention_backward", q, k, v)
     _check_p("flash_attention_backward", p, seed)
-    dq, dk, dv = (_blhd(*t.shape, t) for t in (q, k, v))
-    return _flash_backward(grad_out, q, k, v, stats, mask, scale, causal, seed, p, dq, dk, dv)
+    return _flash_backward(grad_out, q, k, v, stats, mask, scale, causal, seed, p, *_grads_like(q, k, v))
 
 
 def _qkv_flash_attention_kernel(qkv, heads, mask, scale, causal, seed, p):
     q, k, v = _split_qkv("qkv_flash_attention", qkv, heads)
-    B, H, L, D = q.shape
-    _check_softmax(q.new_empty((1,)).expand(B, H, L, L), mask, causal, seed, p)
-    return _flash_forward(q, k, v, mask, scale, causal, seed, p, _blhd(B, H, L, D, q))
+    _check_forward("qkv_flash_attention", q, k, v, mask, causal, seed, p)
+    return _flash_forward(q, k, v, mask, scale, causal, seed, p, _context(q, v))
 
 
 def _qkv_flash_attention_backward_kernel(grad_out, qkv, heads, stats, mask, scale, causal, seed, p):
@@ -353,20 +361,23 @@ for _dev in ("CPU", "CUDA"):
 # ----------------------------------------------------------------------------------------- fakes
 
 
-def _fake_outputs(q, Lk, Dv, p):
-    B, Hq, Lq, _ = q.shape
-    out = _blhd(B, Hq, Lq, Dv, q)
-    probs = q.new_empty((B, Hq, Lq, Lk))
-    dropped = q.new_empty((B, Hq, Lq, Lk)) if p > 0 else q.new_empty((0,))
-    return out, probs, dropped
+def _fake_outputs(op, q, k, v, mask, causal, seed, p):
+    """(out, probs, dropped) of the GEMM form."""
+    _check_forward(op, q, k, v, mask, causal, seed, p)
+    scores = (*q.shape[:3], k.shape[2])
+    dropped = q.new_empty(scores) if p > 0 else q.new_empty((0,))
+    return _context(q, v), q.new_empty(scores), dropped
+
+
+def _fake_flash_outputs(op, q, k, v, mask, causal, seed, p):
+    """(out, stats) of the fused form."""
+    _check_forward(op, q, k, v, mask, causal, seed, p)
+    return _context(q, v), q.new_empty((2, *q.shape[:3]), dtype=_stats_dtype(q.dtype))
 
 
 @torch.library.register_fake("dmfx::attention")
 def _attention_fake(q, k, v, mask, scale, causal, seed, p):
-    _check_qkv("attention", q, k, v)
-    B, Hq, Lq, _ = q.shape
-    _check_softmax(q.new_empty((B, Hq, Lq, k.shape[2])), mask, causal, seed, p)
-    return _fake_outputs(q, k.shape[2], v.shape[3], p)
+    return _fake_outputs("attention", q, k, v, mask, causal, seed, p)
 
 
 @torch.library.register_fake("dmfx::attention_backward")
@@ -374,15 +385,12 @@ def _attention_backward_fake(grad_out, q, k, v, probs, dropped, seed, p, scale, 
     _check_qkv("attention_backward", q, k, v)
     _check_p("attention_backward", p, seed)
     dz = q.new_empty(probs.shape) if mask_grad else q.new_empty((0,))
-    return (*(_blhd(*t.shape, t) for t in (q, k, v)), dz)
+    return (*_grads_like(q, k, v), dz)
 
 
 @torch.library.register_fake("dmfx::qkv_attention")
 def _qkv_attention_fake(qkv, heads, mask, scale, causal, seed, p):
-    q, _, v = _split_qkv("qkv_attention", qkv, heads)
-    B, H, L, _ = q.shape
-    _check_softmax(q.new_empty((B, H, L, L)), mask, causal, seed, p)
-    return _fake_outputs(q, L, v.shape[3], p)
+    return _fake_outputs("qkv_attention", *_split_qkv("qkv_attention", qkv, heads), mask, causal, seed, p)
 
 
 @torch.library.register_fake("dmfx::qkv_attention_backward")
@@ -395,25 +403,19 @@ def _qkv_attention_backward_fake(grad_out, qkv, heads, probs, dropped, seed, p, 
 
 @torch.library.register_fake("dmfx::flash_attention")
 def _flash_attention_fake(q, k, v, mask, scale, causal, seed, p):
-    _check_qkv("flash_attention", q, k, v)
-    B, Hq, Lq, _ = q.shape
-    _check_softmax(q.new_empty((B, Hq, Lq, k.shape[2])), mask, causal, seed, p)
-    return _blhd(B, Hq, Lq, v.shape[3], q), q.new_empty((2, B, Hq, Lq), dtype=_stats_dtype(q.dtype))
+    return _fake_flash_outputs("flash_attention", q, k, v, mask, causal, seed, p)
 
 
 @torch.library.register_fake("dmfx::flash_attention_backward")
 def _flash_attention_backward_fake(grad_out, q, k, v, stats, mask, scale, causal, seed, p):
     _check_qkv("flash_attention_backward", q, k, v)
     _check_p("flash_attention_backward", p, seed)
-    return tuple(_blhd(*t.shape, t) for t in (q, k, v))
+    return _grads_like(q, k, v)
 
 
 @torch.library.register_fake("dmfx::qkv_flash_attention")
 def _qkv_flash_attention_fake(qkv, heads, mask, scale, causal, seed, p):
-    q, _, v = _split_qkv("qkv_flash_attention", qkv, heads)
-    B, H, L, _ = q.shape
-    _check_softmax(q.new_empty((B, H, L, L)), mask, causal, seed, p)
-    return _blhd(B, H, L, v.shape[3], q), q.new_empty((2, B, H, L), dtype=_stats_dtype(q.dtype))
+    return _fake_flash_outputs("qkv_flash_attention", *_split_qkv("qkv_flash_attention", qkv, heads), mask, causal, seed, p)
 
 
 @torch.library.register_fake("dmfx::qkv_flash_attention_backward")
@@ -481,8 +483,7 @@ def _materialize(grad_out, q, v):
     """Only the probabilities got a gradient: the output's is zero."""
     if grad_out is not None:
         return grad_out
-    B, H, L, _ = q.shape
-    return _blhd(B, H, L, v.shape[3], q).zero_()
+    return _context(q, v).zero_()
 
 
 def _setup_flash(ctx, inputs, output):

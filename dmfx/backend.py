@@ -95,6 +95,27 @@ def _devices(example_inputs: Sequence[Any]) -> tuple[str, ...]:
     return tuple(sorted({t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}))
 
 
+def input_requires_grad(example_inputs: Sequence[Any]) -> tuple[bool, ...]:
+    """Per graph input: whether it is a tensor that requires grad."""
+    return tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+
+
+def pass_context(example_inputs: Sequence[Any], opts: Options, training: bool):
+    """The PassContext the pipeline runs with (the backend's, and explain's replay of it)."""
+    from torch._guards import detect_fake_mode
+
+    from .passes import PassContext
+
+    return PassContext(
+        fake_mode=detect_fake_mode(list(example_inputs)),
+        training=training,
+        stack_qkv=opts.stack_qkv,
+        attention=opts.attention,
+        tune=opts.tune,
+        input_requires_grad=input_requires_grad(example_inputs),
+    )
+
+
 def _copy(gm: GraphModule) -> GraphModule:
     graph = torch.fx.Graph()
     out = graph.graph_copy(gm.graph, {})
@@ -109,7 +130,7 @@ def lower_to_aten(gm: GraphModule, example_inputs: Sequence[Any]) -> GraphModule
     with torch.no_grad():
         aten_gm = aot_export_joint_simple(gm, list(example_inputs), trace_joint=False)
     if torch.is_grad_enabled():
-        restore_sdpa(aten_gm, [isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs])
+        restore_sdpa(aten_gm, input_requires_grad(example_inputs))
     return aten_gm
 
 
@@ -122,7 +143,7 @@ _SDPA_KERNELS = {
 }
 
 
-def restore_sdpa(aten_gm: GraphModule, input_requires_grad: Sequence[bool]) -> int:
+def restore_sdpa(aten_gm: GraphModule, requires_grad: Sequence[bool]) -> int:
     """Turn fused SDPA kernels chosen under no_grad back into ``aten.scaled_dot_product_attention``
     where their mask requires grad.
 
@@ -134,13 +155,9 @@ def restore_sdpa(aten_gm: GraphModule, input_requires_grad: Sequence[bool]) -> i
     """
     import operator
 
-    from .passes.graph_utils import views_to_reshapes
+    from .passes.graph_utils import grad_dependent_nodes, views_to_reshapes
 
-    placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
-    grad_nodes = {n for n, rg in zip(placeholders, input_requires_grad) if rg}
-    for n in aten_gm.graph.nodes:  # nodes computed from an input that requires grad (an over-estimate)
-        if n.op == "call_function" and any(a in grad_nodes for a in n.all_input_nodes):
-            grad_nodes.add(n)
+    grad_nodes = grad_dependent_nodes(aten_gm.graph, requires_grad)
     count = 0
     for n in list(aten_gm.graph.nodes):
         spec = _SDPA_KERNELS.get(getattr(getattr(n.target, "overloadpacket", None), "__name__", ""))
@@ -179,10 +196,8 @@ def restore_sdpa(aten_gm: GraphModule, input_requires_grad: Sequence[bool]) -> i
 
 def rewrite(aten_gm: GraphModule, example_inputs: Sequence[Any], opts: Options, record: GraphRecord) -> GraphModule:
     """Run the pass pipeline on a copy of `aten_gm`; on failure (with opts.fallback) return it unchanged."""
-    from torch._guards import detect_fake_mode
-
     from .cuda_ops.build import KernelBuildError, load
-    from .passes import PassContext, run_pipeline
+    from .passes import run_pipeline
 
     unsupported = [d for d in record.devices if d not in ("cpu", "cuda")]
     if unsupported:
@@ -199,14 +214,7 @@ def rewrite(aten_gm: GraphModule, example_inputs: Sequence[Any], opts: Options, 
         record.fallback = f"kernel build failed: {e}"
         return aten_gm
 
-    ctx = PassContext(
-        fake_mode=detect_fake_mode(list(example_inputs)),
-        training=record.training,
-        stack_qkv=opts.stack_qkv,
-        attention=opts.attention,
-        tune=opts.tune,
-        input_requires_grad=tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs),
-    )
+    ctx = pass_context(example_inputs, opts, record.training)
     work = _copy(aten_gm)
     try:
         run_pipeline(work, ctx, opts.skip)
@@ -273,7 +281,7 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
         raise ValueError(f"dmfx: unexpected arguments {sorted(kwargs)}; pass settings as options={{...}}")
     opts = Options.from_user(options)
     record = GraphRecord(graph_id=next(_graph_ids), devices=_devices(example_inputs))
-    record.training = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+    record.training = torch.is_grad_enabled() and any(input_requires_grad(example_inputs))
     if opts.record:
         _records.append(record)
     if opts.disable:

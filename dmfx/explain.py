@@ -49,6 +49,9 @@ from torch.fx import GraphModule, Node
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .cuda_ops.attention import OPS as _ATTENTION_OPS
+from .passes.graph_utils import concrete_int
+
 aten = torch.ops.aten
 
 PAPER_REDUCTION_PCT = 22.91  # Ivanov et al. 2021: data movement reduced by up to 22.91% (BERT-large layer)
@@ -115,29 +118,14 @@ _FLOP_PER_ELEMENT = {
 # ================================================================================ cost model
 
 
-def _concrete(x: Any) -> int:
-    """An int from an int or a SymInt (its hint: the example's concrete value)."""
-    if isinstance(x, int):
-        return x
-    if isinstance(x, torch.SymInt):
-        node = x.node
-        hint = getattr(node, "hint", None)
-        if hint is not None:
-            return int(hint)
-        shape_env = getattr(node, "shape_env", None)
-        if shape_env is not None:
-            return int(shape_env.size_hint(node.expr))
-    return int(x)
-
-
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes a kernel touches reading or writing `t`: element size * min(numel, memory extent)."""
-    sizes = [_concrete(s) for s in t.shape]
+    sizes = [concrete_int(s) for s in t.shape]
     if any(s == 0 for s in sizes):
         return 0
     numel = math.prod(sizes)
     try:
-        strides = [_concrete(s) for s in t.stride()]
+        strides = [concrete_int(s) for s in t.stride()]
         extent = 1 + sum((s - 1) * abs(st) for s, st in zip(sizes, strides))
     except Exception:  # sparse / nested / no strides
         extent = numel
@@ -145,7 +133,7 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def _numel(t: torch.Tensor) -> int:
-    return math.prod(_concrete(s) for s in t.shape)
+    return math.prod(concrete_int(s) for s in t.shape)
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
@@ -206,12 +194,6 @@ def classify(func: Any, args: Sequence[Any] = (), out: Any = None) -> str:
     return OTHER
 
 
-_ATTENTION_OPS = {
-    "attention", "attention_backward", "qkv_attention", "qkv_attention_backward",
-    "flash_attention", "flash_attention_backward", "qkv_flash_attention", "qkv_flash_attention_backward",
-}
-
-
 def _attention_cost(name: str, args: Sequence[Any]) -> tuple[int, int] | None:
     """(flop, bytes moved inside the op) of a dmfx attention op (None for other ops): the flop of its
     GEMMs, and for the unfused form (dmfx::attention) the [B, H, Lq, Lk] scores its GEMMs write and its
@@ -222,14 +204,14 @@ def _attention_cost(name: str, args: Sequence[Any]) -> tuple[int, int] | None:
     backward = name.endswith("backward")
     first = args[1] if backward else args[0]  # q, or the stacked qkv
     if name.startswith("qkv_"):
-        B, L, F = (_concrete(s) for s in first.shape)
+        B, L, F = (concrete_int(s) for s in first.shape)
         H = int(args[2] if backward else args[1])
         Lq = Lk = L
         D = Dv = F // (3 * H)
     else:
         k, v = (args[2], args[3]) if backward else (args[1], args[2])
-        B, H, Lq, D = (_concrete(s) for s in first.shape)
-        Lk, Dv = _concrete(k.shape[2]), _concrete(v.shape[3])
+        B, H, Lq, D = (concrete_int(s) for s in first.shape)
+        Lk, Dv = concrete_int(k.shape[2]), concrete_int(v.shape[3])
     gemm = 2 * B * H * Lq * Lk * (D + Dv)  # Q·Kᵀ and P·V
     scores = B * H * Lq * Lk * first.element_size()
     if "flash" in name:
@@ -254,10 +236,7 @@ def _flop(func: Any, cls: str, args: Sequence[Any], kwargs: dict, out: Any) -> i
     if not outs:
         return 0
     elements = max(_numel(t) for t in outs)
-    if cls == FUSED:  # a chain of a few element-wise ops and perhaps a normalization
-        cost = _attention_cost(_base_name(func), args)
-        if cost is not None:  # attention: its GEMMs
-            return cost[0]
+    if cls == FUSED:  # a chain of a few element-wise ops and perhaps a normalization (attention: op_cost)
         elements = max([elements] + [_numel(t) for t in _tensors(args)])
         return 8 * elements
     return _FLOP_PER_ELEMENT.get(_base_name(func), 1) * elements
@@ -291,11 +270,11 @@ def op_cost(func: Any, args: Sequence[Any], kwargs: dict | None, out: Any) -> Op
         read = min(tensor_bytes(args[0]), written) + sum(tensor_bytes(t) for t in _tensors((args[1:], kwargs)))
     else:
         read = sum(tensor_bytes(t) for t in _tensors((args, kwargs)))
-    if cls == FUSED:
-        cost = _attention_cost(_base_name(func), args)
-        if cost is not None and cost[1]:  # the unfused form's scores go through memory inside the op
-            read, written = read + cost[1] // 2, written + cost[1] // 2
-            return OpCost(name, cls, cost[0], read, written, "includes the scores written and read inside the op")
+    cost = _attention_cost(_base_name(func), args) if cls == FUSED else None
+    if cost is not None:  # attention: its GEMMs' flop; the unfused form's scores go through memory inside the op
+        flop, inside = cost
+        note = "includes the scores written and read inside the op" if inside else ""
+        return OpCost(name, cls, flop, read + inside // 2, written + inside // 2, note)
     return OpCost(name, cls, _flop(func, cls, args, kwargs, out), read, written)
 
 
@@ -525,8 +504,7 @@ def _absorbed_entry(x: Node, pass_name: str = "") -> dict | None:
 
 
 def attribute_absorbed(aten_gm: GraphModule, example_inputs: Sequence[Any] | None = None,
-                       skip: Sequence[str] = (), training: bool = True,
-                       stack_qkv: bool | str = "auto", attention: str = "auto", tune: bool = False) -> dict[str, list[dict]]:
+                       options: dict | None = None, training: bool = True) -> dict[str, list[dict]]:
     """Which ATen ops each dmfx:: node absorbed: replays the pass pipeline on a copy of `aten_gm` (the
     lowered graph the backend rewrites), one pass at a time. After each pass, a new dmfx node owns the
     removed nodes found walking back from the nodes that read its results (through removed nodes
@@ -535,16 +513,20 @@ def attribute_absorbed(aten_gm: GraphModule, example_inputs: Sequence[Any] | Non
     backend's rewritten graph has, since the pipeline is deterministic)."""
     from torch._guards import detect_fake_mode
 
-    from .backend import _copy
-    from .passes import PIPELINE, PassContext
+    from .backend import _copy, pass_context
+    from .options import Options
+    from .passes import PIPELINE
     from .passes.graph_utils import dead_code_elimination, finish
 
     gm = _copy(aten_gm)
-    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    fake_mode = detect_fake_mode(list(example_inputs or [])) or detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-    ctx = PassContext(fake_mode=fake_mode, training=training, stack_qkv=stack_qkv, attention=attention, tune=tune,
-                      input_requires_grad=tuple(isinstance(t, torch.Tensor) and t.requires_grad
-                                                for t in example_inputs) if example_inputs is not None else None)
+    opts = Options.from_user(options)
+    ctx = pass_context(example_inputs or [], opts, training)
+    if example_inputs is None:
+        ctx.input_requires_grad = None  # unknown: every input may require grad
+    if ctx.fake_mode is None:
+        vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+        ctx.fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    skip = opts.skip
     owned: dict[Node, list[dict]] = {}
     for pass_name, fn in PIPELINE.items():
         if pass_name in skip:
@@ -741,9 +723,7 @@ class _Captured:
         from .backend import lower_to_aten
 
         aten_gm = getattr(self.record, "aten_graph", None) or lower_to_aten(self.dynamo_graph, self.example_inputs)
-        return attribute_absorbed(aten_gm, self.example_inputs, tuple(self.options.get("skip", ())),
-                                  training=self.record.training, stack_qkv=self.options.get("stack_qkv", "auto"),
-                                  attention=self.options.get("attention", "auto"), tune=self.options.get("tune", False))
+        return attribute_absorbed(aten_gm, self.example_inputs, self.options, training=self.record.training)
 
 
 def _capturing_backend(options: dict, captured: list[_Captured]) -> Callable:
@@ -920,7 +900,7 @@ def _time_graphs(cap: _Captured, rounds: int) -> dict[str, dict[str, float]]:
                 inputs.append(values[p.name])
             elif p.name.startswith("tangents") and isinstance(p.meta.get("val"), torch.Tensor):
                 v = p.meta["val"]
-                inputs.append(torch.randn([_concrete(s) for s in v.shape], dtype=v.dtype, device=device))
+                inputs.append(torch.randn([concrete_int(s) for s in v.shape], dtype=v.dtype, device=device))
             else:
                 return out
         out["backward"], _ = run(bw, inputs)
@@ -1173,7 +1153,7 @@ def explain(model: torch.nn.Module, *args: Any, training: bool = True, measure: 
         "missed": missed,
         "attention_forms": [{"graph": r.graph_id, "node": node, "form": form, "why": why}
                             for r in records for node, (form, why) in r.attention_forms.items()],
-        "copies_added": [{"graph": r.graph_id, **c} for r in records for c in getattr(r, "copies", [])],
+        "copies_added": [{"graph": r.graph_id, **c} for r in records for c in r.copies],
         "fallbacks": fallbacks,
         "runtime": runtime,
         "peak_memory": {"before": before_peak.to_dict(), "after": after_peak.to_dict()},

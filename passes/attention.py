@@ -44,6 +44,7 @@ from torch.fx import GraphModule, Node
 from .graph_utils import (
     PassContext,
     aten,
+    concrete_int,
     getitem_users,
     insert_call,
     insert_getitems,
@@ -102,8 +103,9 @@ def _repeat_kv_source(t: Node) -> Node | None:
     return x
 
 
-def _is_last_two_transpose(n: object) -> bool:
-    return is_op(n, aten.transpose) and sorted(d % 4 for d in n.args[1:3]) == [2, 3]
+def _is_transpose(n: object, dims: tuple[int, int]) -> bool:
+    """n = x.transpose(a, b) of a 4-D x with {a, b} == dims (negative dims allowed)."""
+    return is_op(n, aten.transpose) and sorted(d % 4 for d in n.args[1:3]) == sorted(dims)
 
 
 def _second_gemm(outs: list[Node]) -> tuple[Node, Node, Node] | None:
@@ -127,7 +129,7 @@ def _second_gemm(outs: list[Node]) -> tuple[Node, Node, Node] | None:
 def _grouped_kv(kt4: Node, v4: Node) -> tuple[Node | None, Node]:
     """Grouped-query attention: k and v as they were before repeat_kv's copies (the ops index kv
     heads themselves): (k, v), or (None, v4) when they are not repeat_kv outputs."""
-    k_src = _repeat_kv_source(kt4.args[0]) if _is_last_two_transpose(kt4) else None
+    k_src = _repeat_kv_source(kt4.args[0]) if _is_transpose(kt4, (2, 3)) else None
     v_src = _repeat_kv_source(v4)
     if k_src is not None and v_src is not None and tensor_meta(k_src).shape[1] == tensor_meta(v_src).shape[1]:
         return k_src, v_src
@@ -269,7 +271,7 @@ def fuse_attention(gm: GraphModule, ctx: PassContext) -> None:
         with graph.inserting_before(sm):
             if k_src is not None:
                 k4 = k_src
-            elif _is_last_two_transpose(kt4):
+            elif _is_transpose(kt4, (2, 3)):
                 k4 = kt4.args[0]  # HF writes k.transpose(-1, -2)
             else:
                 k4 = insert_call(graph, ctx, aten.transpose.int, (kt4, 2, 3))
@@ -304,12 +306,9 @@ def fuse_attention(gm: GraphModule, ctx: PassContext) -> None:
 
 def _head_view_of(t: Node):
     """t = view(h, [B, L, H, D]).transpose(1, 2) (or permute(0, 2, 1, 3)) with h the [B, L, H*D] (or
-    [B*L, H*D]) output of a linear layer: (h, the linear)."""
-    if is_op(t, aten.transpose) and sorted(d % 4 for d in t.args[1:3]) == [1, 2]:
-        pass
-    elif is_op(t, aten.permute) and list(t.args[1]) == [0, 2, 1, 3]:
-        pass
-    else:
+    [B*L, H*D]) output of a linear layer (addmm / mm, read only there): (the linear, the view's
+    [B, L, H, D] shape argument)."""
+    if not (_is_transpose(t, (1, 2)) or (is_op(t, aten.permute) and list(t.args[1]) == [0, 2, 1, 3])):
         return None
     v = t.args[0]
     if not is_op(v, *_RESHAPES) or len(v.users) != 1 or len(v.args[1]) != 4:
@@ -341,7 +340,7 @@ def _split_source(q4: Node, k4: Node, v4: Node) -> Node | None:
     ``split(x, E, -1)`` with x [B, L, 3E], in order: x."""
     srcs = []
     for i, t in enumerate((q4, k4, v4)):
-        if not (is_op(t, aten.transpose) and sorted(d % 4 for d in t.args[1:3]) == [1, 2]):
+        if not _is_transpose(t, (1, 2)):
             return None
         v = t.args[0]
         if not is_op(v, *_RESHAPES) or len(v.users) != 1:
@@ -384,13 +383,6 @@ def _linear_parts(lin: Node):
     return x, w, None
 
 
-def _concrete(x) -> int:
-    """An int, or a SymInt's hint (the example's value)."""
-    if isinstance(x, int):
-        return x
-    return int(x.node.hint) if getattr(x.node, "hint", None) is not None else int(x.node.shape_env.size_hint(x.node.expr))
-
-
 def stack_qkv(gm: GraphModule, ctx: PassContext) -> None:
     if ctx.stack_qkv is False:
         return
@@ -401,13 +393,7 @@ def stack_qkv(gm: GraphModule, ctx: PassContext) -> None:
         q4, k4, v4, mask, scale, causal, seed, p = att.args
         packed = _split_source(q4, k4, v4)
         if packed is not None:  # GPT-2: one GEMM already, split into q, k and v
-            with graph.inserting_before(att):
-                fused = insert_call(graph, ctx, _PACKED[att.target], (packed, tensor_meta(q4).shape[1], mask, scale, causal, seed, p))
-            fused.meta["dmfx_fused"] = att.meta.get("dmfx_fused")
-            ctx.forms[fused.name] = ctx.forms.pop(att.name, ("", ""))
-            att.replace_all_uses_with(fused)
-            graph.erase_node(att)
-            ctx.record("qkv_stacking", 1, None)  # the split (and its backward's concatenation)
+            _use_packed(graph, ctx, att, packed, tensor_meta(q4).shape[1], absorbed=1)  # the split (and its backward's cat)
             continue
         heads = [_head_view_of(t) for t in (q4, k4, v4)]
         if any(x is None for x in heads):
@@ -440,12 +426,12 @@ def stack_qkv(gm: GraphModule, ctx: PassContext) -> None:
             # saves two adds of the three dX GEMMs' outputs (2 * 3 * tokens * in elements) and two
             # GEMM launches. Inference: the GEMM runs no faster stacked (bench/RESULTS.md) and the
             # concatenation is pure cost.
-            tokens, features = (_concrete(s) for s in tensor_meta(x).shape[-2:]) if tensor_meta(x).dim() == 2 else (0, 1)
+            tokens, features = (concrete_int(s) for s in tensor_meta(x).shape[-2:]) if tensor_meta(x).dim() == 2 else (0, 1)
             if not ctx.training or tokens < features:
                 why = "inference" if not ctx.training else f"{tokens} tokens < {features} input features"
                 ctx.miss("qkv_stacking", att, f"not worth it ({why}): the per-step weight concatenation costs more than it saves")
                 continue
-        w_bytes = 2 * 3 * _concrete(wm[0].numel()) * wm[0].element_size()  # read + written
+        w_bytes = 2 * 3 * concrete_int(wm[0].numel()) * wm[0].element_size()  # read + written
         why = ("QKV stacking: the three weights are concatenated every step (bytes: read + written); "
                "it saves two GEMM launches and the backward's two dX adds")
         log.debug("dmfx: %s at %s", why, att.name)
@@ -464,12 +450,19 @@ def stack_qkv(gm: GraphModule, ctx: PassContext) -> None:
             else:
                 lin = insert_call(graph, ctx, aten.mm.default, (x, w_all))
             qkv = insert_call(graph, ctx, aten.view.default, (lin, [size_b, size_l, 3 * H * D]))
-            fused = insert_call(graph, ctx, _PACKED[att.target], (qkv, H, mask, scale, causal, seed, p))
-        fused.meta["dmfx_fused"] = att.meta.get("dmfx_fused")
-        ctx.forms[fused.name] = ctx.forms.pop(att.name, ("", ""))
-        att.replace_all_uses_with(fused)
-        graph.erase_node(att)
-        ctx.record("qkv_stacking", 2, None)  # two GEMMs (and their bias adds) absorbed
+        _use_packed(graph, ctx, att, qkv, H, absorbed=2)  # two GEMMs (and their bias adds)
+
+
+def _use_packed(graph, ctx: PassContext, att: Node, qkv: Node, heads: int, absorbed: int) -> None:
+    """Replace the attention node `att` by its packed (qkv_) op on the stacked projection `qkv`."""
+    _, _, _, mask, scale, causal, seed, p = att.args
+    with graph.inserting_before(att):
+        fused = insert_call(graph, ctx, _PACKED[att.target], (qkv, heads, mask, scale, causal, seed, p))
+    fused.meta["dmfx_fused"] = att.meta.get("dmfx_fused")
+    ctx.forms[fused.name] = ctx.forms.pop(att.name)
+    att.replace_all_uses_with(fused)
+    graph.erase_node(att)
+    ctx.record("qkv_stacking", absorbed, None)
 
 
 # ----------------------------------------------------------------------------------------- layouts
@@ -477,11 +470,12 @@ def stack_qkv(gm: GraphModule, ctx: PassContext) -> None:
 
 def _refresh(n: Node, ctx: PassContext) -> None:
     """Recompute n's fake value from its inputs' (their layout may have changed)."""
-    if ctx.fake_mode is None or n.op != "call_function" or n.target is operator.getitem:
-        if n.target is operator.getitem:
-            src = n.args[0].meta.get("val")
-            if isinstance(src, (tuple, list)):
-                n.meta["val"] = src[n.args[1]]
+    if n.target is operator.getitem:
+        src = n.args[0].meta.get("val")
+        if isinstance(src, (tuple, list)):
+            n.meta["val"] = src[n.args[1]]
+        return
+    if ctx.fake_mode is None or n.op != "call_function":
         return
     args = torch.fx.node.map_arg(n.args, lambda a: a.meta.get("val"))
     kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: a.meta.get("val"))
@@ -496,7 +490,7 @@ def noop_clones(gm: GraphModule, ctx: PassContext) -> None:
     Views between the op and the clone get fresh fake values first: they were traced on the old
     layout. The graph is functional, so a clone of a tensor nobody mutates is only a copy."""
     graph = gm.graph
-    starts = [n for n in graph.nodes if is_op(n, *_ATTENTION_OPS, *(v.overloadpacket for v in _PACKED.values()))]
+    starts = [n for n in graph.nodes if is_op(n, *_ATTENTION_OPS)]  # (it runs before qkv_stacking)
     for start in starts:
         frontier = [g for g in start.users if g.target is operator.getitem and g.args[1] == 0]
         for g in frontier:

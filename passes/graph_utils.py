@@ -35,19 +35,7 @@ class PassContext:
         over-estimate; unknown inputs count as requiring grad in training)."""
         if not self.training or not isinstance(n, Node):
             return False
-        flags = self.input_requires_grad
-        placeholders = [p for p in n.graph.nodes if p.op == "placeholder"]
-        grad_inputs = {p for i, p in enumerate(placeholders) if flags is None or (i < len(flags) and flags[i])}
-        seen, stack = set(), [n]
-        while stack:
-            x = stack.pop()
-            if x in grad_inputs:
-                return True
-            for a in x.all_input_nodes:
-                if a not in seen:
-                    seen.add(a)
-                    stack.append(a)
-        return False
+        return n in grad_dependent_nodes(n.graph, self.input_requires_grad)
 
     def record(self, pattern: str, absorbed: int, node: Node | None = None) -> None:
         """`node` (the fused op) remembers what it absorbed, so a later pass that fuses it further
@@ -140,6 +128,35 @@ def strip_casts(n: Any) -> Any:
             break
         n = n.args[0]
     return n
+
+
+def concrete_int(x: Any) -> int:
+    """An int from an int or a SymInt (its hint: the example's concrete value)."""
+    if isinstance(x, int):
+        return x
+    if isinstance(x, torch.SymInt):
+        node = x.node
+        hint = getattr(node, "hint", None)
+        if hint is not None:
+            return int(hint)
+        shape_env = getattr(node, "shape_env", None)
+        if shape_env is not None:
+            return int(shape_env.size_hint(node.expr))
+    return int(x)
+
+
+def grad_dependent_nodes(graph: Graph, input_requires_grad: Iterable[bool] | None) -> set[Node]:
+    """The placeholders whose flag in `input_requires_grad` is set (all of them when it is None), and
+    every node computed from one of them: what may require grad (an over-estimate)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if input_requires_grad is None:
+        found = set(placeholders)
+    else:
+        found = {n for n, rg in zip(placeholders, input_requires_grad) if rg}
+    for n in graph.nodes:
+        if n.op == "call_function" and any(a in found for a in n.all_input_nodes):
+            found.add(n)
+    return found
 
 
 def insert_call(graph: Graph, ctx: PassContext, target: Callable, args: tuple, kwargs: dict | None = None) -> Node:

@@ -43,12 +43,24 @@ def _machine(device: torch.device) -> str:
     return _machine_tag()
 
 
+_parsed: dict[str, tuple[tuple[int, int], dict]] = {}  # path -> ((mtime_ns, size), contents)
+
+
 def _load(path: Path) -> dict:
+    """The cache file's contents ({} when missing or corrupt), parsed once per version of the file
+    (a model asks once per attention layer)."""
     try:
+        st = path.stat()
+        version = (st.st_mtime_ns, st.st_size)
+        hit = _parsed.get(str(path))
+        if hit is not None and hit[0] == version:
+            return hit[1]
         data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}
+    data = data if isinstance(data, dict) else {}
+    _parsed[str(path)] = (version, data)
+    return data
 
 
 def _store(path: Path, key: str, value: dict) -> None:
@@ -56,7 +68,7 @@ def _store(path: Path, key: str, value: dict) -> None:
 
     try:
         with FileLock(str(path) + ".lock", timeout=30):
-            data = _load(path)
+            data = dict(_load(path))
             data[key] = value
             tmp = path.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
@@ -81,10 +93,10 @@ def _time(fn: Callable[[], None], device: torch.device) -> float:
 
 def attention_case(q, k, v, mask, causal: bool, p: float, training: bool) -> dict:
     """The case a timing stands for (fake or real tensors; sizes as ints)."""
-    from .attention import _concrete
+    from .graph_utils import concrete_int
 
     def shape(t):
-        return [_concrete(s) for s in t.shape]
+        return [concrete_int(s) for s in t.shape]
 
     return {
         "op": "attention", "device": q.device.type, "dtype": str(q.dtype), "q": shape(q), "k": shape(k), "v": shape(v),
