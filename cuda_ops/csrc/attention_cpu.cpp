@@ -175,6 +175,40 @@ void fwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Te
   });
 }
 
+// One row of the backward, with z the row's logits and drow its dP = dO · Vᵀ (kDrop: mult holds the
+// row's dropout multipliers). P = exp(z - max) / sum; g = dropout(dP); writes dS = scale * P *
+// (g - rowsum(g * P)) into srow and the dropped P (P * mult) into drow, for the dV GEMM.
+template <bool kDrop, typename acc_t>
+inline void backward_row(acc_t* z, acc_t* srow, acc_t* drow, const acc_t* mult, int64_t n, acc_t mx, acc_t inv,
+                         acc_t scale) {
+  constexpr int kLanes = softmax_impl::kLanes;
+  acc_t ps[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const acc_t p = softmax_impl::exp_nonpos(z[j + l] - mx) * inv;
+      const acc_t g = kDrop ? drow[j + l] * mult[j + l] : drow[j + l];
+      z[j + l] = p;
+      drow[j + l] = g;
+      ps[l] += g * p;
+    }
+  }
+  for (; j < n; ++j) {
+    const acc_t p = softmax_impl::exp_nonpos(z[j] - mx) * inv;
+    const acc_t g = kDrop ? drow[j] * mult[j] : drow[j];
+    z[j] = p;
+    drow[j] = g;
+    ps[0] += g * p;
+  }
+  acc_t dot = 0;
+  for (int l = 0; l < kLanes; ++l) dot += ps[l];
+  for (int64_t c = 0; c < n; ++c) {
+    const acc_t p = z[c];
+    srow[c] = scale * p * (drow[c] - dot);
+    drow[c] = kDrop ? p * mult[c] : p;
+  }
+}
+
 template <typename scalar_t, typename mask_t>
 void bwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Tensor& go, const at::Tensor& q,
          const at::Tensor& k, const at::Tensor& v, const at::Tensor& stats, at::Tensor& dq, at::Tensor& dk,
@@ -187,8 +221,8 @@ void bwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Te
   const std::vector<int64_t> keys = key_lengths<mask_t>(s, mv);
   at::parallel_for(0, s.B * s.Hk, 1, [&](int64_t begin, int64_t end) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // see fwd
-    at::Tensor S = at::empty({s.block, s.Lk}, q.options());   // P (pre-dropout), then dS
-    at::Tensor Pd = at::empty({s.block, s.Lk}, q.options());  // dropped P, then dP
+    at::Tensor S = at::empty({s.block, s.Lk}, q.options());   // the scores, then dS
+    at::Tensor Pd = at::empty({s.block, s.Lk}, q.options());  // dP, then the dropped P
     RowScratch<acc_t> scratch(s.Lk, a.dropout.active);
     for (int64_t bk = begin; bk < end; ++bk) {
       const int64_t b = bk / s.Hk, hk = bk % s.Hk, nk = keys[b];
@@ -204,10 +238,11 @@ void bwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Te
           const int64_t i0 = blk * s.block, m = std::min(s.block, s.Lq - i0);
           at::Tensor Sb = S.narrow(0, 0, m).narrow(1, 0, nk), Pb = Pd.narrow(0, 0, m).narrow(1, 0, nk);
           at::Tensor qb = q[b][h].narrow(0, i0, m), gb = go[b][h].narrow(0, i0, m);
-          at::mm_out(Sb, qb, kb.t());
+          at::mm_out(Sb, qb, kb.t());  // the scores again
+          at::mm_out(Pb, gb, vb.t());  // dP = dO · Vᵀ
           acc_t* sp = Sb.data_ptr<acc_t>();
           acc_t* pp = Pb.data_ptr<acc_t>();
-          for (int64_t r = 0; r < m; ++r) {  // P = exp(z - max) / sum (into S), dropped P (into Pd)
+          for (int64_t r = 0; r < m; ++r) {
             const int64_t R = (b * s.Hq + h) * s.Lq + i0 + r;
             const int64_t n = std::min(causal_limit(a, R), nk);
             acc_t* row = sp + r * s.Lk;
@@ -217,40 +252,18 @@ void bwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Te
             if (n > 0 && mx != -std::numeric_limits<acc_t>::infinity()) {
               acc_t* z = scratch.z.data();
               row_logits<acc_t, mask_t>(a, mv, R, row, n, z);
-              for (int64_t j = 0; j < n; ++j) row[j] = softmax_impl::exp_nonpos(z[j] - mx) * inv;
-              if (a.dropout.active) {
+              if (a.dropout.active) {  // one Philox pass per row serves dP and the dropped P
                 fill_mult(a.dropout, a.keep_scale, static_cast<uint64_t>(R) * static_cast<uint64_t>(s.Lk), n, scratch);
-                const acc_t* mult = scratch.mult.data();
-                for (int64_t j = 0; j < n; ++j) drow[j] = row[j] * mult[j];
+                backward_row<true>(z, row, drow, scratch.mult.data(), n, mx, inv, scale);
               } else {
-                for (int64_t j = 0; j < n; ++j) drow[j] = row[j];
+                backward_row<false>(z, row, drow, static_cast<const acc_t*>(nullptr), n, mx, inv, scale);
               }
               done = n;
             }
             for (int64_t j = done; j < nk; ++j) row[j] = drow[j] = acc_t(0);
           }
-          // dV (+)= P_droppedᵀ · dO
+          // dV (+)= P_droppedᵀ · dO (the dropped P is in Pd now)
           at::addmm_out(dvb, dvb, Pb.t(), gb, first ? 0 : 1, 1);
-          // dP = dO · Vᵀ (into Pd), then dS = scale * P * (dropout(dP) - rowsum(dropout(dP) * P)) (into S)
-          at::mm_out(Pb, gb, vb.t());
-          for (int64_t r = 0; r < m; ++r) {
-            const int64_t R = (b * s.Hq + h) * s.Lq + i0 + r;
-            acc_t* prow = sp + r * s.Lk;
-            acc_t* grow = pp + r * s.Lk;
-            if (a.dropout.active) {
-              fill_mult(a.dropout, a.keep_scale, static_cast<uint64_t>(R) * static_cast<uint64_t>(s.Lk), nk, scratch);
-              const acc_t* mult = scratch.mult.data();
-              for (int64_t j = 0; j < nk; ++j) grow[j] *= mult[j];
-            }
-            acc_t ps[softmax_impl::kLanes] = {};
-            int64_t j = 0;
-            for (; j + softmax_impl::kLanes <= nk; j += softmax_impl::kLanes)
-              for (int l = 0; l < softmax_impl::kLanes; ++l) ps[l] += grow[j + l] * prow[j + l];
-            for (; j < nk; ++j) ps[0] += grow[j] * prow[j];
-            acc_t dot = 0;
-            for (int l = 0; l < softmax_impl::kLanes; ++l) dot += ps[l];
-            for (int64_t c = 0; c < nk; ++c) prow[c] = scale * prow[c] * (grow[c] - dot);
-          }
           at::Tensor dqb = dq[b][h].narrow(0, i0, m);
           at::mm_out(dqb, Sb, kb);
           at::addmm_out(dkb, dkb, Sb.t(), qb, first ? 0 : 1, 1);
@@ -284,6 +297,11 @@ inline void check_out(const char* op, const char* name, const at::Tensor& t, at:
   TORCH_CHECK(t.size(3) <= 1 || t.stride(3) == 1, "dmfx::", op, ": ", name, " needs a unit last-dim stride");
 }
 
+// The mask as the softmax kernels read it, broadcast to the [B, Hq, Lq, Lk] scores.
+inline MaskView mask_view(const char* op, const c10::optional<at::Tensor>& mask, const Shapes& s, const at::Tensor& q) {
+  return softmax_impl::prepare_mask(op, mask, at::empty({1}, q.options()).expand({s.B, s.Hq, s.Lq, s.Lk}));
+}
+
 }  // namespace attention_impl
 
 at::Tensor flash_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -301,8 +319,7 @@ at::Tensor flash_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
     stats[1].zero_();
     return stats;
   }
-  const at::Tensor shape_like = at::empty({1}, q.options()).expand({s.B, s.Hq, s.Lq, s.Lk});
-  const MaskView mv = softmax_impl::prepare_mask("flash_fwd", mask, shape_like);
+  const MaskView mv = mask_view("flash_fwd", mask, s, q);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dmfx_flash_fwd", [&] {
     with_mask<scalar_t>(mv, [&](auto tag) { fwd<scalar_t, decltype(tag)>(s, a, mv, q, k, v, out, stats); });
   });
@@ -330,11 +347,9 @@ void flash_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Te
     dv.zero_();
     return;
   }
-  const at::Tensor shape_like = at::empty({1}, q.options()).expand({s.B, s.Hq, s.Lq, s.Lk});
-  const MaskView mv = softmax_impl::prepare_mask("flash_bwd", mask, shape_like);
-  const at::Tensor go = grad_out.size(3) <= 1 || grad_out.stride(3) == 1 ? grad_out : grad_out.contiguous();
+  const MaskView mv = mask_view("flash_bwd", mask, s, q);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dmfx_flash_bwd", [&] {
-    with_mask<scalar_t>(mv, [&](auto tag) { bwd<scalar_t, decltype(tag)>(s, a, mv, go, q, k, v, stats, dq, dk, dv); });
+    with_mask<scalar_t>(mv, [&](auto tag) { bwd<scalar_t, decltype(tag)>(s, a, mv, grad_out, q, k, v, stats, dq, dk, dv); });
   });
 }
 
