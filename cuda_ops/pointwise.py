@@ -15,7 +15,7 @@ csrc/pointwise_cuda.cu, per-element math shared in csrc/pointwise_api.h)
     backward). cos/sin broadcast to q and k through strides (never materialized).
 
 Activations (``act``): "identity", "relu", "gelu" (erf form), "gelu_tanh" (tanh approximation),
-"silu". Dropout seeds are int64 CPU tensors ``[seed, offset]`` (``ops.new_seed()``); the mask of
+"silu", "tanh" (BERT's pooler). Dropout seeds are int64 CPU tensors ``[seed, offset]`` (``ops.new_seed()``); the mask of
 element i (row-major logical index in x's shape) is the Philox mask of dmfx_common.h.
 """
 
@@ -45,7 +45,7 @@ _lib.define("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool inverse) -> (
 OPS = ("bias_act_dropout", "bias_act_dropout_backward", "glu", "glu_backward", "rope")
 
 # Activation names and the codes the kernels take (csrc/pointwise_api.h, enum Act).
-ACTS = ("identity", "relu", "gelu", "gelu_tanh", "silu")
+ACTS = ("identity", "relu", "gelu", "gelu_tanh", "silu", "tanh")
 _ACT_CODES = {name: i for i, name in enumerate(ACTS)}
 
 
@@ -357,6 +357,8 @@ def reference_act(v: Tensor, act: str) -> Tensor:
         return F.gelu(v)
     if act == "gelu_tanh":
         return F.gelu(v, approximate="tanh")
+    if act == "tanh":
+        return torch.tanh(v)
     return F.silu(v)
 
 

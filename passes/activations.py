@@ -143,6 +143,8 @@ def _act_of(n: Node) -> str | None:
         return "relu"
     if is_op(n, aten.silu):
         return "silu"
+    if is_op(n, aten.tanh):
+        return "tanh"
     return None
 
 

@@ -171,13 +171,14 @@ def test_gelu_tanh_idiom_becomes_one_op():
     check_same(gpt2_gelu, gm, x)
 
 
-@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "relu", "silu", "gpt2"])
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "relu", "silu", "tanh", "gpt2"])
 def test_bias_activation_after_linear_splits_the_bias(act):
     fns = {
         "gelu": F.gelu,
         "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
         "relu": F.relu,
         "silu": F.silu,
+        "tanh": torch.tanh,  # BERT's pooler
         "gpt2": gpt2_gelu,
     }
     fn = lambda x, w, b: fns[act](F.linear(x, w, b))  # noqa: E731

@@ -4,7 +4,7 @@
 // Activation codes (the Python layer maps the `act` string to these; keep them in sync with
 // cuda_ops/pointwise.py ACTS):
 //   0 identity, 1 relu, 2 gelu (erf form, torch gelu approximate='none'),
-//   3 gelu_tanh (torch gelu approximate='tanh'), 4 silu (x * sigmoid(x)).
+//   3 gelu_tanh (torch gelu approximate='tanh'), 4 silu (x * sigmoid(x)), 5 tanh (BERT's pooler).
 //
 // The formulas are templates over a value type T and a math policy PwMath<T> (erf/exp/tanh, a
 // "where x > 0" select, literal constants). This header specializes PwMath for float and double
@@ -27,8 +27,8 @@
 namespace dmfx {
 namespace pointwise_impl {
 
-enum Act : int { kIdentity = 0, kRelu = 1, kGelu = 2, kGeluTanh = 3, kSilu = 4 };
-constexpr int kNumActs = 5;
+enum Act : int { kIdentity = 0, kRelu = 1, kGelu = 2, kGeluTanh = 3, kSilu = 4, kTanh = 5 };
+constexpr int kNumActs = 6;
 
 template <typename T>
 struct PwMath;
@@ -75,8 +75,10 @@ DMFX_HD T act_fwd(T x) {
   } else if constexpr (ACT == kGeluTanh) {
     const T inner = M::c(kSqrt2OverPi) * (x + M::c(kGeluTanhCoef) * x * x * x);
     return M::c(0.5) * x * (M::c(1.0) + M::tanh(inner));
-  } else {  // kSilu
+  } else if constexpr (ACT == kSilu) {
     return x / (M::c(1.0) + M::exp(M::neg(x)));
+  } else {  // kTanh
+    return M::tanh(x);
   }
 }
 
@@ -97,9 +99,12 @@ DMFX_HD T act_grad(T x) {
     const T t = M::tanh(M::c(kSqrt2OverPi) * (x + M::c(kGeluTanhCoef) * x2 * x));
     const T dinner = M::c(kSqrt2OverPi) * (M::c(1.0) + M::c(3.0 * kGeluTanhCoef) * x2);
     return M::c(0.5) * (M::c(1.0) + t) + M::c(0.5) * x * (M::c(1.0) - t * t) * dinner;
-  } else {  // kSilu: s * (1 + x * (1 - s)), s = sigmoid(x)
+  } else if constexpr (ACT == kSilu) {  // s * (1 + x * (1 - s)), s = sigmoid(x)
     const T s = M::c(1.0) / (M::c(1.0) + M::exp(M::neg(x)));
     return s * (M::c(1.0) + x * (M::c(1.0) - s));
+  } else {  // kTanh: 1 - tanh(x)^2
+    const T t = M::tanh(x);
+    return M::c(1.0) - t * t;
   }
 }
 
@@ -118,7 +123,8 @@ inline void dispatch_act(int act, F&& f) {
     case kRelu: f(std::integral_constant<int, kRelu>{}); break;
     case kGelu: f(std::integral_constant<int, kGelu>{}); break;
     case kGeluTanh: f(std::integral_constant<int, kGeluTanh>{}); break;
-    default: f(std::integral_constant<int, kSilu>{}); break;
+    case kSilu: f(std::integral_constant<int, kSilu>{}); break;
+    default: f(std::integral_constant<int, kTanh>{}); break;
   }
 }
 
@@ -154,7 +160,7 @@ inline void check_same_shape(const char* op, const char* name, const at::Tensor&
 
 inline void check_act(const char* op, int64_t act) {
   TORCH_CHECK(act >= 0 && act < kNumActs, "dmfx::", op, ": unknown activation code ", act,
-              " (0 identity, 1 relu, 2 gelu, 3 gelu_tanh, 4 silu)");
+              " (0 identity, 1 relu, 2 gelu, 3 gelu_tanh, 4 silu, 5 tanh)");
 }
 
 inline void check_mask(const char* op, const std::vector<bool>& mask, const char* what) {
