@@ -43,8 +43,10 @@ the GEMMs are ATen's (MKL / cuBLAS), the softmax kernels are dmfx's own)
     The same attention in the fused form (csrc/attention_cpu.cpp): per block of query rows the
     scores stay in cache and never reach memory; ``stats`` ``[2, B, H, Lq]`` holds each row's max and
     1 / sum of exps for the backward (``flash_attention_backward`` -> (dq, dk, dv),
-    ``qkv_flash_attention_backward`` -> dqkv), which recomputes the scores. Same dropout mask as the
-    unfused form. No mask gradient (it raises). CPU float32/float64; elsewhere the same ops run the
+    ``qkv_flash_attention_backward`` -> (dqkv, dbias)), which recomputes the scores. With
+    ``bias_grad=True`` the packed backward also returns the stacked projections' bias gradient,
+    summed per (batch, head) while dq, dk, dv are in cache (else ``dbias`` is empty); the backward
+    pass asks for it. Same dropout mask as the unfused form. No mask gradient (it raises). CPU float32/float64; elsewhere the same ops run the
     unfused form.
 """
 
@@ -93,7 +95,7 @@ _lib.define(
 )
 _lib.define(
     "qkv_flash_attention_backward(Tensor grad_out, Tensor qkv, int heads, Tensor stats, Tensor? mask, float scale, "
-    "bool causal, Tensor? seed, float p) -> Tensor"
+    "bool causal, Tensor? seed, float p, bool bias_grad=False) -> (Tensor dqkv, Tensor dbias)"
 )
 
 OPS = (
@@ -303,13 +305,16 @@ def _flash_forward(q, k, v, mask, scale, causal, seed, p, out):
     return out, q.new_empty((2, *q.shape[:3]), dtype=_stats_dtype(q.dtype))  # unused by the unfused backward
 
 
-def _flash_backward(grad_out, q, k, v, stats, mask, scale, causal, seed, p, dq, dk, dv):
+def _flash_backward(grad_out, q, k, v, stats, mask, scale, causal, seed, p, dq, dk, dv, bias_part=None):
+    """dq, dk, dv written in place; with `bias_part` ([3, B, H, D]) the fused kernel also writes each
+    (batch, head)'s column sums of dq, dk, dv there (the unfused path leaves it to the caller)."""
     from .softmax import _kernel_mask
 
     if flash_supported(q.device, q.dtype):
         s, o = _seed_values(seed, "flash_attention_backward")
         go = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
-        kernels_for(q.device).flash_bwd(go, q, k, v, stats, _kernel_mask(mask, q), scale, causal, s, o, p, dq, dk, dv)
+        kernels_for(q.device).flash_bwd(go, q, k, v, stats, _kernel_mask(mask, q), scale, causal, s, o, p, dq, dk, dv,
+                                        bias_part)
         return dq, dk, dv
     # unfused: recompute the probabilities (and the dropped ones) once, then the GEMM backward
     _, probs, dropped = _forward(q, k, v, mask, scale, causal, seed, p, _context(q, v))
@@ -338,13 +343,19 @@ def _qkv_flash_attention_kernel(qkv, heads, mask, scale, causal, seed, p):
     return _flash_forward(q, k, v, mask, scale, causal, seed, p, _context(q, v))
 
 
-def _qkv_flash_attention_backward_kernel(grad_out, qkv, heads, stats, mask, scale, causal, seed, p):
+def _qkv_flash_attention_backward_kernel(grad_out, qkv, heads, stats, mask, scale, causal, seed, p, bias_grad=False):
     q, k, v = _split_qkv("qkv_flash_attention_backward", qkv, heads)
     _check_p("qkv_flash_attention_backward", p, seed)
     dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
     dq, dk, dv = _split_qkv("qkv_flash_attention_backward", dqkv, heads)
-    _flash_backward(grad_out, q, k, v, stats, mask, scale, causal, seed, p, dq, dk, dv)
-    return dqkv
+    fused = bias_grad and flash_supported(q.device, q.dtype)
+    part = q.new_empty((3, q.shape[0], heads, q.shape[-1])) if fused else None
+    _flash_backward(grad_out, q, k, v, stats, mask, scale, causal, seed, p, dq, dk, dv, part)
+    if not bias_grad:
+        return dqkv, dqkv.new_empty((0,))
+    # the stacked projections' bias gradient: the per-(batch, head) column sums summed over the batch
+    dbias = part.sum(1).reshape(-1) if fused else dqkv.sum(dim=(0, 1))
+    return dqkv, dbias
 
 
 for _dev in ("CPU", "CUDA"):
@@ -419,10 +430,10 @@ def _qkv_flash_attention_fake(qkv, heads, mask, scale, causal, seed, p):
 
 
 @torch.library.register_fake("dmfx::qkv_flash_attention_backward")
-def _qkv_flash_attention_backward_fake(grad_out, qkv, heads, stats, mask, scale, causal, seed, p):
+def _qkv_flash_attention_backward_fake(grad_out, qkv, heads, stats, mask, scale, causal, seed, p, bias_grad=False):
     _split_qkv("qkv_flash_attention_backward", qkv, heads)
     _check_p("qkv_flash_attention_backward", p, seed)
-    return qkv.new_empty(qkv.shape)
+    return qkv.new_empty(qkv.shape), qkv.new_empty((qkv.shape[-1] if bias_grad else 0,))
 
 
 # ----------------------------------------------------------------------------------------- autograd
@@ -512,9 +523,9 @@ def _backward_flash(ctx, grad_out, grad_lse):
         return (None,) * n_in
     if packed:
         (qkv,) = tensors
-        dqkv = torch.ops.dmfx.qkv_flash_attention_backward(
+        dqkv, _ = torch.ops.dmfx.qkv_flash_attention_backward(
             grad_out, qkv, ctx.heads, stats, mask, ctx.scale, ctx.causal, seed, ctx.p
-        )
+        )  # (the backward pass, passes/backward.py, asks for the bias gradient when a bias is trained)
         return (dqkv,) + (None,) * 6
     q, k, v = tensors
     dq, dk, dv = torch.ops.dmfx.flash_attention_backward(grad_out, q, k, v, stats, mask, ctx.scale, ctx.causal, seed, ctx.p)

@@ -12,7 +12,9 @@ Ops
     -> (out, sum, mean, rstd)``: the paper's BDRLN, ``out = norm(dropout(x + bias) + residual)``;
     ``sum`` is the pre-norm value when ``return_sum`` (else empty), ``mean`` is empty for RMSNorm.
 ``dmfx::norm_backward(...) -> (dx, dresidual, dweight, dnorm_bias, dbias)``: the backward of all
-    three (the paper's BLNRD + BSB work in one pass over the rows).
+    three (the paper's BLNRD + BSB work in one pass over the rows). ``grad_out2``, when given, is a
+    second gradient of the output, added to ``grad_out`` inside the kernel: the backward pass
+    (passes/backward.py) folds the add of a layer output's two gradients into it (the paper's EBSB).
 ``dmfx::dropout(x, seed, p) -> out``: inverted Philox dropout; its backward is the same op on the
     gradient (the mask is regenerated from the seed, never stored).
 
@@ -38,8 +40,8 @@ _lib.define(
 )
 _lib.define(
     "norm_backward(Tensor grad_out, Tensor? grad_sum, Tensor x, Tensor? bias, Tensor? residual, "
-    "Tensor? weight, Tensor? mean, Tensor rstd, Tensor? seed, float p, bool rms, bool[] output_mask) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "Tensor? weight, Tensor? mean, Tensor rstd, Tensor? seed, float p, bool rms, bool[] output_mask, "
+    "Tensor? grad_out2=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 _lib.define("dropout(Tensor x, Tensor seed, float p) -> Tensor")
 
@@ -89,11 +91,12 @@ def _rms_norm_kernel(x, weight, eps):
     return out, rstd
 
 
-def _norm_backward_kernel(grad_out, grad_sum, x, bias, residual, weight, mean, rstd, seed, p, rms, output_mask):
+def _norm_backward_kernel(grad_out, grad_sum, x, bias, residual, weight, mean, rstd, seed, p, rms, output_mask,
+                          grad_out2=None):
     s, o = _seed_values(seed, "norm_backward")
     return tuple(
         kernels_for(x.device).norm_bwd(
-            grad_out, grad_sum, x, bias, residual, weight, mean, rstd, s, o, p, rms, list(output_mask)
+            grad_out, grad_sum, x, bias, residual, weight, mean, rstd, s, o, p, rms, list(output_mask), grad_out2
         )
     )
 
@@ -145,7 +148,8 @@ def _bdrn_fake(x, bias, residual, weight, norm_bias, seed, p, eps, rms, return_s
 
 
 @torch.library.register_fake("dmfx::norm_backward")
-def _norm_backward_fake(grad_out, grad_sum, x, bias, residual, weight, mean, rstd, seed, p, rms, output_mask):
+def _norm_backward_fake(grad_out, grad_sum, x, bias, residual, weight, mean, rstd, seed, p, rms, output_mask,
+                        grad_out2=None):
     H = x.shape[-1]
     full = lambda on: torch.empty(x.shape, dtype=x.dtype, device=x.device) if on else _nothing(x)  # noqa: E731
     vec = lambda on: x.new_empty((H,)) if on else _nothing(x)  # noqa: E731

@@ -251,8 +251,34 @@ def test_qkv_flash_gradient_is_one_stacked_tensor():
     out, stats = qkv_flash(qkv.detach(), H, None, 0.4, True, seed, 0.2)
     ref = qkv_op(qkv.detach(), H, None, 0.4, True, seed, 0.2)[0]
     assert rel_err(out, ref) < 1e-12
-    dqkv = torch.ops.dmfx.qkv_flash_attention_backward(torch.ones_like(out), qkv.detach(), H, stats, None, 0.4, True, seed, 0.2)
-    assert dqkv.shape == qkv.shape and dqkv.is_contiguous()
+    dqkv, none = torch.ops.dmfx.qkv_flash_attention_backward(torch.ones_like(out), qkv.detach(), H, stats, None, 0.4, True, seed, 0.2)
+    assert dqkv.shape == qkv.shape and dqkv.is_contiguous() and none.numel() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_qkv_flash_bias_gradient(dtype, masked):
+    """bias_grad=True: the kernel also returns the stacked projections' bias gradient (the column sums
+    of dqkv over batch and sequence), equal to summing dqkv afterwards; the fused CPU kernel (fp32,
+    fp64) sums per (batch, head) in cache, other dtypes take the unfused path."""
+    B, L, H, D = 3, 11, 2, 8
+    qkv = torch.randn(B, L, 3 * H * D, dtype=dtype)
+    mask = None
+    if masked:  # padding at the end of one sequence: hidden keys get zero gradient, still summed right
+        mask = torch.zeros(B, 1, 1, L, dtype=dtype)
+        mask[1, ..., 7:] = torch.finfo(dtype).min
+    seed = new_seed()
+    out, stats = qkv_flash(qkv, H, mask, 0.35, False, seed, 0.1)
+    g = torch.randn_like(out)
+    op = torch.ops.dmfx.qkv_flash_attention_backward
+    dqkv, db = op(g, qkv, H, stats, mask, 0.35, False, seed, 0.1, bias_grad=True)
+    ref, _ = op(g, qkv, H, stats, mask, 0.35, False, seed, 0.1)
+    assert torch.equal(dqkv, ref)
+    want = ref.double().sum(dim=(0, 1))
+    assert db.shape == (3 * H * D,) and db.dtype == dtype
+    tol = 1e-12 if dtype == torch.float64 else 1e-5 if dtype == torch.float32 else 2e-2
+    assert ((db.double() - want).abs().max() / want.abs().max()).item() < tol
+    torch.library.opcheck(op, (g, qkv, H, stats, mask, 0.35, False, seed, 0.1), {"bias_grad": True})
 
 
 def test_flash_fully_masked_rows_and_empty_keys():

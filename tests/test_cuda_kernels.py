@@ -150,7 +150,7 @@ def run_norm(ext, t, *, p, rms, return_sum, mask, seed=SEED, offset=OFFSET):
     out, s, mean, rstd = ext.norm_fwd(t["x"], t["bias"], t["residual"], t["weight"], t["norm_bias"],
                                       seed, offset, p, EPS, rms, return_sum)
     grads = ext.norm_bwd(t["dy"], t["grad_sum"], t["x"], t["bias"], t["residual"], t["weight"],
-                         None if rms else mean, rstd, seed, offset, p, rms, mask)
+                         None if rms else mean, rstd, seed, offset, p, rms, mask, None)
     return dict(zip(NAMES, [out, s, mean, rstd, *grads]))
 
 
@@ -408,6 +408,6 @@ def test_rejects_tensors_on_the_wrong_device(cuda_ext):
         cuda_ext.norm_fwd(xc, None, None, torch.ones(8), None, 0, 0, 0.0, EPS, False, False)
     _, _, mean, rstd = cuda_ext.norm_fwd(xc, None, None, None, None, 0, 0, 0.0, EPS, False, False)
     with pytest.raises(RuntimeError, match="rstd is on"):
-        cuda_ext.norm_bwd(xc, None, xc, None, None, None, mean, rstd.cpu(), 0, 0, 0.0, False, [True] * 5)
+        cuda_ext.norm_bwd(xc, None, xc, None, None, None, mean, rstd.cpu(), 0, 0, 0.0, False, [True] * 5, None)
     with pytest.raises(RuntimeError, match="mean is on"):
-        cuda_ext.norm_bwd(xc, None, xc, None, None, None, mean.cpu(), rstd, 0, 0, 0.0, False, [True] * 5)
+        cuda_ext.norm_bwd(xc, None, xc, None, None, None, mean.cpu(), rstd, 0, 0, 0.0, False, [True] * 5, None)

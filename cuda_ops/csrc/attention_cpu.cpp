@@ -209,10 +209,13 @@ inline void backward_row(acc_t* z, acc_t* srow, acc_t* drow, const acc_t* mult, 
   }
 }
 
+// `bias_part` (optional, [3, B, Hq, D]): each (batch, head) task also writes the column sums of its
+// dq, dk and dv rows there while they are in cache: summed over the batch, they are the bias
+// gradients of the Q, K and V projections (the paper's BAIB folded into the attention backward).
 template <typename scalar_t, typename mask_t>
 void bwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Tensor& go, const at::Tensor& q,
          const at::Tensor& k, const at::Tensor& v, const at::Tensor& stats, at::Tensor& dq, at::Tensor& dk,
-         at::Tensor& dv) {
+         at::Tensor& dv, const c10::optional<at::Tensor>& bias_part) {
   using acc_t = scalar_t;
   const int64_t nblocks = (s.Lq + s.block - 1) / s.block;
   const acc_t* max_p = stats.data_ptr<acc_t>();
@@ -274,6 +277,15 @@ void bwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Te
         dkb.zero_();
         dvb.zero_();
       }
+      if (bias_part) {
+        for (int64_t h = hk * s.groups; h < (hk + 1) * s.groups; ++h) {
+          at::Tensor dst = (*bias_part)[0][b][h];
+          at::sum_out(dst, dq[b][h], {0});
+        }
+        at::Tensor dk_sum = (*bias_part)[1][b][hk], dv_sum = (*bias_part)[2][b][hk];
+        at::sum_out(dk_sum, dk[b][hk], {0});
+        at::sum_out(dv_sum, dv[b][hk], {0});
+      }
     }
   });
 }
@@ -328,7 +340,8 @@ at::Tensor flash_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
 
 void flash_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& stats, const c10::optional<at::Tensor>& mask, double scale, bool causal,
-                   int64_t seed, int64_t offset, double p, at::Tensor dq, at::Tensor dk, at::Tensor dv) {
+                   int64_t seed, int64_t offset, double p, at::Tensor dq, at::Tensor dk, at::Tensor dv,
+                   const c10::optional<at::Tensor>& bias_part) {
   using namespace attention_impl;
   const Shapes s = check("flash_bwd", q, k, v);
   check_out("flash_bwd", "grad_out", grad_out, {s.B, s.Hq, s.Lq, s.Dv}, q);
@@ -339,17 +352,25 @@ void flash_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Te
                   stats.scalar_type() == q.scalar_type(),
               "dmfx::flash_bwd: stats must be the forward's contiguous [2, B, Hq, Lq] row statistics, got ",
               stats.sizes());
+  if (bias_part) {
+    TORCH_CHECK(s.groups == 1, "dmfx::flash_bwd: bias gradients need as many key/value heads as query heads");
+    const auto& bp = *bias_part;
+    TORCH_CHECK(bp.sizes() == at::IntArrayRef({3, s.B, s.Hq, s.D}) && bp.is_contiguous() &&
+                    bp.scalar_type() == q.scalar_type() && s.D == s.Dv,
+                "dmfx::flash_bwd: bias_part must be a contiguous [3, B, H, D] tensor of q's dtype, got ", bp.sizes());
+  }
   const SoftmaxArgs a = row_args(s, scale, causal, seed, offset, p);
   if (s.B * s.Hk == 0) return;
   if (s.Lq == 0 || s.Lk == 0) {
     dq.zero_();
     dk.zero_();
     dv.zero_();
+    if (bias_part) bias_part->zero_();
     return;
   }
   const MaskView mv = mask_view("flash_bwd", mask, s, q);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dmfx_flash_bwd", [&] {
-    with_mask<scalar_t>(mv, [&](auto tag) { bwd<scalar_t, decltype(tag)>(s, a, mv, grad_out, q, k, v, stats, dq, dk, dv); });
+    with_mask<scalar_t>(mv, [&](auto tag) { bwd<scalar_t, decltype(tag)>(s, a, mv, grad_out, q, k, v, stats, dq, dk, dv, bias_part); });
   });
 }
 
@@ -362,7 +383,8 @@ void bind_attention(pybind11::module_& m) {
   m.def("flash_bwd", &flash_bwd_cpu, "fused attention backward (CPU); writes dq, dk and dv in place",
         pybind11::arg("grad_out"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("stats"),
         pybind11::arg("mask"), pybind11::arg("scale"), pybind11::arg("causal"), pybind11::arg("seed"),
-        pybind11::arg("offset"), pybind11::arg("p"), pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"));
+        pybind11::arg("offset"), pybind11::arg("p"), pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"),
+        pybind11::arg("bias_part") = pybind11::none());
 }
 
 }  // namespace dmfx

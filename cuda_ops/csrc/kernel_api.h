@@ -175,6 +175,7 @@ inline std::vector<at::Tensor> alloc_norm_outputs(const at::Tensor& x, const Nor
 }
 
 inline NormArgs check_norm_bwd_args(const char* op, const at::Tensor& grad_out,
+                                    const c10::optional<at::Tensor>& grad_out2,
                                     const c10::optional<at::Tensor>& grad_sum, const at::Tensor& x,
                                     const c10::optional<at::Tensor>& bias,
                                     const c10::optional<at::Tensor>& residual,
@@ -185,6 +186,7 @@ inline NormArgs check_norm_bwd_args(const char* op, const at::Tensor& grad_out,
   NormArgs a = check_norm_args(op, x, bias, residual, weight, c10::nullopt, p, 0.0, rms, seed,
                                offset, device);
   check_like_x(op, "grad_out", grad_out, x);
+  check_like_x(op, "grad_out2", grad_out2, x);
   check_like_x(op, "grad_sum", grad_sum, x);
   TORCH_CHECK(output_mask.size() == 5, "dmfx::", op,
               ": output_mask needs 5 entries [dx, dresidual, dweight, dnorm_bias, dbias]");

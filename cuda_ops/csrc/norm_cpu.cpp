@@ -170,13 +170,14 @@ void norm_fwd_impl(const NormArgs& a, const at::Tensor& x, const c10::optional<a
 
 template <typename scalar_t>
 void norm_bwd_impl(const NormArgs& a, const at::Tensor& grad_out,
-                   const c10::optional<at::Tensor>& grad_sum, const at::Tensor& x,
+                   const c10::optional<at::Tensor>& grad_out2, const c10::optional<at::Tensor>& grad_sum, const at::Tensor& x,
                    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
                    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& mean,
                    const at::Tensor& rstd, NormGrads& g) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t H = a.H;
   const auto gv = rows_of<scalar_t>(grad_out);
+  const auto g2v = rows_of<scalar_t>(grad_out2);  // a second incoming gradient, added to grad_out
   const auto gsv = rows_of<scalar_t>(grad_sum);
   const auto xv = rows_of<scalar_t>(x);
   const auto rv = rows_of<scalar_t>(residual);
@@ -198,26 +199,35 @@ void norm_bwd_impl(const NormArgs& a, const at::Tensor& grad_out,
     acc_t* pw = partial.data() + (tid * ncols + 0) * H;
     acc_t* pnb = partial.data() + (tid * ncols + 1) * H;
     acc_t* pb = partial.data() + (tid * ncols + 2) * H;
-    std::vector<acc_t> s(H), gw(H);
+    std::vector<acc_t> s(H), gw(H), dyb(H);
     std::vector<uint8_t> keep;
     for (int64_t r = begin; r < end; ++r) {
       load_row<scalar_t, acc_t>(a, xv, b, rv, r, keep, s.data());
       const acc_t mu = mp ? mp[r] : acc_t(0), rs = rp[r];
-      const scalar_t* dy = gv.row(r);
+      // dy = grad_out (+ grad_out2), in the accumulation type: the add of two gradients that
+      // eager runs as its own kernel happens here, in cache.
+      acc_t* dy = dyb.data();
+      const scalar_t* dy1 = gv.row(r);
+      if (g2v) {
+        const scalar_t* dy2 = g2v.row(r);
+        for (int64_t j = 0; j < H; ++j) dy[j] = static_cast<acc_t>(dy1[j]) + static_cast<acc_t>(dy2[j]);
+      } else {
+        for (int64_t j = 0; j < H; ++j) dy[j] = static_cast<acc_t>(dy1[j]);
+      }
       acc_t* xh = s.data();  // becomes xhat in place
       acc_t* gr = gw.data();  // dy * weight, then d(sum)
       for (int64_t j = 0; j < H; ++j) xh[j] = (xh[j] - mu) * rs;
       if (w) {
-        for (int64_t j = 0; j < H; ++j) gr[j] = static_cast<acc_t>(dy[j]) * static_cast<acc_t>(w[j]);
+        for (int64_t j = 0; j < H; ++j) gr[j] = dy[j] * static_cast<acc_t>(w[j]);
       } else {
-        for (int64_t j = 0; j < H; ++j) gr[j] = static_cast<acc_t>(dy[j]);
+        for (int64_t j = 0; j < H; ++j) gr[j] = dy[j];
       }
       const acc_t c1 = norm_lane_dot(gr, xh, H) / H;
       const acc_t c2 = a.rms ? acc_t(0) : norm_lane_sum(gr, H) / H;
       if (need_dw)
-        for (int64_t j = 0; j < H; ++j) pw[j] += static_cast<acc_t>(dy[j]) * xh[j];
+        for (int64_t j = 0; j < H; ++j) pw[j] += dy[j] * xh[j];
       if (need_dnb)
-        for (int64_t j = 0; j < H; ++j) pnb[j] += static_cast<acc_t>(dy[j]);
+        for (int64_t j = 0; j < H; ++j) pnb[j] += dy[j];
       const scalar_t* gsr = gsv ? gsv.row(r) : nullptr;
       for (int64_t j = 0; j < H; ++j) gr[j] = rs * (gr[j] - c2 - xh[j] * c1);
       if (gsr)
@@ -308,17 +318,19 @@ std::vector<at::Tensor> norm_bwd_cpu(const at::Tensor& grad_out_in,
                                      const c10::optional<at::Tensor>& weight_in,
                                      const c10::optional<at::Tensor>& mean_in,
                                      const at::Tensor& rstd_in, int64_t seed, int64_t offset,
-                                     double p, bool rms, std::vector<bool> output_mask) {
-  const NormArgs a = check_norm_bwd_args("norm_bwd", grad_out_in, grad_sum_in, x_in, bias_in, residual_in,
+                                     double p, bool rms, std::vector<bool> output_mask,
+                                     const c10::optional<at::Tensor>& grad_out2_in) {
+  const NormArgs a = check_norm_bwd_args("norm_bwd", grad_out_in, grad_out2_in, grad_sum_in, x_in, bias_in, residual_in,
                                          weight_in, mean_in, rstd_in, p, rms, seed, offset,
                                          output_mask, at::kCPU);
   const at::Tensor x = rowable(x_in), grad_out = rowable(grad_out_in), rstd = rstd_in.contiguous();
-  const auto residual = rowable(residual_in), grad_sum = rowable(grad_sum_in);
+  const auto residual = rowable(residual_in), grad_sum = rowable(grad_sum_in),
+             grad_out2 = rowable(grad_out2_in);
   const auto bias = contiguous(bias_in), weight = contiguous(weight_in), mean = contiguous(mean_in);
   NormGrads g = alloc_norm_grads(x, bias, weight, a, output_mask);
   if (a.rows > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dmfx_norm_bwd", [&] {
-      norm_bwd_impl<scalar_t>(a, grad_out, grad_sum, x, bias, residual, weight, mean, rstd, g);
+      norm_bwd_impl<scalar_t>(a, grad_out, grad_out2, grad_sum, x, bias, residual, weight, mean, rstd, g);
     });
   } else {
     zero_param_grads(g);

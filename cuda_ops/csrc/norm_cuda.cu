@@ -272,6 +272,8 @@ struct BwdArgs {
   using acc_t = at::opmath_type<scalar_t>;
   const scalar_t* dy;
   RowIndexer dyi;
+  const scalar_t* dy2;  // nullable: a second incoming gradient, added to dy
+  RowIndexer dy2i;
   const scalar_t* gsum;  // nullable
   RowIndexer gsi;
   const scalar_t* x;
@@ -343,6 +345,7 @@ __global__ void __launch_bounds__(kMaxThreads) norm_bwd_kernel(const BwdArgs<sca
     const scalar_t* xr = a.x + a.xi.offset(r);
     const scalar_t* rr = a.res ? a.res + a.ri.offset(r) : nullptr;
     const scalar_t* dyr = a.dy + a.dyi.offset(r);
+    const scalar_t* dy2r = a.dy2 ? a.dy2 + a.dy2i.offset(r) : nullptr;
     const uint64_t row_first = static_cast<uint64_t>(r) * static_cast<uint64_t>(H);
     const acc_t mu = a.mean ? a.mean[r] : acc_t(0);
     const acc_t rs = a.rstd[r];
@@ -354,13 +357,16 @@ __global__ void __launch_bounds__(kMaxThreads) norm_bwd_kernel(const BwdArgs<sca
       bool keep[VEC];
       load_sum<VEC>(xr, a.bias, rr, a.drop, a.scale, row_first + j0, j0, s, keep);
       const Pack<scalar_t, VEC> dyv = load_pack<VEC>(dyr + j0);
+      Pack<scalar_t, VEC> dy2v;
+      if (dy2r) dy2v = load_pack<VEC>(dy2r + j0);
       Pack<scalar_t, VEC> wv;
       if (a.weight) wv = load_pack<VEC>(a.weight + j0);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         const int64_t idx = k * nchunks + c;
         const acc_t xhat = (s[k] - mu) * rs;
-        const acc_t gy = static_cast<acc_t>(dyv.v[k]);
+        const acc_t gy = dy2r ? static_cast<acc_t>(dyv.v[k]) + static_cast<acc_t>(dy2v.v[k])
+                              : static_cast<acc_t>(dyv.v[k]);
         const acc_t gj = a.weight ? gy * static_cast<acc_t>(wv.v[k]) : gy;
         t_gx += gj * xhat;
         t_g += gj;
@@ -708,8 +714,9 @@ std::vector<at::Tensor> norm_bwd_cuda(const at::Tensor& grad_out_in,
                                       const c10::optional<at::Tensor>& weight_in,
                                       const c10::optional<at::Tensor>& mean_in,
                                       const at::Tensor& rstd_in, int64_t seed, int64_t offset,
-                                      double p, bool rms, std::vector<bool> output_mask) {
-  const NormArgs a = check_norm_bwd_args("norm_bwd", grad_out_in, grad_sum_in, x_in, bias_in,
+                                      double p, bool rms, std::vector<bool> output_mask,
+                                      const c10::optional<at::Tensor>& grad_out2_in) {
+  const NormArgs a = check_norm_bwd_args("norm_bwd", grad_out_in, grad_out2_in, grad_sum_in, x_in, bias_in,
                                          residual_in, weight_in, mean_in, rstd_in, p, rms, seed,
                                          offset, output_mask, at::kCUDA);
   // The saved statistics are dereferenced by the kernel: they must live on x's device too.
@@ -718,7 +725,8 @@ std::vector<at::Tensor> norm_bwd_cuda(const at::Tensor& grad_out_in,
   if (!rms) check_on_device("norm_bwd", "mean", mean_in, x_in);
   const c10::cuda::CUDAGuard device_guard(x_in.device());
   const at::Tensor x = rowable(x_in), grad_out = rowable(grad_out_in), rstd = rstd_in.contiguous();
-  const auto residual = rowable(residual_in), grad_sum = rowable(grad_sum_in);
+  const auto residual = rowable(residual_in), grad_sum = rowable(grad_sum_in),
+             grad_out2 = rowable(grad_out2_in);
   const auto bias = contiguous(bias_in), weight = contiguous(weight_in), mean = contiguous(mean_in);
   NormGrads g = alloc_norm_grads(x, bias, weight, a, output_mask);
   if (a.rows == 0) {
@@ -730,6 +738,8 @@ std::vector<at::Tensor> norm_bwd_cuda(const at::Tensor& grad_out_in,
     BwdArgs<scalar_t> args{};
     args.dy = grad_out.data_ptr<scalar_t>();
     args.dyi = RowIndexer::of(grad_out);
+    args.dy2 = ptr_or_null<scalar_t>(grad_out2);
+    args.dy2i = indexer_or_default(grad_out2);
     args.gsum = ptr_or_null<scalar_t>(grad_sum);
     args.gsi = indexer_or_default(grad_sum);
     args.x = x.data_ptr<scalar_t>();
@@ -755,6 +765,7 @@ std::vector<at::Tensor> norm_bwd_cuda(const at::Tensor& grad_out_in,
     constexpr int kVec = static_cast<int>(16 / sizeof(scalar_t));
     const size_t es = sizeof(scalar_t);
     const bool vec_ok = a.H % kVec == 0 && rows_vec_ok(args.dy, args.dyi, kVec, es) &&
+                        rows_vec_ok(args.dy2, args.dy2i, kVec, es) &&
                         rows_vec_ok(args.gsum, args.gsi, kVec, es) &&
                         rows_vec_ok(args.x, args.xi, kVec, es) &&
                         rows_vec_ok(args.res, args.ri, kVec, es) && vec_ptr_ok(args.bias, kVec, es) &&

@@ -20,7 +20,8 @@ std::vector<at::Tensor> norm_bwd_cuda(const at::Tensor& grad_out,
                                       const c10::optional<at::Tensor>& weight,
                                       const c10::optional<at::Tensor>& mean, const at::Tensor& rstd,
                                       int64_t seed, int64_t offset, double p, bool rms,
-                                      std::vector<bool> output_mask);
+                                      std::vector<bool> output_mask,
+                                      const c10::optional<at::Tensor>& grad_out2);
 
 at::Tensor dropout_cuda(const at::Tensor& x, int64_t seed, int64_t offset, double p);
 
