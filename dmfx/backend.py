@@ -43,7 +43,7 @@ class GraphRecord:
     devices: tuple[str, ...] = ()
     training: bool = False  # compiled with grad enabled and some input requiring grad
     attention_forms: dict[str, tuple[str, str]] = field(default_factory=dict)  # node -> (form, why)
-    copies: list[dict] = field(default_factory=list)  # copies dmfx added knowingly (node, bytes, why)
+    copies: list[dict] = field(default_factory=list)  # copies dmfx added or the layout search kept (node, bytes, why)
     fired: dict[str, int] = field(default_factory=dict)
     replaced: dict[str, int] = field(default_factory=dict)
     missed: list[str] = field(default_factory=list)
@@ -233,9 +233,38 @@ def rewrite(aten_gm: GraphModule, example_inputs: Sequence[Any], opts: Options, 
     return work
 
 
-def _compiler(kind: str, record: GraphRecord) -> Callable:
+def rewrite_backward(gm: GraphModule, example_inputs: Sequence[Any], opts: Options, record: GraphRecord) -> GraphModule:
+    """Run the backward passes (passes/backward.py) on a copy of the backward graph AOTAutograd
+    derived; on failure (with opts.fallback) return it unchanged."""
+    from .passes.backward import BACKWARD_PIPELINE, run_backward_pipeline
+
+    if record.fallback or all(name in opts.skip for name in BACKWARD_PIPELINE):
+        return gm
+    ctx = pass_context(example_inputs, opts, training=True)
+    work = _copy(gm)
+    try:
+        run_backward_pipeline(work, ctx, opts.skip)
+    except Exception as e:
+        if not opts.fallback:
+            raise
+        _warn_once(f"bwpass:{ctx.current}:{type(e).__name__}", "dmfx: backward pass %r failed on graph %d (%s: %s); the backward runs as AOTAutograd derived it", ctx.current, record.graph_id, type(e).__name__, e)
+        return gm
+    for k, v in ctx.fired.items():
+        record.fired[k] = record.fired.get(k, 0) + v
+    for k, v in ctx.replaced.items():
+        record.replaced[k] = record.replaced.get(k, 0) + v
+    record.missed.extend(ctx.missed)
+    record.copies.extend({**c, "graph": "backward"} for c in ctx.copies)
+    for m in ctx.missed:
+        log.debug("dmfx: graph %d backward: left alone: %s", record.graph_id, m)
+    return work
+
+
+def _compiler(kind: str, record: GraphRecord, opts: Options | None = None) -> Callable:
 
     def compile_fn(gm: GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        if kind == "backward" and opts is not None:
+            gm = rewrite_backward(gm, example_inputs, opts, record)
         record.compiled[kind] = _count_ops(gm)
         setattr(record, f"{kind}_graph", gm)
         log.debug("dmfx: graph %d %s graph:\n%s", record.graph_id, kind, gm.code)
@@ -309,7 +338,7 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
 
     compiler = aot_autograd(
         fw_compiler=_compiler("forward", record),
-        bw_compiler=_compiler("backward", record),
+        bw_compiler=_compiler("backward", record, opts),
         inference_compiler=_compiler("inference", record),
         partition_fn=_partitioner(opts),
         decompositions={},

@@ -7,7 +7,7 @@
 What it does
 ------------
 1. Compiles a copy of ``model`` with dmfx and another copy with the same pipeline but every pass
-   skipped (``options={"skip": list(PIPELINE)}``): the "before" and "after" graphs at the same ATen
+   skipped (``options={"skip": list(ALL_PASSES)}``): the "before" and "after" graphs at the same ATen
    level. One step runs on each (training: forward + backward of a scalar made from the outputs,
    ``.loss`` when there is one, else the sum of the means of the float outputs; inference: eval mode
    under ``no_grad``).
@@ -70,7 +70,7 @@ MEMORY_BOUND = (NORMALIZATION, ELEMENTWISE)
 VIEW_NOTE = "view: no data moved (0 bytes)"
 
 _CONTRACTIONS = {
-    "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "dot", "vdot", "einsum",
+    "mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "addbmm", "matmul", "linear", "mv", "addmv", "dot", "vdot", "einsum",
     "convolution", "convolution_backward", "_convolution", "cudnn_convolution",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
@@ -224,6 +224,8 @@ def _flop(func: Any, cls: str, args: Sequence[Any], kwargs: dict, out: Any) -> i
         from torch.utils.flop_counter import flop_registry
 
         fn = flop_registry.get(getattr(func, "overloadpacket", func))
+        if fn is None and _base_name(func).endswith("_"):  # addmm_ (a GEMM accumulating in place): addmm's count
+            fn = flop_registry.get(getattr(torch.ops.aten, _base_name(func).rstrip("_"), None))
         if fn is None:
             return 0
         try:
@@ -1017,7 +1019,7 @@ class Report:
                                   tablefmt="github", disable_numparse=True))
         if d.get("copies_added"):
             lines.append("")
-            lines.append("copies dmfx added knowingly (every other layout copy of the eager graph is gone or PyTorch's own):")
+            lines.append("copies dmfx added or kept knowingly (the layout search prices every copy; the others are gone):")
             lines.append(tabulate([[c["node"], _fmt_bytes(c["bytes"]), c["why"]] for c in d["copies_added"]],
                                   headers=["node", "bytes", "why"], tablefmt="github", disable_numparse=True))
         cov = d["coverage"]
@@ -1109,11 +1111,11 @@ def explain(model: torch.nn.Module, *args: Any, training: bool = True, measure: 
     mode and a forward + backward step, else eval() and ``no_grad``."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"dmfx.explain: model must be a torch.nn.Module, got {type(model).__name__}")
-    from .passes import PIPELINE
+    from .passes import ALL_PASSES
 
     device = _device_of((args, kwargs, list(model.parameters())[:1]))
     after_caps, after_rt, after_peak = _compile_and_run(model, args, kwargs, training, {})
-    before_caps, before_rt, before_peak = _compile_and_run(model, args, kwargs, training, {"skip": list(PIPELINE)})
+    before_caps, before_rt, before_peak = _compile_and_run(model, args, kwargs, training, {"skip": list(ALL_PASSES)})
     if not any(c.record for c in after_caps):
         raise RuntimeError("dmfx.explain: dmfx compiled no graph for this model (nothing to explain)")
     fallbacks = [c.record.fallback for c in after_caps if c.record is not None and c.record.fallback]

@@ -11,7 +11,7 @@ from typing import Any
 class Options:
     #: Turn all rewriting off: graphs run as PyTorch would run them (also: env DMFX_DISABLE=1).
     disable: bool = False
-    #: Names of passes to skip (see dmfx.passes.PIPELINE).
+    #: Names of passes to skip (see dmfx.passes.ALL_PASSES: PIPELINE, then BACKWARD_PIPELINE).
     skip: tuple[str, ...] = ()
     #: AOTAutograd partitioner: "min_cut" (recompute cheap ops, save less) or "default".
     partitioner: str = "min_cut"
@@ -50,11 +50,11 @@ class Options:
         if "skip" in options:
             skip = options["skip"]
             options["skip"] = (skip,) if isinstance(skip, str) else tuple(skip)
-            from .passes import PIPELINE
+            from .passes import ALL_PASSES
 
-            bad = [s for s in options["skip"] if s not in PIPELINE]
+            bad = [s for s in options["skip"] if s not in ALL_PASSES]
             if bad:
-                raise ValueError(f"dmfx: option 'skip' names unknown pass(es) {bad}; passes are: {', '.join(PIPELINE)}")
+                raise ValueError(f"dmfx: option 'skip' names unknown pass(es) {bad}; passes are: {', '.join(ALL_PASSES)}")
         if options.get("partitioner", "min_cut") not in ("min_cut", "default"):
             raise ValueError(f"dmfx: option 'partitioner' must be 'min_cut' or 'default', got {options['partitioner']!r}")
         if options.get("stack_qkv", "auto") not in ("auto", True, False):

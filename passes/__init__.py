@@ -1,4 +1,5 @@
-"""dmfx's graph passes, in the order they run. Each pass is ``fn(gm, ctx) -> None``: it rewrites the
+"""dmfx's graph passes, in the order they run (the backward graph's own, which run after AOTAutograd,
+are in backward.py). Each pass is ``fn(gm, ctx) -> None``: it rewrites the
 ATen forward graph in place and records what fired (and near-misses) in the PassContext.
 
 Options name passes to skip: ``torch.compile(m, backend="dmfx", options={"skip": ["dropout"]})``.
@@ -17,13 +18,16 @@ from .graph_utils import PassContext, dead_code_elimination, finish, remove_meta
 from .norms import fuse_native_layer_norm, fuse_norm_idioms
 from .rope import fuse_rope
 from .attention import fuse_attention, stack_qkv
+from .layout import choose_layouts
 from .softmax import fuse_attention_softmax
+from .backward import BACKWARD_PIPELINE
 
 Pass = Callable[[GraphModule, PassContext], None]
 
 # name -> pass, in pipeline order. Idioms become single ops first (normalizations give bdrln its
 # anchor, activation idioms give the activation passes theirs); each chain pass then takes the
-# dropout that belongs to it; whatever dropout is left runs on its own last.
+# dropout that belongs to it; whatever dropout is left runs on its own; the layout search runs on
+# the fused graph last.
 PIPELINE: dict[str, Pass] = {
     "remove_metadata_asserts": remove_metadata_asserts,
     "norm_idioms": fuse_norm_idioms,
@@ -37,7 +41,12 @@ PIPELINE: dict[str, Pass] = {
     "gated_activation": fuse_gated_activation,
     "bias_activation_dropout": fuse_bias_activation_dropout,
     "dropout": fuse_dropout,
+    "layout": choose_layouts,
 }
+
+# Every pass name `options={"skip": [...]}` accepts: the forward pipeline above, then the passes over
+# the backward graph AOTAutograd derives (passes/backward.py).
+ALL_PASSES: tuple[str, ...] = (*PIPELINE, *BACKWARD_PIPELINE)
 
 
 def run_pipeline(gm: GraphModule, ctx: PassContext, skip: tuple[str, ...] = ()) -> GraphModule:
@@ -55,4 +64,4 @@ def run_pipeline(gm: GraphModule, ctx: PassContext, skip: tuple[str, ...] = ()) 
     return finish(gm)
 
 
-__all__ = ["PIPELINE", "PassContext", "Pass", "finish", "run_pipeline"]
+__all__ = ["ALL_PASSES", "BACKWARD_PIPELINE", "PIPELINE", "PassContext", "Pass", "finish", "run_pipeline"]

@@ -49,6 +49,7 @@ from .graph_utils import (
     insert_call,
     insert_getitems,
     is_op,
+    refresh_val,
     tensor_meta,
     views_to_reshapes,
 )
@@ -468,21 +469,6 @@ def _use_packed(graph, ctx: PassContext, att: Node, qkv: Node, heads: int, absor
 # ----------------------------------------------------------------------------------------- layouts
 
 
-def _refresh(n: Node, ctx: PassContext) -> None:
-    """Recompute n's fake value from its inputs' (their layout may have changed)."""
-    if n.target is operator.getitem:
-        src = n.args[0].meta.get("val")
-        if isinstance(src, (tuple, list)):
-            n.meta["val"] = src[n.args[1]]
-        return
-    if ctx.fake_mode is None or n.op != "call_function":
-        return
-    args = torch.fx.node.map_arg(n.args, lambda a: a.meta.get("val"))
-    kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: a.meta.get("val"))
-    with ctx.fake_mode:
-        n.meta["val"] = n.target(*args, **kwargs)
-
-
 def noop_clones(gm: GraphModule, ctx: PassContext) -> None:
     """Drop ``clone`` (contiguous or preserved format) of a tensor that is already contiguous
     downstream of dmfx's attention ops, whose outputs come in the layout their consumers want.
@@ -494,7 +480,7 @@ def noop_clones(gm: GraphModule, ctx: PassContext) -> None:
     for start in starts:
         frontier = [g for g in start.users if g.target is operator.getitem and g.args[1] == 0]
         for g in frontier:
-            _refresh(g, ctx)
+            refresh_val(g, ctx)
         while frontier:
             n = frontier.pop()
             for u in list(n.users):
@@ -508,5 +494,5 @@ def noop_clones(gm: GraphModule, ctx: PassContext) -> None:
                         ctx.replaced["attention"] = ctx.replaced.get("attention", 0) + 1
                         continue
                 if is_op(u, aten.transpose, aten.permute, *_RESHAPES, aten.expand):
-                    _refresh(u, ctx)
+                    refresh_val(u, ctx)
                     frontier.append(u)

@@ -243,8 +243,23 @@ def broadcasts_to(small: torch.Size, full: torch.Size) -> bool:
         return False
 
 
+def refresh_val(n: Node, ctx: PassContext) -> None:
+    """Recompute n's fake value from its inputs' (their layout may have changed)."""
+    if n.target is operator.getitem:
+        src = n.args[0].meta.get("val")
+        if isinstance(src, (tuple, list)):
+            n.meta["val"] = src[n.args[1]]
+        return
+    if ctx.fake_mode is None or n.op != "call_function":
+        return
+    args = torch.fx.node.map_arg(n.args, lambda a: a.meta.get("val"))
+    kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: a.meta.get("val"))
+    with ctx.fake_mode:
+        n.meta["val"] = n.target(*args, **kwargs)
+
+
 def views_to_reshapes(starts: Iterable[Node]) -> int:
-    """``aten.view`` nodes downstream of `starts` become ``aten.reshape``.
+    """``aten.view`` (and ``_unsafe_view``) nodes downstream of `starts` become ``aten.reshape``.
 
     A replacement op may lay out its output differently from the ops it replaced (a fused op writing
     contiguously where an element-wise op kept a permuted input's strides, an SDPA kernel chosen
@@ -259,7 +274,7 @@ def views_to_reshapes(starts: Iterable[Node]) -> int:
                 continue
             seen.add(u)
             stack.append(u)
-            if u.op == "call_function" and u.target is aten.view.default:
+            if u.op == "call_function" and u.target in (aten.view.default, aten._unsafe_view.default):
                 u.target = aten.reshape.default
                 changed += 1
     return changed

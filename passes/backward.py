@@ -1,0 +1,283 @@
+"""Passes over the backward graph, after AOTAutograd has derived it from the fused ops' formulas.
+
+The forward pipeline (passes/__init__.py) decides what the backward looks like: each dmfx op brings
+its own fused backward op. What is left between those ops are the adds of the two gradients a tensor
+receives when it is read twice (a layer input read by the residual and by a GEMM; a norm's output read
+by the next residual and by the next GEMM): the paper's EBSB/BEI. Eager runs each add as its own
+kernel, reading two [tokens, hidden] tensors and writing a third. Two folds remove them:
+
+``fold_gradient_adds``: ``norm_backward(add(g1, g2), ...)`` -> ``norm_backward(g1, ..., grad_out2=g2)``:
+    the kernel adds the two gradients as it reads them (in the accumulation type), in cache.
+
+``accumulate_into_gemm``: ``add(g, mm(a, b))`` (through views) -> ``addmm_(g, a, b)``: the GEMM
+    accumulates into the other gradient's buffer (beta=1 in BLAS) instead of writing a new one that an
+    add then reads. Only when that buffer is a fresh, contiguous result of this graph (not an input)
+    that nothing reads after the add, through any view (so writing into it cannot change any other
+    value), of the GEMM's dtype and shape. Chains of adds (three unstacked projections) accumulate
+    into one buffer.
+
+``fold_bias_grads``: ``sum(dqkv over rows)`` after ``qkv_flash_attention_backward`` -> the op's own
+    bias-gradient output (``bias_grad=True``): the stacked projections' bias gradient summed per
+    (batch, head) while the attention backward has dq, dk, dv in cache (the paper's BAIB).
+
+``backward_layout``: the layout search of passes/layout.py on the backward graph.
+
+Each pass is ``fn(gm, ctx) -> None`` like the forward passes, and records what fired in the
+PassContext. ``options={"skip": [...]}`` skips them by name.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .graph_utils import PassContext, dead_code_elimination, is_op, val
+from .layout import choose_backward_layouts
+
+aten = torch.ops.aten
+
+
+def _shape_dtype(n: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
+    v = val(n)
+    if not isinstance(v, torch.Tensor):
+        return None
+    return tuple(v.shape), v.dtype
+
+
+def _plain_add(n: Node) -> tuple[Node, Node] | None:
+    """(a, b) when `n` is ``add.Tensor(a, b)`` of two graph tensors of one shape and dtype, alpha 1."""
+    if not is_op(n, aten.add.Tensor) or n.kwargs.get("alpha", 1) != 1 or len(n.args) != 2:
+        return None
+    a, b = n.args
+    if not (isinstance(a, Node) and isinstance(b, Node)):
+        return None
+    sa, sb, so = _shape_dtype(a), _shape_dtype(b), _shape_dtype(n)
+    if sa is None or sa != sb or sa != so:
+        return None
+    return a, b
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def fold_gradient_adds(gm: GraphModule, ctx: PassContext) -> None:
+    nb = torch.ops.dmfx.norm_backward.default
+    for n in list(gm.graph.nodes):
+        if not is_op(n, nb) or n.kwargs.get("grad_out2") is not None or len(n.args) > 12:
+            continue
+        g = n.args[0]
+        if not isinstance(g, Node) or not is_op(g, aten.add.Tensor):
+            continue
+        pair = _plain_add(g)
+        if pair is None:
+            ctx.miss("fold_gradient_adds", g, "the add broadcasts, scales or mixes dtypes")
+            continue
+        if len(g.users) != 1:
+            ctx.miss("fold_gradient_adds", g, "the summed gradient is read elsewhere too")
+            continue
+        if _shape_dtype(g) != _shape_dtype(n.args[2]):
+            ctx.miss("fold_gradient_adds", g, "the gradient's shape or dtype differs from the norm's input")
+            continue
+        a, b = pair
+        n.update_arg(0, a)
+        n.update_kwarg("grad_out2", b)
+        gm.graph.erase_node(g)
+        ctx.record("fold_gradient_adds", 1)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def _fresh_buffer(n: Node) -> bool:
+    """`n`'s value owns its storage: the result of an op that returns new tensors (no alias
+    annotation in its schema), or a getitem of one. Graph inputs (saved activations, tangents) and
+    views are not."""
+    if n.op != "call_function":
+        return False
+    src = n
+    if n.target is operator.getitem:
+        src = n.args[0]
+        if not isinstance(src, Node) or src.op != "call_function":
+            return False
+    schema = getattr(src.target, "_schema", None)
+    if schema is None or schema.is_mutable:
+        return False
+    return all(r.alias_info is None for r in schema.returns)
+
+
+def _alias_of(n: Node) -> Node | None:
+    """The tensor `n` shares storage with when `n` is a view (an op whose schema says its result
+    aliases its first argument, or ``_unsafe_view``, which aliases without saying so) or an in-place
+    accumulation; None otherwise."""
+    if n.op != "call_function" or not n.args or not isinstance(n.args[0], Node):
+        return None
+    if n.target in (aten._unsafe_view.default, aten.addmm_.default):
+        return n.args[0]
+    schema = getattr(n.target, "_schema", None)
+    if schema is None or schema.is_mutable or not schema.returns:
+        return None
+    return n.args[0] if all(r.alias_info is not None for r in schema.returns) else None
+
+
+def _root(n: Node) -> Node:
+    while (src := _alias_of(n)) is not None:
+        n = src
+    return n
+
+
+def _writable_at(acc: Node, at: Node, order: dict[Node, int]) -> bool:
+    """Writing into `acc` in place at node `at` changes no value anyone reads: its storage is a fresh
+    buffer of this graph (not a graph input, not an op's view of one), and every other reader of that
+    storage (through any of its views) runs before `at`, and no view of it is a graph output."""
+    root = _root(acc)
+    if not _fresh_buffer(root):
+        return False
+    stack, seen = [root], {root}
+    while stack:
+        a = stack.pop()
+        for u in a.users:
+            if u is at:
+                continue
+            if u.op == "output":
+                return False
+            if _alias_of(u) is a:
+                if u not in seen:
+                    seen.add(u)
+                    stack.append(u)
+            elif order[u] > order[at]:
+                return False
+    return True
+
+
+def _through_views(n: Node) -> Node:
+    """The node before a chain of single-user view/reshape ops ending at `n` (`n` if none)."""
+    while is_op(n, aten.view.default, aten.reshape.default, aten._unsafe_view.default) and len(n.users) == 1:
+        src = n.args[0]
+        if not isinstance(src, Node) or len(src.users) != 1:
+            break
+        n = src
+    return n
+
+
+def accumulate_into_gemm(gm: GraphModule, ctx: PassContext) -> None:
+    g = gm.graph
+    order = {n: i for i, n in enumerate(g.nodes)}
+    for n in list(g.nodes):
+        pair = _plain_add(n) if is_op(n, aten.add.Tensor) else None
+        if pair is None:
+            continue
+        for acc, other in (pair, pair[::-1]):
+            mm = _through_views(other)
+            if not is_op(mm, aten.mm.default) or mm is acc or len(mm.users) != 1:
+                continue
+            if not _writable_at(acc, n, order):
+                ctx.miss("accumulate_into_gemm", n, "the other gradient's buffer is read later, or is not this graph's own")
+                continue
+            v_acc, v_mm = val(acc), val(mm)
+            if not (isinstance(v_acc, torch.Tensor) and isinstance(v_mm, torch.Tensor)):
+                continue
+            if v_acc.dtype != v_mm.dtype or v_acc.numel() != v_mm.numel() or not v_acc.is_contiguous():
+                ctx.miss("accumulate_into_gemm", n, "the other gradient is not contiguous or differs in dtype")
+                continue
+            # shapes from the graph, not from the fake values (their SymInts are no graph values)
+            N = v_mm.shape[1]
+            if other is not mm and not (is_op(other, aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+                                        and other.args[0] is mm and isinstance(N, int)):
+                continue
+            with g.inserting_before(n):
+                acc2d = acc
+                if other is not mm:
+                    acc2d = g.call_function(aten.view.default, (acc, [-1, N]))
+                    acc2d.meta["val"] = v_acc.view(v_mm.shape)
+                summed = g.call_function(aten.addmm_.default, (acc2d, *mm.args[:2]))
+                summed.meta["val"] = val(acc2d)
+                out = summed
+                if other is not mm:
+                    out = g.call_function(aten.view.default, (summed, other.args[1]))
+                    out.meta["val"] = val(n)
+            for k, new in enumerate((acc2d, summed, out)):
+                order.setdefault(new, order[n] - 0.5 + k * 0.1)  # between n's predecessor and n
+            n.replace_all_uses_with(out)
+            g.erase_node(n)
+            ctx.record("accumulate_into_gemm", 1)
+            break
+    dead_code_elimination(gm)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def _sum_over_rows(n: Node, full: tuple[int, ...]) -> bool:
+    """`n` sums a tensor of shape `full` ([..., F]) over every dim but the last, in its own dtype."""
+    if not is_op(n, aten.sum.dim_IntList) or n.kwargs.get("dtype") is not None:
+        return False
+    dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+    nd = len(full)
+    if not isinstance(dims, (list, tuple)):
+        return False
+    return sorted(d % nd for d in dims) == list(range(nd - 1))
+
+
+def fold_bias_grads(gm: GraphModule, ctx: PassContext) -> None:
+    """The bias gradient of stacked Q/K/V projections, ``sum(dqkv, rows)``, comes out of the attention
+    backward (``qkv_flash_attention_backward(..., bias_grad=True)``), which sums each (batch, head)'s
+    dq, dk, dv while they are in cache, instead of a reduction reading the whole stacked gradient
+    again (the paper's BAIB)."""
+    op = torch.ops.dmfx.qkv_flash_attention_backward.default
+    g = gm.graph
+    for n in list(g.nodes):
+        if not is_op(n, op) or n.kwargs.get("bias_grad") or len(n.args) > 9:
+            continue
+        first = [u for u in n.users if u.target is operator.getitem and u.args[1] == 0]
+        if len(first) != 1:
+            continue
+        F = val(first[0]).shape[-1]
+        stack, found = [first[0]], None
+        while stack and found is None:
+            x = stack.pop()
+            for u in x.users:
+                if is_op(u, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+                    stack.append(u)
+                elif _sum_over_rows(u, tuple(val(x).shape)) and val(x).shape[-1] == F:
+                    found = u
+                    break
+        if found is None or not all(isinstance(d, int) for d in val(found).shape):
+            continue  # (a symbolic feature count would need its SymInt from the graph)
+        with g.inserting_after(n):
+            db = g.call_function(operator.getitem, (n, 1))
+        n.update_kwarg("bias_grad", True)
+        dq_val = val(first[0])
+        db.meta["val"] = dq_val.new_empty((F,))
+        n.meta["val"] = (dq_val, db.meta["val"])
+        with g.inserting_before(found):
+            out = g.call_function(aten.view.default, (db, list(val(found).shape)))
+        out.meta["val"] = val(found)
+        found.replace_all_uses_with(out)
+        g.erase_node(found)
+        ctx.record("fold_bias_grads", 1)
+
+
+BackwardPass = Callable[[GraphModule, PassContext], None]
+
+BACKWARD_PIPELINE: dict[str, BackwardPass] = {
+    "fold_gradient_adds": fold_gradient_adds,
+    "fold_bias_grads": fold_bias_grads,
+    "accumulate_into_gemm": accumulate_into_gemm,
+    "backward_layout": choose_backward_layouts,
+}
+
+
+def run_backward_pipeline(gm: GraphModule, ctx: PassContext, skip: tuple[str, ...] = ()) -> GraphModule:
+    for name, fn in BACKWARD_PIPELINE.items():
+        if name in skip:
+            continue
+        ctx.current = name
+        fn(gm, ctx)
+        dead_code_elimination(gm)
+    ctx.current = None
+    gm.graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,232 @@
+"""The exact layout search (passes/layout_search.py) on problems with known optimal answers, and
+against brute force on random ones."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dmfx.passes.layout_search import INF, Infeasible, LayoutProblem, SearchTooWide, brute_force, solve
+
+ORDERS = ["BLHD", "BHLD", "BHDL"]
+
+
+def copy_cost(nbytes):
+    """A consumer reading layout `have` when it wants `want` pays a copy (read + write)."""
+    return lambda have, want=None: 0.0 if want is None or have == want else 2.0 * nbytes
+
+
+def test_chain_is_a_shortest_path():
+    """GEMM -> X -> kernel A -> Y -> kernel B -> Z -> GEMM. Each kernel reads in any order but costs
+    more when its input and output orders differ (a strided transpose); the GEMMs want BLHD at the
+    ends. The cheapest path keeps BLHD all along (cost 0); forcing Z to BHLD puts the one transpose
+    where it is cheapest (kernel B, 3 units, not kernel A, 5)."""
+    p = LayoutProblem()
+    for v in "XYZ":
+        p.var(v, ORDERS)
+    p.add(["X"], lambda x: 0.0 if x == "BLHD" else 10.0, "gemm1 writes")
+    p.add(["X", "Y"], lambda x, y: 0.0 if x == y else 5.0, "kernel A")
+    p.add(["Y", "Z"], lambda y, z: 0.0 if y == z else 3.0, "kernel B")
+    p.add(["Z"], lambda z: 0.0 if z == "BLHD" else 10.0, "gemm2 reads")
+    s = solve(p)
+    assert s.assignment == {"X": "BLHD", "Y": "BLHD", "Z": "BLHD"} and s.cost == 0.0
+    p.add(["Z"], {("BHLD",): 0.0}, "an output that must be BHLD")
+    s = solve(p)
+    assert s.assignment == {"X": "BLHD", "Y": "BLHD", "Z": "BHLD"} and s.cost == 13.0
+
+
+def test_shared_tensor_has_one_layout_or_pays_a_copy():
+    """X is read by two ops that prefer different orders: one layout for X, and the consumer that
+    disagrees pays its copy; the cheaper copy is chosen."""
+    p = LayoutProblem()
+    p.var("X", ORDERS)
+    p.add(["X"], lambda x: 0.0 if x == "BLHD" else 4.0, "producer (native BLHD, else a copy of 4)")
+    p.add(["X"], lambda x: 0.0 if x == "BHLD" else 7.0, "consumer 1 (copies 7 unless BHLD)")
+    p.add(["X"], lambda x: 0.0 if x == "BLHD" else 2.0, "consumer 2 (copies 2 unless BLHD)")
+    s = solve(p)
+    # BLHD: 0 + 7 + 0 = 7; BHLD: 4 + 0 + 2 = 6; BHDL: 4 + 7 + 2 = 13
+    assert s.assignment == {"X": "BHLD"} and s.cost == 6.0
+
+
+def test_diamond_with_a_residual_edge():
+    """A -> (B, C) -> D with a residual A -> D: a loop in the interaction graph, solved exactly."""
+    p = LayoutProblem()
+    for v in "ABCD":
+        p.var(v, ["rm", "cm"])
+    same = lambda a, b: 0.0 if a == b else 1.0  # noqa: E731
+    p.add(["A", "B"], same)
+    p.add(["A", "C"], same)
+    p.add(["B", "D"], same)
+    p.add(["C", "D"], lambda c, d: 0.0 if c != d else 1.5)  # C's op transposes for free
+    p.add(["A", "D"], same, "residual")
+    p.add(["A"], {("rm",): 0.0}, "graph input, fixed")
+    s = solve(p)
+    best, cost = brute_force(p)
+    assert s.cost == cost == 1.0
+    assert p.cost_of(s.assignment) == s.cost
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_random_problems_match_brute_force(seed):
+    rng = random.Random(seed)
+    p = LayoutProblem()
+    names = [f"t{i}" for i in range(rng.randint(2, 7))]
+    for n in names:
+        p.var(n, ORDERS[: rng.randint(1, 3)])
+    for _ in range(rng.randint(1, 10)):
+        k = rng.randint(1, min(3, len(names)))
+        vs = rng.sample(names, k)
+        table = {}
+        import itertools
+
+        for combo in itertools.product(*(p.domains[v] for v in vs)):
+            table[combo] = INF if rng.random() < 0.1 else float(rng.randint(0, 20))
+        p.add(vs, table)
+    try:
+        best, cost = brute_force(p)
+    except Infeasible:
+        with pytest.raises(Infeasible):
+            solve(p)
+        return
+    s = solve(p)
+    assert s.cost == cost, (s.assignment, best)
+
+
+def test_infeasible_and_too_wide_are_reported():
+    p = LayoutProblem()
+    p.var("X", ["a", "b"])
+    p.add(["X"], {("a",): 0.0})
+    p.add(["X"], {("b",): 0.0})
+    with pytest.raises(Infeasible):
+        solve(p)
+    q = LayoutProblem()
+    names = [f"v{i}" for i in range(12)]
+    for n in names:
+        q.var(n, ["a", "b", "c", "d"])
+    q.add(names[:11], lambda *a: 0.0)  # one op reading 11 tensors: a 4**11 table
+    with pytest.raises(SearchTooWide):
+        solve(q, max_table=1 << 16)
+
+
+def test_bad_problems_are_named():
+    p = LayoutProblem()
+    with pytest.raises(ValueError, match="no candidate"):
+        p.var("X", [])
+    p.var("X", ["a"])
+    with pytest.raises(KeyError, match="unknown layout variable"):
+        p.add(["X", "Y"], lambda x, y: 0.0, "gemm")
+
+
+# ------------------------------------------------------------------ the layout pass on FX graphs
+
+import torch  # noqa: E402
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
+from dmfx.passes import PassContext  # noqa: E402
+from dmfx.passes.layout import COL, DROP, KEEP, ROW, build_problem, choose_layouts  # noqa: E402
+
+aten = torch.ops.aten
+
+
+def _layout(fn, *args):
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    ref = gm(*args)
+    ctx = PassContext()
+    p, model = build_problem(gm)
+    choose_layouts(gm, ctx)
+    gm.graph.lint()
+    gm.recompile()
+    got = gm(*args)
+    for r, g in zip(ref if isinstance(ref, (tuple, list)) else [ref], got if isinstance(got, (tuple, list)) else [got]):
+        assert torch.allclose(r, g, rtol=1e-5, atol=1e-5)
+        assert r.stride() == g.stride()  # graph outputs keep the strides PyTorch expects
+    return gm, ctx, p, model
+
+
+def _count(gm, target):
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is target)
+
+
+def _choices(model, p, gm_before_names=None):
+    from dmfx.passes.layout_search import solve
+    s = solve(p)
+    return {n.name: c for n, c in s.assignment.items()}, s.cost
+
+
+A, W = torch.randn(6, 8), torch.randn(8, 5)
+
+
+def test_gemm_writes_the_transposed_layout_and_the_copy_goes():
+    """c = a @ w; c.t().contiguous() * 2: the optimum writes c column-major ((wᵀ·aᵀ)ᵀ, free in BLAS),
+    so its transpose is already contiguous and the copy is dropped: 0 bytes against the copy's 240."""
+    def fn(a, w):
+        return a.mm(w).t().contiguous() * 2
+
+    gm0 = make_fx(fn, tracing_mode="fake")(A, W)
+    p, model = build_problem(gm0)
+    choice, cost = _choices(model, p)
+    assert cost == 0.0 and sorted(choice.values()) == sorted([COL, DROP])
+    traced = {n: (KEEP if d[0] == KEEP else ROW) for n, d in model.vars.items()}
+    assert p.cost_of(traced) == 2 * 6 * 5 * 4
+    gm, ctx, _, _ = _layout(fn, A, W)
+    assert _count(gm, aten.clone.default) == 0 and ctx.fired == {"layout": 2}
+
+
+def test_a_gemm_reads_a_transposed_operand_so_the_copy_goes():
+    """The copy feeds a GEMM, which reads the transposed view through its flags: the copy is dropped
+    and the first GEMM stays row-major (it is also a graph output)."""
+    def fn(a, w, y):
+        c = a.mm(w)
+        return y.mm(c.t().contiguous()), c
+
+    gm, ctx, p, model = _layout(fn, A, W, torch.randn(3, 5))
+    assert _count(gm, aten.clone.default) == 0 and ctx.fired == {"layout": 1}
+    assert _count(gm, aten.mm.default) == 2 and _count(gm, aten.t.default) == 1
+
+
+def test_copy_kept_when_every_alternative_costs_more():
+    """c is a graph output (its layout is fixed) and the copy feeds an element-wise op (its layout
+    follows its input): the copy stays, and is listed as chosen knowingly, with its bytes."""
+    def fn(a, w):
+        c = a.mm(w)
+        return c.t().contiguous() * 2, c
+
+    gm, ctx, p, model = _layout(fn, A, W)
+    assert _count(gm, aten.clone.default) == 1 and ctx.fired == {}
+    (copy,) = ctx.copies
+    assert copy["bytes"] == 2 * 6 * 5 * 4 and "not possible" in copy["why"]
+
+
+def test_one_layout_for_a_tensor_read_twice():
+    """Two copies of one GEMM's transpose: one choice (column-major) removes both."""
+    def fn(a, w):
+        c = a.mm(w)
+        return c.t().contiguous() * 2, c.t().contiguous() + 1
+
+    gm, ctx, p, model = _layout(fn, A, W)
+    assert _count(gm, aten.clone.default) == 0 and ctx.fired == {"layout": 3}
+
+
+def test_a_view_the_layout_cannot_express_keeps_the_copy():
+    """Attention's eager head split: (x @ w).view(B, L, H, D).permute(0, 2, 1, 3).contiguous().view(B*H, L, D)
+    feeding bmm. Without the copy the last view is impossible; column-major does not help: kept."""
+    B, L, H, D = 2, 3, 4, 5
+
+    def fn(x, w, k):
+        q = x.mm(w).view(B, L, H, D).permute(0, 2, 1, 3).contiguous().view(B * H, L, D)
+        return torch.bmm(q, k)
+
+    gm, ctx, p, model = _layout(fn, torch.randn(B * L, 7), torch.randn(7, H * D), torch.randn(B * H, D, 6))
+    assert _count(gm, aten.clone.default) == 1 and ctx.fired == {}
+    assert len(ctx.copies) == 1
+
+
+def test_dynamic_shapes_are_left_alone():
+    def fn(a, w):
+        return a.mm(w).t().contiguous() * 2
+
+    gm = make_fx(fn, tracing_mode="symbolic")(A, W)
+    ctx = PassContext()
+    choose_layouts(gm, ctx)
+    assert _count(gm, aten.clone.default) == 1 and ctx.fired == {}
