@@ -1,4 +1,4 @@
-"""What each part of dmfx's attention work is worth in a BERT-base layer training step.
+"""What each part of dmfx's attention (and backward-graph) work is worth in a BERT-base layer training step.
 
 Variants, each its own compiled copy of one HF ``BertLayer`` (eager attention, dropout 0.1), timed
 interleaved in one process (forward + backward, input requiring grad, grads reset outside the timed
@@ -9,7 +9,9 @@ region), medians:
   alone, transpose copies and batched GEMMs as ATen records them);
 * ``gemm``: attention as dmfx's GEMM form (strided batched GEMMs around the fused softmax);
 * ``flash``: attention as dmfx's fused kernel (what the cost model picks with dropout on the CPU);
-* ``flash_no_stacking``: the same without QKV stacking.
+* ``flash_no_stacking``: the same without QKV stacking;
+* ``flash_no_backward_passes``: ``flash`` without the backward-graph passes (the gradient adds, the
+  stacked bias gradient's reduction and the layout search left as AOTAutograd derived them).
 
 Usage: ``python -m bench.ablation [--seq 128] [--batch 8] [--rounds 8] [--threads 2] [--json PATH]``
 """
@@ -28,6 +30,7 @@ import torch
 from tabulate import tabulate
 
 import dmfx  # noqa: F401  (registers the backend)
+from dmfx.passes import BACKWARD_PIPELINE
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {
@@ -36,6 +39,7 @@ VARIANTS = {
     "gemm": {"attention": "gemm"},
     "flash": {"attention": "flash"},
     "flash_no_stacking": {"attention": "flash", "stack_qkv": False},
+    "flash_no_backward_passes": {"attention": "flash", "skip": list(BACKWARD_PIPELINE)},
 }
 
 

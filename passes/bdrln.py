@@ -40,7 +40,10 @@ NORMS = (torch.ops.dmfx.layer_norm.default, torch.ops.dmfx.rms_norm.default)
 
 
 def _dropout_of(d: Node) -> tuple[Node, float, Node] | None:
-    """`d` is native_dropout(h, p, True)[0] with the mask unread: (h, p, dropout node)."""
+    """`d` is native_dropout(h, p, True)[0] with the mask unread: (h, p, dropout node). torch 2.11
+    traces a p=0 training dropout as ``clone(h)``: that is (h, 0.0, the clone)."""
+    if is_op(d, aten.clone.default) and d.kwargs.get("memory_format") in (None, torch.preserve_format):
+        return d.args[0], 0.0, d
     if not (isinstance(d, Node) and d.op == "call_function" and d.target is operator.getitem and d.args[1] == 0):
         return None
     drop = d.args[0]
@@ -105,7 +108,7 @@ def fuse_bias_dropout_residual_norm(gm: GraphModule, ctx: PassContext) -> None:
             if upcast and not (dm.dtype in (torch.bfloat16, torch.float16) and sm.dtype == torch.float32):
                 continue
             drop = _dropout_of(d)
-            h, p, absorbed = (drop[0], drop[1], [d, drop[2]]) if drop else (d, 0.0, [])
+            h, p, absorbed = (drop[0], drop[1], list(dict.fromkeys([d, drop[2]]))) if drop else (d, 0.0, [])
             if drop and len(d.users) != 1:
                 ctx.miss("bias_dropout_residual_norm", norm, f"dropout output {d.name} has other users")
                 continue

@@ -186,6 +186,18 @@ def test_bdrln_without_dropout_matches_eager_and_commuted_add():
     check_same(fn, gm, *args)
 
 
+def test_bdrln_takes_a_clone_as_a_p0_dropout():
+    """torch 2.11 traces a p=0 training dropout as clone(h): the chain still fuses, bias included,
+    and the copy is gone (a clone is the identity on values)."""
+    fn = lambda h, res, W, b, g, be: F.layer_norm(F.linear(h, W, b).clone() + res, (32,), g, be, 1e-12)  # noqa: E731
+    args = _bert_args()
+    gm, ctx = rewrite(fn, *args)
+    assert ctx.fired.get("bias_dropout_residual_norm") == 1
+    t = targets(gm)
+    assert torch.ops.aten.clone.default not in t and torch.ops.aten.addmm.default not in t
+    check_same(fn, gm, *args)
+
+
 def test_bdrln_returns_the_sum_when_it_is_used_elsewhere():
     def fn(h, res, W, b, g, be):  # pre-LN style: the residual stream continues past the norm
         s = F.linear(h, W, b) + res

@@ -209,8 +209,8 @@ def test_dropout_p_edges():
 
 def test_bias_act_dropout_errors():
     x, b = torch.randn(3, 8), torch.randn(8)
-    with pytest.raises(ValueError, match="unknown activation 'tanh'.*identity, relu, gelu, gelu_tanh, silu"):
-        torch.ops.dmfx.bias_act_dropout(x, b, "tanh", None, 0.0)
+    with pytest.raises(ValueError, match="unknown activation 'softplus'.*identity, relu, gelu, gelu_tanh, silu, tanh"):
+        torch.ops.dmfx.bias_act_dropout(x, b, "softplus", None, 0.0)
     with pytest.raises(ValueError, match="p must be in"):
         torch.ops.dmfx.bias_act_dropout(x, b, "gelu", new_seed(), 1.5)
     with pytest.raises(ValueError, match="p must be in"):
