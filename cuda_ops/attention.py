@@ -42,11 +42,11 @@ the GEMMs are ATen's (MKL / cuBLAS), the softmax kernels are dmfx's own)
 ``dmfx::qkv_flash_attention(qkv, heads, mask, scale, causal, seed, p) -> (Tensor out, Tensor stats)``
     The same attention in the fused form (csrc/attention_cpu.cpp): per block of query rows the
     scores stay in cache and never reach memory; ``stats`` ``[2, B, H, Lq]`` holds each row's max and
-    1 / sum of exps for the backward (``flash_attention_backward`` -> (dq, dk, dv),
+    1 / sum of exps for the backward (``flash_attention_backward`` -> (dq, dk, dv, dbq, dbk, dbv),
     ``qkv_flash_attention_backward`` -> (dqkv, dbias)), which recomputes the scores. With
-    ``bias_grad=True`` the packed backward also returns the stacked projections' bias gradient,
-    summed per (batch, head) while dq, dk, dv are in cache (else ``dbias`` is empty); the backward
-    pass asks for it. Same dropout mask as the unfused form. No mask gradient (it raises). CPU float32/float64; elsewhere the same ops run the
+    ``bias_grad=True`` the backwards also return the projections' bias gradients (for [B, H, L, D]
+    views of [B, L, H * D] projections), summed per (batch, head) while dq, dk, dv are in cache (else
+    the bias outputs are empty); the backward pass (passes/backward.py) asks for them. Same dropout mask as the unfused form. No mask gradient (it raises). CPU float32/float64; elsewhere the same ops run the
     unfused form.
 """
 
@@ -87,7 +87,8 @@ _lib.define(
 )
 _lib.define(
     "flash_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor stats, Tensor? mask, float scale, "
-    "bool causal, Tensor? seed, float p) -> (Tensor dq, Tensor dk, Tensor dv)"
+    "bool causal, Tensor? seed, float p, bool bias_grad=False) "
+    "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dbq, Tensor dbk, Tensor dbv)"
 )
 _lib.define(
     "qkv_flash_attention(Tensor qkv, int heads, Tensor? mask, float scale, bool causal, Tensor? seed, float p) "
@@ -331,10 +332,26 @@ def _flash_attention_kernel(q, k, v, mask, scale, causal, seed, p):
     return _flash_forward(q, k, v, mask, scale, causal, seed, p, _context(q, v))
 
 
-def _flash_attention_backward_kernel(grad_out, q, k, v, stats, mask, scale, causal, seed, p):
+def _head_bias_grads(part: Tensor | None, *grads: Tensor) -> tuple[Tensor, ...]:
+    """The bias gradients ([H * D] each) of the projections that produced q, k, v ([B, H, L, D]
+    views of [B, L, H * D]): the kernel's per-(batch, head) sums `part` summed over the batch, or,
+    where the kernel did not sum (unfused path, grouped-query k/v), the gradients summed here."""
+    if part is not None:
+        return tuple(part[i].sum(0).reshape(-1) for i in range(3))  # (three tensors: outputs must not alias)
+    return tuple(g.sum(dim=(0, 2)).reshape(-1) for g in grads)
+
+
+def _flash_attention_backward_kernel(grad_out, q, k, v, stats, mask, scale, causal, seed, p, bias_grad=False):
     _check_qkv("flash_attention_backward", q, k, v)
     _check_p("flash_attention_backward", p, seed)
-    return _flash_backward(grad_out, q, k, v, stats, mask, scale, causal, seed, p, *_grads_like(q, k, v))
+    dq, dk, dv = _grads_like(q, k, v)
+    fused = bias_grad and flash_supported(q.device, q.dtype) and q.shape[1] == k.shape[1] and q.shape[3] == v.shape[3]
+    part = q.new_empty((3, q.shape[0], q.shape[1], q.shape[3])) if fused else None
+    _flash_backward(grad_out, q, k, v, stats, mask, scale, causal, seed, p, dq, dk, dv, part)
+    if not bias_grad:
+        none = dq.new_empty((0,))
+        return dq, dk, dv, none, none.clone(), none.clone()
+    return (dq, dk, dv, *_head_bias_grads(part, dq, dk, dv))
 
 
 def _qkv_flash_attention_kernel(qkv, heads, mask, scale, causal, seed, p):
@@ -418,10 +435,11 @@ def _flash_attention_fake(q, k, v, mask, scale, causal, seed, p):
 
 
 @torch.library.register_fake("dmfx::flash_attention_backward")
-def _flash_attention_backward_fake(grad_out, q, k, v, stats, mask, scale, causal, seed, p):
+def _flash_attention_backward_fake(grad_out, q, k, v, stats, mask, scale, causal, seed, p, bias_grad=False):
     _check_qkv("flash_attention_backward", q, k, v)
     _check_p("flash_attention_backward", p, seed)
-    return _grads_like(q, k, v)
+    vec = lambda t: q.new_empty((t.shape[1] * t.shape[3] if bias_grad else 0,))  # noqa: E731
+    return (*_grads_like(q, k, v), vec(q), vec(k), vec(v))
 
 
 @torch.library.register_fake("dmfx::qkv_flash_attention")
@@ -528,7 +546,7 @@ def _backward_flash(ctx, grad_out, grad_lse):
         )  # (the backward pass, passes/backward.py, asks for the bias gradient when a bias is trained)
         return (dqkv,) + (None,) * 6
     q, k, v = tensors
-    dq, dk, dv = torch.ops.dmfx.flash_attention_backward(grad_out, q, k, v, stats, mask, ctx.scale, ctx.causal, seed, ctx.p)
+    dq, dk, dv, *_ = torch.ops.dmfx.flash_attention_backward(grad_out, q, k, v, stats, mask, ctx.scale, ctx.causal, seed, ctx.p)
     return (dq, dk, dv) + (None,) * 5
 
 

@@ -16,8 +16,9 @@ kernel, reading two [tokens, hidden] tensors and writing a third. Two folds remo
     value), of the GEMM's dtype and shape. Chains of adds (three unstacked projections) accumulate
     into one buffer.
 
-``fold_bias_grads``: ``sum(dqkv over rows)`` after ``qkv_flash_attention_backward`` -> the op's own
-    bias-gradient output (``bias_grad=True``): the stacked projections' bias gradient summed per
+``fold_bias_grads``: ``sum(dqkv over rows)`` after ``qkv_flash_attention_backward`` (and each of
+    dq, dk, dv's row sums after ``flash_attention_backward``, for three separate projections) -> the
+    op's own bias-gradient outputs (``bias_grad=True``): the projections' bias gradients summed per
     (batch, head) while the attention backward has dq, dk, dv in cache (the paper's BAIB).
 
 ``backward_layout``: the layout search of passes/layout.py on the backward graph.
@@ -222,6 +223,11 @@ def _sum_over_rows(n: Node, full: tuple[int, ...]) -> bool:
 
 
 def fold_bias_grads(gm: GraphModule, ctx: PassContext) -> None:
+    fold_stacked_bias_grads(gm, ctx)
+    fold_head_bias_grads(gm, ctx)
+
+
+def fold_stacked_bias_grads(gm: GraphModule, ctx: PassContext) -> None:
     """The bias gradient of stacked Q/K/V projections, ``sum(dqkv, rows)``, comes out of the attention
     backward (``qkv_flash_attention_backward(..., bias_grad=True)``), which sums each (batch, head)'s
     dq, dk, dv while they are in cache, instead of a reduction reading the whole stacked gradient
@@ -258,6 +264,65 @@ def fold_bias_grads(gm: GraphModule, ctx: PassContext) -> None:
         found.replace_all_uses_with(out)
         g.erase_node(found)
         ctx.record("fold_bias_grads", 1)
+
+
+def _head_bias_sum(g: Node) -> Node | None:
+    """The ``sum`` that turns `g` (a [B, H, L, D] gradient of a projection's view) into that
+    projection's bias gradient: ``transpose(1, 2)`` (or ``permute(0, 2, 1, 3)``), views to
+    ``[..., H * D]``, then a sum over every dim but the last."""
+    v = val(g)
+    if not isinstance(v, torch.Tensor) or v.dim() != 4 or len(g.users) < 1:
+        return None
+    B, H, L, D = v.shape
+    for t in g.users:
+        if not (is_op(t, aten.transpose.int) and sorted(x % 4 for x in t.args[1:3]) == [1, 2]
+                or is_op(t, aten.permute.default) and list(t.args[1]) == [0, 2, 1, 3]):
+            continue
+        stack = [t]
+        while stack:
+            x = stack.pop()
+            for u in x.users:
+                if is_op(u, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+                    s = val(u).shape
+                    if len(s) >= 2 and s[-1] == H * D:
+                        stack.append(u)
+                elif x is not t and _sum_over_rows(u, tuple(val(x).shape)):
+                    return u
+    return None
+
+
+def fold_head_bias_grads(gm: GraphModule, ctx: PassContext) -> None:
+    """The same for three separate projections (``flash_attention_backward``): each of dq, dk, dv is
+    transposed back to ``[B, L, H * D]`` and summed over the rows for its projection's bias."""
+    op = torch.ops.dmfx.flash_attention_backward.default
+    g = gm.graph
+    for n in list(g.nodes):
+        if not is_op(n, op) or n.kwargs.get("bias_grad") or len(n.args) > 10:
+            continue
+        grads = {u.args[1]: u for u in n.users if u.target is operator.getitem and u.args[1] in (0, 1, 2)}
+        sums = {i: _head_bias_sum(grads[i]) for i in grads}
+        sums = {i: s for i, s in sums.items() if s is not None and all(isinstance(d, int) for d in val(s).shape)}
+        if not sums:
+            continue
+        n.update_kwarg("bias_grad", True)
+        vals = list(val(n))
+        for i, found in sums.items():
+            with g.inserting_after(n):
+                db = g.call_function(operator.getitem, (n, 3 + i))
+            v = val(grads[i])
+            db.meta["val"] = v.new_empty((v.shape[1] * v.shape[3],))
+            vals[3 + i] = db.meta["val"]
+            with g.inserting_before(found):
+                out = g.call_function(aten.view.default, (db, list(val(found).shape)))
+            out.meta["val"] = val(found)
+            found.replace_all_uses_with(out)
+            g.erase_node(found)
+            ctx.record("fold_bias_grads", 1)
+        for i in range(3):  # the outputs the op now fills are vectors, also those not read
+            v = val(grads[i]) if i in grads else None
+            if v is not None:
+                vals[3 + i] = v.new_empty((v.shape[1] * v.shape[3],))
+        n.meta["val"] = tuple(vals)
 
 
 BackwardPass = Callable[[GraphModule, PassContext], None]

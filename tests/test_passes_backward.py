@@ -269,10 +269,11 @@ def test_bert_layer_backward_has_no_gradient_adds(stack):
     assert rec.fired.get("fold_gradient_adds") == 1
     assert rec.fired.get("qkv_stacking", 0) == int(stack)
     assert rec.fired.get("accumulate_into_gemm") == (1 if stack else 3)
-    # stacked: the bias gradient comes out of the attention backward, no reduction is left
-    assert rec.fired.get("fold_bias_grads", 0) == int(stack)
+    # the Q/K/V bias gradients come out of the attention backward (one stacked, or three): no
+    # reduction is left
+    assert rec.fired.get("fold_bias_grads", 0) == (1 if stack else 3)
     sums = bw.count(aten.sum.dim_IntList)
-    assert sums == (0 if stack else 3), rec.backward_graph.code
+    assert sums == 0, rec.backward_graph.code
 
 
 def test_skipping_the_backward_passes_keeps_the_adds():
@@ -327,3 +328,29 @@ def test_fold_bias_grads_fires_and_leaves_partial_sums():
     gm = _trace(batch_only, *args)
     ref, got, ctx = _run(gm, fold_bias_grads, *args)
     assert ctx.fired == {} and aten.sum.dim_IntList in _targets(gm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_flash_backward_head_bias_gradients(dtype, gqa):
+    """flash_attention_backward(bias_grad=True) returns the bias gradients of the three projections
+    ([B, H, L, D] views of [B, L, H*D]): the fused kernel's per-(batch, head) sums, or (bf16, grouped
+    k/v) the same sums taken afterwards; dq, dk, dv are unchanged."""
+    B, L, H, D = 2, 7, 4, 8
+    Hk = 2 if gqa else H  # (grouped k/v: the sums are taken after the kernel)
+    q = torch.randn(B, L, H, D, dtype=dtype).transpose(1, 2)
+    k, v = (torch.randn(B, L, Hk, D, dtype=dtype).transpose(1, 2) for _ in range(2))
+    seed = new_seed()
+    out, stats = torch.ops.dmfx.flash_attention(q, k, v, None, 0.3, True, seed, 0.2)
+    g = torch.randn_like(out)
+    op = torch.ops.dmfx.flash_attention_backward
+    got = op(g, q, k, v, stats, None, 0.3, True, seed, 0.2, bias_grad=True)
+    ref = op(g, q, k, v, stats, None, 0.3, True, seed, 0.2)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5 if dtype == torch.float32 else 2e-2
+    for i in range(3):
+        assert torch.equal(got[i], ref[i]) and ref[3 + i].numel() == 0
+        want = ref[i].double().sum(dim=(0, 2)).reshape(-1)
+        scale = ref[i].double().abs().sum(dim=(0, 2)).max()  # (dk's sum is zero up to rounding)
+        assert got[3 + i].shape == want.shape and got[3 + i].dtype == dtype
+        assert ((got[3 + i].double() - want).abs().max() / scale).item() < tol
+    torch.library.opcheck(op, (g, q, k, v, stats, None, 0.3, True, seed, 0.2), {"bias_grad": True})
