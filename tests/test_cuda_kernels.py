@@ -297,6 +297,30 @@ def test_norm_3d_and_1d_inputs(cpu_ext, cuda_ext):
             assert_close(a, b, TOL[torch.float32], f"{name} shape={shape}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["contiguous", "unaligned"])
+@pytest.mark.parametrize("H", [7, 768])
+def test_norm_bwd_second_gradient(cpu_ext, cuda_ext, dtype, layout, H):
+    """grad_out2 (the backward pass folds the add of two output gradients into the kernel): CUDA equals
+    the CPU kernel given the same two gradients, and equals one gradient holding their sum (fp32)."""
+    t = make_inputs(64, H, dtype, layout, COMBOS[0], "cpu", seed=7)
+    g2 = make_inputs(64, H, dtype, layout, COMBOS[0], "cpu", seed=8)["dy"]
+    out, s, mean, rstd = cpu_ext.norm_fwd(t["x"], t["bias"], t["residual"], t["weight"], t["norm_bias"],
+                                          SEED, OFFSET, 0.1, EPS, False, True)
+    args = (t["grad_sum"], t["x"], t["bias"], t["residual"], t["weight"], mean, rstd, SEED, OFFSET, 0.1, False,
+            [True] * 5)
+    cpu = cpu_ext.norm_bwd(t["dy"], *args, g2)
+    dev = lambda a: a.to(DEVICE) if isinstance(a, torch.Tensor) else a  # noqa: E731
+    cuda = cuda_ext.norm_bwd(dev(t["dy"]), *[dev(a) for a in args], dev(g2))
+    tol = TOL[torch.float32] if dtype == torch.float32 else TOL[dtype]
+    for name, a, b in zip(NAMES[4:], cuda, cpu):
+        assert_close(a, b, tol, f"{name} {dtype} {layout} H={H}")
+    if dtype == torch.float32:
+        summed = cpu_ext.norm_bwd(t["dy"] + g2, *args, None)
+        for name, a, b in zip(NAMES[4:], cpu, summed):
+            assert_close(a, b, tol, f"{name} vs the summed gradient")
+
+
 def test_norm_bwd_deterministic(cuda_ext):
     """Column sums use per-block partials and a fixed-order reduction: bitwise reproducible."""
     t = make_inputs(2000, 768, torch.float32, "contiguous", COMBOS[0], DEVICE)
