@@ -206,6 +206,7 @@ def _traced_choice(model: _Model, n: Node) -> str:
 def choose_layouts(gm: GraphModule, ctx: PassContext, name: str = "layout") -> None:
     """Build the layout problem of `gm`, solve it, and apply the cheapest assignment (see the module
     docstring). A problem the search cannot take leaves the graph as it is and says why."""
+    _refresh_traced_views(gm, ctx)
     try:
         p, model = build_problem(gm)
         if not model.vars:
@@ -259,6 +260,22 @@ def choose_layouts(gm: GraphModule, ctx: PassContext, name: str = "layout") -> N
     views_to_reshapes(moved)
     for _ in range(changed):  # one per layout changed: a dropped copy, a GEMM written transposed
         ctx.record(name, 1)
+
+
+def _refresh_traced_views(gm: GraphModule, ctx: PassContext) -> None:
+    """Fresh fake values for the graph's view ops, in graph order, before the search reads strides.
+    The fusion passes replace producers (an SDPA call where eager's GEMMs were) whose outputs come in
+    other layouts than the nodes they replaced; the views after them still carry the strides they
+    were traced with. Best effort: a view that cannot be recomputed keeps its value."""
+    if ctx.fake_mode is None:
+        return
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in _VIEWS and isinstance(n.args[0], Node):
+            old = n.meta.get("val")
+            try:
+                refresh_val(n, ctx)
+            except Exception:
+                n.meta["val"] = old
 
 
 def _refresh_views(starts: list[Node], ctx: PassContext) -> None:

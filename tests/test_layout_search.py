@@ -230,3 +230,26 @@ def test_dynamic_shapes_are_left_alone():
     ctx = PassContext()
     choose_layouts(gm, ctx)
     assert _count(gm, aten.clone.default) == 1 and ctx.fired == {}
+
+
+def test_bert_inference_context_copy_is_dropped():
+    """An HF BertLayer in inference (eager attention, no dropout): the attention pass calls SDPA, whose
+    CPU kernel writes the context as [B, L, H, D] in memory, so HF's transpose(1, 2).contiguous()
+    copies nothing new: the search drops it (with a reshape after it, should SDPA pick another
+    kernel at run time), and the output equals eager's."""
+    transformers = pytest.importorskip("transformers")
+    import dmfx
+
+    cfg = transformers.BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    layer = transformers.models.bert.modeling_bert.BertLayer(cfg).eval()
+    x = torch.randn(2, 9, 32)
+    with torch.no_grad():
+        out = torch.compile(layer, backend="dmfx", options={"fallback": False})(x)[0]
+        ref = layer(x)[0]
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+    (rec,) = dmfx.records()
+    assert rec.fired.get("layout") == 1 and [f for f, _ in rec.attention_forms.values()] == ["sdpa"]
+    assert aten.clone.default not in [n.target for n in rec.inference_graph.graph.nodes]
+    assert dmfx.records()[0].copies == []
