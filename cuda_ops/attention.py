@@ -46,8 +46,9 @@ the GEMMs are ATen's (MKL / cuBLAS), the softmax kernels are dmfx's own)
     ``qkv_flash_attention_backward`` -> (dqkv, dbias)), which recomputes the scores. With
     ``bias_grad=True`` the backwards also return the projections' bias gradients (for [B, H, L, D]
     views of [B, L, H * D] projections), summed per (batch, head) while dq, dk, dv are in cache (else
-    the bias outputs are empty); the backward pass (passes/backward.py) asks for them. Same dropout mask as the unfused form. No mask gradient (it raises). CPU float32/float64; elsewhere the same ops run the
-    unfused form.
+    the bias outputs are empty); the backward pass (passes/backward.py) asks for them. Same dropout
+    mask as the unfused form. No mask gradient (it raises). CPU float32/float64; elsewhere the same
+    ops run the unfused form.
 """
 
 from __future__ import annotations
@@ -332,6 +333,14 @@ def _flash_attention_kernel(q, k, v, mask, scale, causal, seed, p):
     return _flash_forward(q, k, v, mask, scale, causal, seed, p, _context(q, v))
 
 
+def _bias_part(bias_grad: bool, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
+    """The [3, B, H, D] buffer the fused backward writes each (batch, head)'s dq, dk, dv column sums
+    into, or None: not asked for, no fused kernel here, or grouped-query k/v."""
+    if bias_grad and flash_supported(q.device, q.dtype) and q.shape[1] == k.shape[1] and q.shape[3] == v.shape[3]:
+        return q.new_empty((3, q.shape[0], q.shape[1], q.shape[3]))
+    return None
+
+
 def _head_bias_grads(part: Tensor | None, *grads: Tensor) -> tuple[Tensor, ...]:
     """The bias gradients ([H * D] each) of the projections that produced q, k, v ([B, H, L, D]
     views of [B, L, H * D]): the kernel's per-(batch, head) sums `part` summed over the batch, or,
@@ -345,8 +354,7 @@ def _flash_attention_backward_kernel(grad_out, q, k, v, stats, mask, scale, caus
     _check_qkv("flash_attention_backward", q, k, v)
     _check_p("flash_attention_backward", p, seed)
     dq, dk, dv = _grads_like(q, k, v)
-    fused = bias_grad and flash_supported(q.device, q.dtype) and q.shape[1] == k.shape[1] and q.shape[3] == v.shape[3]
-    part = q.new_empty((3, q.shape[0], q.shape[1], q.shape[3])) if fused else None
+    part = _bias_part(bias_grad, q, k, v)
     _flash_backward(grad_out, q, k, v, stats, mask, scale, causal, seed, p, dq, dk, dv, part)
     if not bias_grad:
         none = dq.new_empty((0,))
@@ -365,13 +373,12 @@ def _qkv_flash_attention_backward_kernel(grad_out, qkv, heads, stats, mask, scal
     _check_p("qkv_flash_attention_backward", p, seed)
     dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
     dq, dk, dv = _split_qkv("qkv_flash_attention_backward", dqkv, heads)
-    fused = bias_grad and flash_supported(q.device, q.dtype)
-    part = q.new_empty((3, q.shape[0], heads, q.shape[-1])) if fused else None
+    part = _bias_part(bias_grad, q, k, v)
     _flash_backward(grad_out, q, k, v, stats, mask, scale, causal, seed, p, dq, dk, dv, part)
     if not bias_grad:
         return dqkv, dqkv.new_empty((0,))
     # the stacked projections' bias gradient: the per-(batch, head) column sums summed over the batch
-    dbias = part.sum(1).reshape(-1) if fused else dqkv.sum(dim=(0, 1))
+    dbias = part.sum(1).reshape(-1) if part is not None else dqkv.sum(dim=(0, 1))
     return dqkv, dbias
 
 

@@ -214,23 +214,8 @@ def rewrite(aten_gm: GraphModule, example_inputs: Sequence[Any], opts: Options, 
         record.fallback = f"kernel build failed: {e}"
         return aten_gm
 
-    ctx = pass_context(example_inputs, opts, record.training)
-    work = _copy(aten_gm)
-    try:
-        run_pipeline(work, ctx, opts.skip)
-    except Exception as e:
-        if not opts.fallback:
-            raise
-        name = ctx.current
-        _warn_once(f"pass:{name}:{type(e).__name__}", "dmfx: pass %r failed on graph %d (%s: %s); the graph runs unrewritten", name, record.graph_id, type(e).__name__, e)
-        record.fallback = f"pass {name} failed: {type(e).__name__}: {e}"
-        return aten_gm
-    record.fired, record.replaced, record.missed = ctx.fired, ctx.replaced, ctx.missed
-    record.attention_forms = dict(ctx.forms)
-    record.copies = list(ctx.copies)
-    for m in ctx.missed:
-        log.debug("dmfx: graph %d: left alone: %s", record.graph_id, m)
-    return work
+    work = _run_on_copy(aten_gm, example_inputs, opts, record, record.training, run_pipeline, "")
+    return aten_gm if work is None else work
 
 
 def rewrite_backward(gm: GraphModule, example_inputs: Sequence[Any], opts: Options, record: GraphRecord) -> GraphModule:
@@ -240,23 +225,38 @@ def rewrite_backward(gm: GraphModule, example_inputs: Sequence[Any], opts: Optio
 
     if record.fallback or all(name in opts.skip for name in BACKWARD_PIPELINE):
         return gm
-    ctx = pass_context(example_inputs, opts, training=True)
+    work = _run_on_copy(gm, example_inputs, opts, record, True, run_backward_pipeline, "backward")
+    return gm if work is None else work
+
+
+def _run_on_copy(gm: GraphModule, example_inputs: Sequence[Any], opts: Options, record: GraphRecord, training: bool,
+                 run: Callable, graph: str) -> GraphModule | None:
+    """``run(copy, ctx, opts.skip)`` on a copy of `gm`, and what it did added to `record` (`graph`:
+    "" for the forward pipeline, "backward" for the backward one). On failure with opts.fallback:
+    one warning and None (the caller keeps `gm`; a failed forward pipeline marks the record)."""
+    ctx = pass_context(example_inputs, opts, training)
     work = _copy(gm)
     try:
-        run_backward_pipeline(work, ctx, opts.skip)
+        run(work, ctx, opts.skip)
     except Exception as e:
         if not opts.fallback:
             raise
-        _warn_once(f"bwpass:{ctx.current}:{type(e).__name__}", "dmfx: backward pass %r failed on graph %d (%s: %s); the backward runs as AOTAutograd derived it", ctx.current, record.graph_id, type(e).__name__, e)
-        return gm
+        name, kind = ctx.current, type(e).__name__
+        then = "the backward runs as AOTAutograd derived it" if graph else "the graph runs unrewritten"
+        _warn_once(f"{graph}pass:{name}:{kind}", f"dmfx: {graph + ' ' if graph else ''}pass %r failed on graph %d (%s: %s); {then}",
+                   name, record.graph_id, kind, e)
+        if not graph:
+            record.fallback = f"pass {name} failed: {kind}: {e}"
+        return None
     for k, v in ctx.fired.items():
         record.fired[k] = record.fired.get(k, 0) + v
     for k, v in ctx.replaced.items():
         record.replaced[k] = record.replaced.get(k, 0) + v
     record.missed.extend(ctx.missed)
-    record.copies.extend({**c, "graph": "backward"} for c in ctx.copies)
+    record.attention_forms.update(ctx.forms)
+    record.copies.extend({**c, "graph": graph} if graph else c for c in ctx.copies)
     for m in ctx.missed:
-        log.debug("dmfx: graph %d backward: left alone: %s", record.graph_id, m)
+        log.debug("dmfx: graph %d%s: left alone: %s", record.graph_id, f" {graph}" if graph else "", m)
     return work
 
 

@@ -14,7 +14,7 @@ from torch.fx import GraphModule
 from ..cuda_ops import ops as _ops  # noqa: F401  (defines the dmfx:: ops the passes emit)
 from .activations import fuse_activation_idioms, fuse_bias_activation_dropout, fuse_gated_activation
 from .bdrln import fuse_bias_dropout_residual_norm, fuse_dropout
-from .graph_utils import PassContext, dead_code_elimination, finish, remove_metadata_asserts, views_to_reshapes
+from .graph_utils import PassContext, finish, remove_metadata_asserts, run_passes, views_to_reshapes
 from .norms import fuse_native_layer_norm, fuse_norm_idioms
 from .rope import fuse_rope
 from .attention import fuse_attention, stack_qkv
@@ -52,13 +52,7 @@ ALL_PASSES: tuple[str, ...] = (*PIPELINE, *BACKWARD_PIPELINE)
 def run_pipeline(gm: GraphModule, ctx: PassContext, skip: tuple[str, ...] = ()) -> GraphModule:
     """Run every pass not in `skip`, removing dead code after each (a later pass must not see what an
     earlier one replaced). Exceptions propagate with the failing pass's name in ctx.current."""
-    for name, fn in PIPELINE.items():
-        if name in skip:
-            continue
-        ctx.current = name
-        fn(gm, ctx)
-        dead_code_elimination(gm)
-    ctx.current = None
+    run_passes(gm, ctx, PIPELINE, skip)
     # fused ops may lay out their outputs differently from the ops they replaced
     views_to_reshapes(n for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", None) == "dmfx")
     return finish(gm)

@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_utils import PassContext, dead_code_elimination, is_op, val
+from .graph_utils import PassContext, dead_code_elimination, is_op, refresh_val, run_passes, val
 from .layout import choose_backward_layouts
 
 aten = torch.ops.aten
@@ -252,18 +252,23 @@ def fold_stacked_bias_grads(gm: GraphModule, ctx: PassContext) -> None:
                     break
         if found is None or not all(isinstance(d, int) for d in val(found).shape):
             continue  # (a symbolic feature count would need its SymInt from the graph)
-        with g.inserting_after(n):
-            db = g.call_function(operator.getitem, (n, 1))
         n.update_kwarg("bias_grad", True)
-        dq_val = val(first[0])
-        db.meta["val"] = dq_val.new_empty((F,))
-        n.meta["val"] = (dq_val, db.meta["val"])
-        with g.inserting_before(found):
-            out = g.call_function(aten.view.default, (db, list(val(found).shape)))
-        out.meta["val"] = val(found)
-        found.replace_all_uses_with(out)
-        g.erase_node(found)
-        ctx.record("fold_bias_grads", 1)
+        refresh_val(n, ctx)
+        _take_bias_output(g, ctx, n, 1, found)
+
+
+def _take_bias_output(g, ctx: PassContext, n: Node, index: int, found: Node) -> None:
+    """The reduction `found` becomes output `index` of the attention backward `n` (asked for with
+    bias_grad=True), viewed to `found`'s shape."""
+    with g.inserting_after(n):
+        db = g.call_function(operator.getitem, (n, index))
+    refresh_val(db, ctx)
+    with g.inserting_before(found):
+        out = g.call_function(aten.view.default, (db, list(val(found).shape)))
+    out.meta["val"] = val(found)
+    found.replace_all_uses_with(out)
+    g.erase_node(found)
+    ctx.record("fold_bias_grads", 1)
 
 
 def _head_bias_sum(g: Node) -> Node | None:
@@ -305,24 +310,9 @@ def fold_head_bias_grads(gm: GraphModule, ctx: PassContext) -> None:
         if not sums:
             continue
         n.update_kwarg("bias_grad", True)
-        vals = list(val(n))
+        refresh_val(n, ctx)
         for i, found in sums.items():
-            with g.inserting_after(n):
-                db = g.call_function(operator.getitem, (n, 3 + i))
-            v = val(grads[i])
-            db.meta["val"] = v.new_empty((v.shape[1] * v.shape[3],))
-            vals[3 + i] = db.meta["val"]
-            with g.inserting_before(found):
-                out = g.call_function(aten.view.default, (db, list(val(found).shape)))
-            out.meta["val"] = val(found)
-            found.replace_all_uses_with(out)
-            g.erase_node(found)
-            ctx.record("fold_bias_grads", 1)
-        for i in range(3):  # the outputs the op now fills are vectors, also those not read
-            v = val(grads[i]) if i in grads else None
-            if v is not None:
-                vals[3 + i] = v.new_empty((v.shape[1] * v.shape[3],))
-        n.meta["val"] = tuple(vals)
+            _take_bias_output(g, ctx, n, 3 + i, found)
 
 
 BackwardPass = Callable[[GraphModule, PassContext], None]
@@ -336,13 +326,7 @@ BACKWARD_PIPELINE: dict[str, BackwardPass] = {
 
 
 def run_backward_pipeline(gm: GraphModule, ctx: PassContext, skip: tuple[str, ...] = ()) -> GraphModule:
-    for name, fn in BACKWARD_PIPELINE.items():
-        if name in skip:
-            continue
-        ctx.current = name
-        fn(gm, ctx)
-        dead_code_elimination(gm)
-    ctx.current = None
+    run_passes(gm, ctx, BACKWARD_PIPELINE, skip)
     gm.graph.lint()
     gm.recompile()
     return gm

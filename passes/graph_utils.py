@@ -243,6 +243,18 @@ def broadcasts_to(small: torch.Size, full: torch.Size) -> bool:
         return False
 
 
+def run_passes(gm: GraphModule, ctx: PassContext, passes: dict[str, Callable], skip: tuple[str, ...] = ()) -> None:
+    """Run each pass of `passes` not in `skip`, in order, removing dead code after each (a later pass
+    must not see what an earlier one replaced). Exceptions propagate; ctx.current names the pass."""
+    for name, fn in passes.items():
+        if name in skip:
+            continue
+        ctx.current = name
+        fn(gm, ctx)
+        dead_code_elimination(gm)
+    ctx.current = None
+
+
 def refresh_val(n: Node, ctx: PassContext) -> None:
     """Recompute n's fake value from its inputs' (their layout may have changed)."""
     if n.target is operator.getitem:
@@ -250,11 +262,16 @@ def refresh_val(n: Node, ctx: PassContext) -> None:
         if isinstance(src, (tuple, list)):
             n.meta["val"] = src[n.args[1]]
         return
-    if ctx.fake_mode is None or n.op != "call_function":
+    if n.op != "call_function":
         return
     args = torch.fx.node.map_arg(n.args, lambda a: a.meta.get("val"))
     kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: a.meta.get("val"))
-    with ctx.fake_mode:
+    from torch._guards import detect_fake_mode
+
+    mode = ctx.fake_mode or detect_fake_mode([args, kwargs])  # (a bare PassContext: the values' own mode)
+    if mode is None:
+        return
+    with mode:
         n.meta["val"] = n.target(*args, **kwargs)
 
 

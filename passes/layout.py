@@ -30,7 +30,6 @@ tensor the forward saves for the backward is a graph output here, so it keeps it
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
@@ -73,7 +72,6 @@ class _Model:
     """The layout variables of one graph and the meta tensors each assignment gives its nodes."""
 
     def __init__(self, gm: GraphModule):
-        self.gm = gm
         self.vars: dict[Node, list[str]] = {}
         for n in gm.graph.nodes:
             v = val(n)
@@ -131,24 +129,18 @@ class _Model:
         return out
 
 
-def _reader_cost(u: Node, arg: Node, t: torch.Tensor, traced: torch.Tensor) -> float:
-    """What `u` pays to read `arg` with strides of `t` (traced with those of `traced`)."""
-    same = tuple(t.stride()) == tuple(traced.stride()) or t.numel() <= 1
-    if u.op == "output":
-        return 0.0 if same else INF
-    if u.op != "call_function":
-        return 0.0 if same else INF
-    if u.target in _GEMMS:
+def _reader_cost(u: Node, t: torch.Tensor, traced: torch.Tensor) -> float:
+    """What `u` pays to read a tensor with the strides of `t` (traced with those of `traced`)."""
+    if u.op == "call_function" and u.target in _GEMMS:
         if t.dim() < 2 or t.stride(-1) == 1 or t.stride(-2) == 1:
             return 0.0
         return 2.0 * _nbytes(t)  # ATen copies the operand
-    if getattr(u.target, "namespace", None) == "dmfx":
+    if u.op == "call_function" and getattr(u.target, "namespace", None) == "dmfx":
         return 0.0 if (t.dim() == 0 or t.stride(-1) == 1 or t.size(-1) == 1) else 2.0 * _nbytes(t)
     if _is_contig_clone(u):
         return 0.0  # a copy reads any layout at the same cost (its own cost is its variable's)
-    if u.target is operator.getitem:
-        return 0.0 if same else INF
-    return 0.0 if same else INF  # element-wise and the rest: their output layout follows the input's
+    # graph outputs, element-wise ops and the rest (their output layout follows the input's): as traced
+    return 0.0 if tuple(t.stride()) == tuple(traced.stride()) or t.numel() <= 1 else INF
 
 
 def _readers(model: _Model, n: Node) -> list[tuple[Node, Node]]:
@@ -193,7 +185,7 @@ def build_problem(gm: GraphModule) -> tuple[LayoutProblem, _Model]:
                     t = model.tensor(x, dict(zip(scope, choice)), {})
                 except _Bad:
                     return INF
-                return _reader_cost(u, x, t, traced)
+                return _reader_cost(u, t, traced)
 
             p.add(scope, cost, f"{u.name} reads {x.name}")
     return p, model
@@ -254,7 +246,8 @@ def choose_layouts(gm: GraphModule, ctx: PassContext, name: str = "layout") -> N
                     else "dropping it would only move the copy into a reader (same bytes)" if c == sol.cost
                     else f"dropping it would cost {c - sol.cost:.0f} more bytes"),
             })
-    _refresh_views(moved, ctx)
+    if moved:  # (their readers' views now see the search's strides)
+        _refresh_traced_views(gm, ctx)
     # The search checked each view against the traced strides; reshape is that same view then, and
     # stays correct if an op upstream (SDPA picks its kernel at run time) hands out other strides.
     views_to_reshapes(moved)
@@ -267,8 +260,6 @@ def _refresh_traced_views(gm: GraphModule, ctx: PassContext) -> None:
     The fusion passes replace producers (an SDPA call where eager's GEMMs were) whose outputs come in
     other layouts than the nodes they replaced; the views after them still carry the strides they
     were traced with. Best effort: a view that cannot be recomputed keeps its value."""
-    if ctx.fake_mode is None:
-        return
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target in _VIEWS and isinstance(n.args[0], Node):
             old = n.meta.get("val")
@@ -278,22 +269,5 @@ def _refresh_traced_views(gm: GraphModule, ctx: PassContext) -> None:
                 n.meta["val"] = old
 
 
-def _refresh_views(starts: list[Node], ctx: PassContext) -> None:
-    """Fresh fake values for the views downstream of a changed layout, in graph order."""
-    order = {n: i for i, n in enumerate(starts[0].graph.nodes)} if starts else {}
-    todo, seen = [], set()
-    stack = [u for u in starts if u.op == "call_function" and u.target in _VIEWS]
-    while stack:
-        u = stack.pop()
-        if u in seen or u.graph is None:
-            continue
-        seen.add(u)
-        todo.append(u)
-        stack.extend(w for w in u.users if w.op == "call_function" and w.target in _VIEWS)
-    for u in sorted(todo, key=lambda x: order.get(x, 0)):
-        refresh_val(u, ctx)
-
-
 def choose_backward_layouts(gm: GraphModule, ctx: PassContext) -> None:
     choose_layouts(gm, ctx, "backward_layout")
-

@@ -145,13 +145,17 @@ def test_gradcheck_qkv_float64():
 
 
 @pytest.mark.parametrize("p", [0.0, 0.2])
-def test_opcheck(p):
+@pytest.mark.parametrize("form", ["gemm", "flash"])
+def test_opcheck(p, form):
+    """Both forms (dmfx::attention / qkv_attention and the flash ops), separate and packed."""
+    ops = {"gemm": (torch.ops.dmfx.attention, torch.ops.dmfx.qkv_attention),
+           "flash": (torch.ops.dmfx.flash_attention, torch.ops.dmfx.qkv_flash_attention)}[form]
     B, L, H, D = 2, 6, 2, 4
     q, k, v = (_heads(B, L, H, D).requires_grad_() for _ in range(3))
     seed = new_seed() if p else None
-    opcheck(op.default, (q, k, v, _mask("padding", B, H, L, L), 0.5, False, seed, p))
+    opcheck(ops[0].default, (q, k, v, _mask("padding", B, H, L, L), 0.5, False, seed, p))
     qkv = torch.randn(B, L, 3 * H * D, requires_grad=True)
-    opcheck(qkv_op.default, (qkv, H, None, 0.5, True, seed, p))
+    opcheck(ops[1].default, (qkv, H, None, 0.5, True, seed, p))
 
 
 def test_dropout_keeps_the_expected_share():
@@ -293,15 +297,6 @@ def test_flash_fully_masked_rows_and_empty_keys():
     empty = torch.zeros(B, H, 0, D)
     o, _ = flash(q.detach(), empty, empty, None, 1.0, False, None, 0.0)
     assert o.shape == (B, H, L, D) and (o == 0).all()
-
-
-@pytest.mark.parametrize("p", [0.0, 0.2])
-def test_flash_opcheck(p):
-    B, L, H, D = 2, 6, 2, 4
-    q, k, v = (_heads(B, L, H, D).requires_grad_() for _ in range(3))
-    seed = new_seed() if p else None
-    opcheck(flash.default, (q, k, v, _mask("padding", B, H, L, L), 0.5, False, seed, p))
-    opcheck(qkv_flash.default, (torch.randn(B, L, 3 * H * D, requires_grad=True), H, None, 0.5, True, seed, p))
 
 
 def test_flash_mask_gradient_is_a_clear_error():

@@ -3,10 +3,17 @@ against brute force on random ones."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
+import dmfx
+from conftest import tiny_bert_layer
+from dmfx.passes import PassContext
+from dmfx.passes.layout import COL, DROP, KEEP, ROW, build_problem, choose_layouts
 from dmfx.passes.layout_search import INF, Infeasible, LayoutProblem, SearchTooWide, brute_force, solve
 
 ORDERS = ["BLHD", "BHLD", "BHDL"]
@@ -78,8 +85,6 @@ def test_random_problems_match_brute_force(seed):
         k = rng.randint(1, min(3, len(names)))
         vs = rng.sample(names, k)
         table = {}
-        import itertools
-
         for combo in itertools.product(*(p.domains[v] for v in vs)):
             table[combo] = INF if rng.random() < 0.1 else float(rng.randint(0, 20))
         p.add(vs, table)
@@ -120,11 +125,6 @@ def test_bad_problems_are_named():
 
 # ------------------------------------------------------------------ the layout pass on FX graphs
 
-import torch  # noqa: E402
-from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
-
-from dmfx.passes import PassContext  # noqa: E402
-from dmfx.passes.layout import COL, DROP, KEEP, ROW, build_problem, choose_layouts  # noqa: E402
 
 aten = torch.ops.aten
 
@@ -148,8 +148,7 @@ def _count(gm, target):
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is target)
 
 
-def _choices(model, p, gm_before_names=None):
-    from dmfx.passes.layout_search import solve
+def _choices(p):
     s = solve(p)
     return {n.name: c for n, c in s.assignment.items()}, s.cost
 
@@ -165,7 +164,7 @@ def test_gemm_writes_the_transposed_layout_and_the_copy_goes():
 
     gm0 = make_fx(fn, tracing_mode="fake")(A, W)
     p, model = build_problem(gm0)
-    choice, cost = _choices(model, p)
+    choice, cost = _choices(p)
     assert cost == 0.0 and sorted(choice.values()) == sorted([COL, DROP])
     traced = {n: (KEEP if d[0] == KEEP else ROW) for n, d in model.vars.items()}
     assert p.cost_of(traced) == 2 * 6 * 5 * 4
@@ -237,13 +236,7 @@ def test_bert_inference_context_copy_is_dropped():
     CPU kernel writes the context as [B, L, H, D] in memory, so HF's transpose(1, 2).contiguous()
     copies nothing new: the search drops it (with a reshape after it, should SDPA pick another
     kernel at run time), and the output equals eager's."""
-    transformers = pytest.importorskip("transformers")
-    import dmfx
-
-    cfg = transformers.BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    layer = transformers.models.bert.modeling_bert.BertLayer(cfg).eval()
+    layer = tiny_bert_layer()[0].eval()
     x = torch.randn(2, 9, 32)
     with torch.no_grad():
         out = torch.compile(layer, backend="dmfx", options={"fallback": False})(x)[0]

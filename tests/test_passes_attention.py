@@ -4,7 +4,6 @@ when Q, K and V are projections of one input), with no transpose copy left in th
 backward graph, or PyTorch's SDPA where the cost model says so; near misses are left to the softmax
 fusion."""
 
-import copy
 import json
 import math
 
@@ -13,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import dmfx
-from conftest import rel_err
+from conftest import rel_err, tiny_bert_layer
 from test_passes import check_same, count, rewrite, targets
 
 dmfx_ops = torch.ops.dmfx
@@ -339,22 +338,11 @@ def test_tune_times_each_case_once_and_caches_it(tmp_path, monkeypatch):
     assert _forms(model, x, mask, tune=True) == ["flash"]
 
 
-def _tiny_bert_layer():
-    """An HF BertLayer (hidden 32, 4 heads, eager attention, dropout off) in train mode, and a copy."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64,
-                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    layer = transformers.models.bert.modeling_bert.BertLayer(cfg).train()
-    return layer, copy.deepcopy(layer)
-
-
 @pytest.mark.parametrize("form", ["flash", "gemm"])
 def test_dynamic_shapes_stacked_attention(form):
     """A dynamic sequence length (mark_dynamic): the stacked projection's view takes the SymInt batch
     and length from the graph; new lengths run without recompiling and match eager."""
-    layer, ref = _tiny_bert_layer()
+    layer, ref = tiny_bert_layer()
     f = torch.compile(layer, backend="dmfx", options={"attention": form, "stack_qkv": True, "fallback": False})
     for L in (9, 13, 30):
         x = torch.randn(2, L, 32, requires_grad=True)
@@ -373,7 +361,7 @@ def test_dynamic_shapes_stacked_attention(form):
 def test_dynamic_true_runtime_scale_moves_onto_q():
     """torch.compile(dynamic=True) turns HF's 1/sqrt(d) into a run-time scalar: it multiplies q, and the
     attention still fuses (without stacking, q being scaled), matching eager over several lengths."""
-    layer, ref = _tiny_bert_layer()
+    layer, ref = tiny_bert_layer()
     f = torch.compile(layer, backend="dmfx", dynamic=True, options={"attention": "flash", "fallback": False})
     for L in (9, 13):
         x = torch.randn(2, L, 32, requires_grad=True)

@@ -12,13 +12,12 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import dmfx
+from conftest import tiny_bert_layer
 from dmfx.cuda_ops.ops import new_seed
 from dmfx.passes import PassContext
 from dmfx.passes.backward import accumulate_into_gemm, fold_gradient_adds, run_backward_pipeline
@@ -239,19 +238,9 @@ def test_backward_pipeline_keeps_values_on_a_traced_backward():
 # ------------------------------------------------------------------ end to end
 
 
-def _bert_layer():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64,
-                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    layer = transformers.models.bert.modeling_bert.BertLayer(cfg).train()
-    return layer, copy.deepcopy(layer)
-
-
 @pytest.mark.parametrize("stack", [True, False])
 def test_bert_layer_backward_has_no_gradient_adds(stack):
-    layer, ref = _bert_layer()
+    layer, ref = tiny_bert_layer()
     # (flash: the packed attention ops that QKV stacking needs; SDPA would leave three projections)
     f = torch.compile(layer, backend="dmfx", options={"fallback": False, "stack_qkv": stack, "attention": "flash"})
     x = torch.randn(2, 9, 32, requires_grad=True)
@@ -277,7 +266,7 @@ def test_bert_layer_backward_has_no_gradient_adds(stack):
 
 
 def test_skipping_the_backward_passes_keeps_the_adds():
-    layer, _ = _bert_layer()
+    layer, _ = tiny_bert_layer()
     f = torch.compile(layer, backend="dmfx", options={"fallback": False, "stack_qkv": False,
                                                       "skip": ["fold_gradient_adds", "accumulate_into_gemm",
                                                                "fold_bias_grads"]})
