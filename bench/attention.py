@@ -4,7 +4,7 @@ Method
 ------
 q, k and v are views of one stacked projection output ``[B, L, 3, H, D]`` (what a transformer's
 QKV GEMM writes), the mask is HF BERT's additive padding mask ``[B, 1, 1, L]`` (last quarter of half
-the batch padded). Candidates, each timed forward only (``--mode infer``, under no_grad) or forward +
+the batch padded; ``--mask none`` for none, as in ViT). Candidates, each timed forward only (``--mode infer``, under no_grad) or forward +
 backward (``--mode train``; the gradient of q, k and v, backward of ``out.sum()``):
 
 * ``eager``: ``softmax(q @ kᵀ * scale + mask) `` → dropout → ``@ v`` written out as HF BERT does;
@@ -14,7 +14,8 @@ backward (``--mode train``; the gradient of q, k and v, backward of ``out.sum()`
   scale + mask + softmax + dropout kernel, no operand copies);
 * ``dmfx_flash``: ``dmfx::flash_attention`` (the fused form: per block of query rows, the scores stay
   in cache; the backward recomputes them from the logsumexp), what dmfx's cost model picks on the
-  CPU wherever it can (float32/64, probabilities not read elsewhere, mask without gradient).
+  CPU with dropout and in training without it (float32/64, probabilities not read elsewhere, mask
+  without gradient).
 
 Candidates run interleaved in one process (round r: all candidates, round r+1: ...), medians over
 ``--rounds``; outputs are compared with eager's in eval mode first.
@@ -52,6 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--seq", default="128,512")
     p.add_argument("--dropout", default="0.0,0.1")
     p.add_argument("--mode", choices=["train", "infer", "both"], default="both")
+    p.add_argument("--mask", default="padding", help="comma list of: padding (last quarter of half the batch), none")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--head-dim", type=int, default=64)
@@ -63,8 +65,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _inputs(B, L, H, D, device, train):
+def _inputs(B, L, H, D, device, train, mask_kind="padding"):
     qkv = torch.randn(B, L, 3 * H * D, device=device, requires_grad=train)
+    if mask_kind == "none":
+        return qkv, None
     mask = torch.zeros(B, 1, 1, L, device=device)
     mask[: B // 2, ..., L - L // 4 :] = torch.finfo(torch.float32).min
     return qkv, mask
@@ -80,7 +84,8 @@ def candidates(H, D, p):
 
     def eager(qkv, mask):
         q, k, v = _split(qkv, H, D)
-        probs = torch.softmax(q @ k.transpose(-1, -2) * scale + mask, -1)
+        s = q @ k.transpose(-1, -2) * scale
+        probs = torch.softmax(s if mask is None else s + mask, -1)
         return F.dropout(probs, p, training=p > 0) @ v
 
     def sdpa(qkv, mask):
@@ -103,9 +108,9 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def run_case(args, L, p, train):
+def run_case(args, L, p, train, mask_kind="padding"):
     B, H, D = args.batch, args.heads, args.head_dim
-    qkv, mask = _inputs(B, L, H, D, args.device, train)
+    qkv, mask = _inputs(B, L, H, D, args.device, train, mask_kind)
     cands = candidates(H, D, p)
     with torch.no_grad():  # same values first (no dropout)
         ref = candidates(H, D, 0.0)["eager"](qkv, mask)
@@ -138,11 +143,13 @@ def run(args) -> list[dict]:
     for mode in modes:
         for L in (int(s) for s in str(args.seq).split(",")):
             for p in (float(s) for s in str(args.dropout).split(",")):
-                if mode == "infer" and p > 0:
-                    continue
-                log(f"[attention {mode}] L={L} p={p} ...")
-                times, errs = run_case(args, L, p, mode == "train")
-                raw.append({"mode": mode, "seq": L, "dropout": p, "times_ms": times, "rel_err": errs})
+                for mask_kind in str(args.mask).split(","):
+                    if mode == "infer" and p > 0:
+                        continue
+                    log(f"[attention {mode}] L={L} p={p} mask={mask_kind} ...")
+                    times, errs = run_case(args, L, p, mode == "train", mask_kind)
+                    raw.append({"mode": mode, "seq": L, "dropout": p, "mask": mask_kind, "times_ms": times,
+                                "rel_err": errs})
     return raw
 
 
@@ -153,9 +160,9 @@ def table(raw: list[dict]) -> str:
         med = {n: statistics.median(t) for n, t in times.items()}
         best_torch = min(med["eager"], med["sdpa"])
         for n, m in med.items():
-            rows.append([case["mode"], case["seq"], case["dropout"], n, f"{m:.2f}", f"{min(times[n]):.2f}",
+            rows.append([case["mode"], case["seq"], case["dropout"], case.get("mask", "padding"), n, f"{m:.2f}", f"{min(times[n]):.2f}",
                          f"{med['sdpa'] / m:.2f}", f"{best_torch / m:.2f}", f"{case['rel_err'][n]:.1e}"])
-    return tabulate(rows, headers=["mode", "seq", "dropout", "candidate", "median ms", "min ms", "speedup vs sdpa",
+    return tabulate(rows, headers=["mode", "seq", "dropout", "mask", "candidate", "median ms", "min ms", "speedup vs sdpa",
                                    "vs best of eager/sdpa", "rel err (p=0)"], tablefmt="github")
 
 
@@ -165,7 +172,7 @@ def main(argv=None):
     torch.manual_seed(0)
     raw = run(args)
     head = (f"attention alone | torch {torch.__version__} | {args.device} | threads {args.threads} | fp32 | "
-            f"B={args.batch} heads={args.heads} head_dim={args.head_dim} | padding mask | "
+            f"B={args.batch} heads={args.heads} head_dim={args.head_dim} | mask {args.mask} | "
             f"{datetime.datetime.now():%Y-%m-%d %H:%M}")
     print(head)
     print(table(raw))

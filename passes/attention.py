@@ -169,12 +169,18 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | Non
       in the backward. With dropout on the CPU it is 1.7x (L=128) to 2.7x (L=512) faster than SDPA,
       which falls back to its unfused math path for dropout on the CPU, and 1.2-1.6x faster than
       the "gemm" form; it also saves no [B, H, L, L] tensor for the backward.
-    With ``options={"tune": True}`` the feasible forms are timed instead (passes/tuning.py).
+      Also in training without dropout (fp32, not causal): there it ties SDPA's flash kernel
+      (forward+backward, with and without a padding mask), and unlike SDPA it reads the stacked Q/K/V
+      projection and folds the bias gradients (passes/backward.py), which SDPA's backward cannot.
 
-    * "sdpa": PyTorch's own scaled_dot_product_attention, without dropout on the CPU (its flash
-      kernel is 1.0-1.3x faster than dmfx's fused form there) and on CUDA (its flash / efficient /
-      cuDNN kernels; dmfx has no fused CUDA attention kernel). Not with a causal mask over
-      different query and key lengths (SDPA aligns it top-left, dmfx and HF bottom-right).
+    * "sdpa": PyTorch's own scaled_dot_product_attention, in inference without dropout on the CPU (its
+      flash kernel is about 1.1x faster than dmfx's fused form there), for causal attention without
+      dropout (a tie at best for dmfx's kernel, which gains nothing there: no bias to fold in the
+      models that use it), and on CUDA (its flash / efficient / cuDNN kernels; dmfx has no fused
+      CUDA attention kernel). Not with a causal mask over different query and key lengths (SDPA
+      aligns it top-left, dmfx and HF bottom-right).
+
+    With ``options={"tune": True}`` the feasible forms are timed instead (passes/tuning.py).
     """
     from ..cuda_ops.attention import flash_supported
 
@@ -204,6 +210,11 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | Non
         if flash_supported(qm.device, qm.dtype):
             return "flash", "dropout on the CPU: no fused PyTorch kernel"
         return "gemm", f"dropout on the CPU in {qm.dtype}: no fused kernel"
+    if (qm.device.type == "cpu" and qm.dtype == torch.float32 and not causal and ctx.needs_grad(q4)
+            and flash_supported(qm.device, qm.dtype)):
+        return "flash", ("training without dropout on the CPU: dmfx's fused kernel ties SDPA's forward+backward "
+                         "(bench/attention.py --mask none) and lets the projections stack and the bias "
+                         "gradients fold into its backward")
     if sdpa_ok:
         return "sdpa", "PyTorch's fused kernel is the fastest here"
     if flash_supported(qm.device, qm.dtype):
@@ -299,7 +310,80 @@ def fuse_attention(gm: GraphModule, ctx: PassContext) -> None:
         ctx.record("attention", absorbed, fused)
         ctx.forms[fused.name] = (form, why)
         log.debug("dmfx: attention at %s runs in the %s form: %s", sm.name, form, why)
+    lower_sdpa_calls(gm, ctx)
     noop_clones(gm, ctx)
+
+
+# scaled_dot_product_attention as the forward graph records it: the composite op (restore_sdpa in
+# the backend puts it back where the mask needs a gradient) or the CPU flash kernel PyTorch picked
+# while tracing. -> positions of (dropout_p, is_causal) and of the mask (index or keyword).
+_SDPA_CALLS = {
+    aten.scaled_dot_product_attention.default: dict(mask=(3, "attn_mask"), dropout=(4, "dropout_p"),
+                                                    causal=(5, "is_causal"), outputs=False),
+    aten._scaled_dot_product_flash_attention_for_cpu.default: dict(
+        dropout=(3, "dropout_p"), causal=(4, "is_causal"), mask=(None, "attn_mask"), outputs=True),
+}
+
+
+def lower_sdpa_calls(gm: GraphModule, ctx: PassContext) -> None:
+    """A model's own ``scaled_dot_product_attention`` call (HF's "sdpa" implementation) goes through
+    the same cost model as the eager pattern: where it picks dmfx's fused kernel (training without
+    dropout on the CPU, so that the projections stack and the bias gradients fold), the call becomes
+    ``dmfx::flash_attention`` with the same q, k, v, mask (bool: True = attend, as in SDPA) and scale
+    (SDPA's default 1/sqrt(D) made explicit); elsewhere it stays PyTorch's. With dropout on the CPU
+    the call never reaches the graph as one op: SDPA runs its math path, whose ops the softmax and
+    attention passes above take. A causal call stays PyTorch's (its mask is top-left aligned when the
+    lengths differ, dmfx's bottom-right)."""
+    graph = gm.graph
+    for n in list(graph.nodes):
+        spec = _SDPA_CALLS.get(n.target) if n.op == "call_function" else None
+        if spec is None:
+            continue
+        args = list(n.args)
+
+        def arg(where, default):
+            i, name = where
+            return args[i] if i is not None and i < len(args) else n.kwargs.get(name, default)
+
+        q4, k4, v4 = args[:3]
+        mask, p, causal = arg(spec["mask"], None), arg(spec["dropout"], 0.0), arg(spec["causal"], False)
+        qm, km, vm = (tensor_meta(t) for t in (q4, k4, v4))
+        if any(m is None or m.dim() != 4 for m in (qm, km, vm)):
+            ctx.miss("attention", n, "scaled_dot_product_attention on tensors that are not 4-D [B, H, L, D]")
+            continue
+        if p != 0.0 or causal:
+            log.debug("dmfx: %s stays PyTorch's (%s)", n.name, "dropout inside the call" if p else "causal")
+            continue
+        if spec["outputs"] and any(not (u.target is operator.getitem and u.args[1] == 0) for u in n.users):
+            continue  # its logsumexp is read: PyTorch's kernel must run
+        heads, kv_heads = qm.shape[1], km.shape[1]
+        if not isinstance(heads, int) or not isinstance(kv_heads, int) or heads % kv_heads:
+            continue
+        scale = n.kwargs.get("scale")
+        if scale is None:
+            d = qm.shape[-1]
+            if not isinstance(d, int):
+                continue  # a symbolic head size: the scale is not a float at compile time
+            scale = d**-0.5
+        form, why = choose_form(ctx, q4, k4, v4, mask, False, 0.0, float(scale), probs_read=False)
+        if form != "flash":
+            log.debug("dmfx: %s stays PyTorch's scaled_dot_product_attention: %s", n.name, why)
+            continue
+        with graph.inserting_before(n):
+            fused = insert_call(graph, ctx, torch.ops.dmfx.flash_attention.default,
+                                (q4, k4, v4, mask, float(scale), False, None, 0.0))
+            out, _ = insert_getitems(graph, fused, 2)
+        if spec["outputs"]:
+            for u in list(n.users):
+                u.replace_all_uses_with(out)
+                graph.erase_node(u)
+        else:
+            n.replace_all_uses_with(out)
+        graph.erase_node(n)
+        views_to_reshapes([out])  # later views may have relied on PyTorch's output strides
+        ctx.record("attention", 1, fused)
+        ctx.forms[fused.name] = (form, why)
+        log.debug("dmfx: scaled_dot_product_attention %s runs in the flash form: %s", n.name, why)
 
 
 # ----------------------------------------------------------------------------------------- QKV stacking

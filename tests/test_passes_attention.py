@@ -277,17 +277,80 @@ def _forms(model, *inputs, **options):
 
 
 def test_cost_model_picks_per_case():
-    """auto: dropout on the CPU -> dmfx's fused kernel; no dropout -> PyTorch's SDPA (faster there,
+    """auto: dropout on the CPU -> dmfx's fused kernel; training without dropout -> the same (a tie
+    with SDPA, and the bias gradients fold); inference -> PyTorch's SDPA (faster there,
     bench/RESULTS.md); bf16 with dropout -> the GEMM form; a mask that requires grad -> the GEMM form."""
     torch.manual_seed(0)
     x, mask = torch.randn(B, L, E), _params()[-1]
     assert _forms(_SelfAttention(p=0.1).train(), x, mask) == ["flash"]
+    assert _forms(_SelfAttention(p=0.0).train(), x.requires_grad_(), mask) == ["flash"]  # ties SDPA, folds the bias grads
+    x.requires_grad_(False)
     with torch.no_grad():
         assert _forms(_SelfAttention(p=0.1).eval(), x, mask) == ["sdpa"]
     assert _forms(_SelfAttention(p=0.1).train().to(torch.bfloat16), x.bfloat16(), mask.bfloat16()) == ["gemm"]
     bias = torch.nn.Parameter(torch.randn(1, H, L, L))
     assert _forms(_SelfAttention(p=0.1).train(), x, bias) == ["gemm"]
     assert _forms(_SelfAttention(p=0.1).train(), x, mask, attention="sdpa") == ["sdpa"]
+
+
+class _SdpaAttention(torch.nn.Module):
+    """HF's "sdpa" implementation: the model calls scaled_dot_product_attention itself."""
+
+    def __init__(self, causal=False):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(E, E) for _ in range(4))
+        self.causal = causal
+
+    def forward(self, x, mask):
+        q, k, v = (_heads(m(x)) for m in (self.q, self.k, self.v))
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal)
+        return self.o(ctx.transpose(1, 2).reshape(B, L, E))
+
+
+def _bool_mask():
+    keep = torch.ones(B, 1, 1, L, dtype=torch.bool)
+    keep[1, ..., 4:] = False
+    return keep
+
+
+@pytest.mark.parametrize("mask_kind", ["float", "bool", "none"])
+def test_sdpa_call_becomes_dmfx_attention_in_training(mask_kind):
+    """A model's own SDPA call in training without dropout: the cost model picks dmfx's fused kernel
+    (SDPA's default scale made explicit, a bool mask read as True = attend), the bias gradients fold
+    into its backward, and outputs and gradients equal eager's."""
+    torch.manual_seed(0)
+    model, ref = _SdpaAttention(), _SdpaAttention()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(B, L, E, requires_grad=True)
+    mask = {"float": _params()[-1], "bool": _bool_mask(), "none": None}[mask_kind]
+    torch._dynamo.reset()
+    dmfx.reset()
+    out = torch.compile(model, backend="dmfx", options={"fallback": False, "stack_qkv": False})(x, mask)
+    exp = ref(x, mask)
+    assert rel_err(out, exp) < 1e-5
+    R = torch.randn_like(exp)
+    (out * R).sum().backward()
+    gx, x.grad = x.grad, None
+    (exp * R).sum().backward()
+    assert rel_err(gx, x.grad) < 1e-5
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+    (rec,) = dmfx.records()
+    assert [f for f, _ in rec.attention_forms.values()] == ["flash"]
+    assert rec.fired.get("fold_bias_grads") == 3, rec.fired  # the q, k and v bias sums
+    assert not any("scaled_dot_product" in str(n.target) for n in rec.forward_graph.graph.nodes)
+
+
+def test_sdpa_call_near_misses_stay_pytorchs():
+    """Causal SDPA calls (a top-left aligned mask), and inference (PyTorch's kernel is faster there)
+    keep PyTorch's op."""
+    torch.manual_seed(0)
+    x, mask = torch.randn(B, L, E, requires_grad=True), _params()[-1]
+    assert _forms(_SdpaAttention(causal=True), x, None) == []
+    with torch.no_grad():
+        assert _forms(_SdpaAttention(), x, mask) == []
+    for rec in dmfx.records():
+        assert any("scaled_dot_product" in str(n.target) for n in (rec.forward_graph or rec.inference_graph).graph.nodes)
 
 
 def test_sdpa_form_matches_eager_in_training():
