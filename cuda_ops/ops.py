@@ -15,6 +15,8 @@ Ops
     three (the paper's BLNRD + BSB work in one pass over the rows). ``grad_out2``, when given, is a
     second gradient of the output, added to ``grad_out`` inside the kernel: the backward pass
     (passes/backward.py) folds the add of a layer output's two gradients into it (the paper's EBSB).
+    ``dbias`` (asked for in ``output_mask[4]``) is the column sum of ``dx``, with or without a
+    ``bias`` input: the gradient of a bias that stayed in the GEMM before the norm.
 ``dmfx::dropout(x, seed, p) -> out``: inverted Philox dropout; its backward is the same op on the
     gradient (the mask is regenerated from the seed, never stored).
 
@@ -154,7 +156,7 @@ def _norm_backward_fake(grad_out, grad_sum, x, bias, residual, weight, mean, rst
     full = lambda on: torch.empty(x.shape, dtype=x.dtype, device=x.device) if on else _nothing(x)  # noqa: E731
     vec = lambda on: x.new_empty((H,)) if on else _nothing(x)  # noqa: E731
     m = list(output_mask)
-    return full(m[0]), full(m[1]), vec(m[2] and weight is not None), vec(m[3]), vec(m[4] and bias is not None)
+    return full(m[0]), full(m[1]), vec(m[2] and weight is not None), vec(m[3]), vec(m[4])
 
 
 @torch.library.register_fake("dmfx::dropout")

@@ -7,7 +7,8 @@ csrc/pointwise_cuda.cu, per-element math shared in csrc/pointwise_api.h)
     ``out = dropout(act(x + bias), p)`` over x [..., N] with bias [N]; ``seed`` None requires p == 0.
 ``dmfx::bias_act_dropout_backward(grad_out, x, bias?, act, seed?, p, output_mask) -> (dx, dbias)``:
     the paper's BDRB: recomputes ``act'(x + bias)`` and the dropout mask from x and the seed, and sums
-    the bias gradient in the same pass. Outputs not requested (or dbias without bias) are empty [0].
+    the bias gradient in the same pass. Outputs not requested are empty [0]. Without a bias, dbias is
+    still the column sum of dx when asked for (the bias may sit in the GEMM before: passes/aten_backward.py).
 ``dmfx::glu(gate, up, act) -> out``: ``act(gate) * up`` (SwiGLU with "silu", GeGLU with "gelu").
 ``dmfx::glu_backward(grad_out, gate, up, act, output_mask) -> (dgate, dup)``.
 ``dmfx::rope(q, k, cos, sin, inverse) -> (q_out, k_out)``: HF LLaMA's apply_rotary_pos_emb on q and k
@@ -171,7 +172,7 @@ def _bias_act_dropout_backward_fake(grad_out, x, bias, act, seed, p, output_mask
     _act_code(act, "bias_act_dropout_backward")
     m = _check_mask(output_mask, "bias_act_dropout_backward", "[dx, dbias]")
     dx = _like(x) if m[0] else _nothing(x)
-    dbias = x.new_empty((x.shape[-1],)) if (m[1] and bias is not None) else _nothing(x)
+    dbias = x.new_empty((x.shape[-1],)) if m[1] else _nothing(x)
     return dx, dbias
 
 

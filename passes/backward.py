@@ -19,9 +19,14 @@ kernel, reading two [tokens, hidden] tensors and writing a third. Two folds remo
 ``fold_bias_grads``: ``sum(dqkv over rows)`` after ``qkv_flash_attention_backward`` (and each of
     dq, dk, dv's row sums after ``flash_attention_backward``, for three separate projections) -> the
     op's own bias-gradient outputs (``bias_grad=True``): the projections' bias gradients summed per
-    (batch, head) while the attention backward has dq, dk, dv in cache (the paper's BAIB).
+    (batch, head) while the attention backward has dq, dk, dv in cache (the paper's BAIB). Likewise
+    ``sum(dx over rows)`` after ``norm_backward`` -> its dbias output.
 
 ``backward_layout``: the layout search of passes/layout.py on the backward graph.
+
+``aten_backward`` (first; passes/aten_backward.py): PyTorch's own backward ops of chains the forward
+    pipeline did not rewrite (layer norm, GELU/SiLU/ReLU with their bias-gradient sum, softmax)
+    become dmfx's backward kernels, which the folds above then apply to.
 
 Each pass is ``fn(gm, ctx) -> None`` like the forward passes, and records what fired in the
 PassContext. ``options={"skip": [...]}`` skips them by name.
@@ -35,6 +40,7 @@ from typing import Any, Callable
 import torch
 from torch.fx import GraphModule, Node
 
+from .aten_backward import fuse_aten_backward, row_sum_of, sum_over_rows
 from .graph_utils import PassContext, dead_code_elimination, is_op, refresh_val, run_passes, val
 from .layout import choose_backward_layouts
 
@@ -211,20 +217,32 @@ def accumulate_into_gemm(gm: GraphModule, ctx: PassContext) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def _sum_over_rows(n: Node, full: tuple[int, ...]) -> bool:
-    """`n` sums a tensor of shape `full` ([..., F]) over every dim but the last, in its own dtype."""
-    if not is_op(n, aten.sum.dim_IntList) or n.kwargs.get("dtype") is not None:
-        return False
-    dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
-    nd = len(full)
-    if not isinstance(dims, (list, tuple)):
-        return False
-    return sorted(d % nd for d in dims) == list(range(nd - 1))
-
-
 def fold_bias_grads(gm: GraphModule, ctx: PassContext) -> None:
     fold_stacked_bias_grads(gm, ctx)
     fold_head_bias_grads(gm, ctx)
+    fold_norm_bias_grads(gm, ctx)
+
+
+def fold_norm_bias_grads(gm: GraphModule, ctx: PassContext) -> None:
+    """``sum(dx over rows)`` after ``norm_backward`` (the bias gradient of the linear before the norm,
+    where the bias stayed in the GEMM: the forward's BDRLN did not fire) -> the op's own dbias output
+    (output_mask[4]), summed while the kernel has each row of dx in registers (the paper's BSB)."""
+    op = torch.ops.dmfx.norm_backward.default
+    g = gm.graph
+    for n in list(g.nodes):
+        if not is_op(n, op) or len(n.args) < 12 or list(n.args[11])[4]:
+            continue
+        first = [u for u in n.users if u.target is operator.getitem and u.args[1] == 0]
+        if len(first) != 1:
+            continue
+        found = row_sum_of(first[0])
+        if found is None or not all(isinstance(d, int) for d in val(found).shape):
+            continue
+        mask = list(n.args[11])
+        mask[4] = True
+        n.update_arg(11, mask)
+        refresh_val(n, ctx)
+        _take_bias_output(g, ctx, n, 4, found)
 
 
 def fold_stacked_bias_grads(gm: GraphModule, ctx: PassContext) -> None:
@@ -240,16 +258,7 @@ def fold_stacked_bias_grads(gm: GraphModule, ctx: PassContext) -> None:
         first = [u for u in n.users if u.target is operator.getitem and u.args[1] == 0]
         if len(first) != 1:
             continue
-        F = val(first[0]).shape[-1]
-        stack, found = [first[0]], None
-        while stack and found is None:
-            x = stack.pop()
-            for u in x.users:
-                if is_op(u, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
-                    stack.append(u)
-                elif _sum_over_rows(u, tuple(val(x).shape)) and val(x).shape[-1] == F:
-                    found = u
-                    break
+        found = row_sum_of(first[0])
         if found is None or not all(isinstance(d, int) for d in val(found).shape):
             continue  # (a symbolic feature count would need its SymInt from the graph)
         n.update_kwarg("bias_grad", True)
@@ -258,8 +267,8 @@ def fold_stacked_bias_grads(gm: GraphModule, ctx: PassContext) -> None:
 
 
 def _take_bias_output(g, ctx: PassContext, n: Node, index: int, found: Node) -> None:
-    """The reduction `found` becomes output `index` of the attention backward `n` (asked for with
-    bias_grad=True), viewed to `found`'s shape."""
+    """The reduction `found` becomes output `index` of the backward op `n` (which was asked for it:
+    bias_grad=True, or output_mask[4]), viewed to `found`'s shape."""
     with g.inserting_after(n):
         db = g.call_function(operator.getitem, (n, index))
     refresh_val(db, ctx)
@@ -291,7 +300,7 @@ def _head_bias_sum(g: Node) -> Node | None:
                     s = val(u).shape
                     if len(s) >= 2 and s[-1] == H * D:
                         stack.append(u)
-                elif x is not t and _sum_over_rows(u, tuple(val(x).shape)):
+                elif x is not t and sum_over_rows(u, tuple(val(x).shape)):
                     return u
     return None
 
@@ -318,6 +327,7 @@ def fold_head_bias_grads(gm: GraphModule, ctx: PassContext) -> None:
 BackwardPass = Callable[[GraphModule, PassContext], None]
 
 BACKWARD_PIPELINE: dict[str, BackwardPass] = {
+    "aten_backward": fuse_aten_backward,
     "fold_gradient_adds": fold_gradient_adds,
     "fold_bias_grads": fold_bias_grads,
     "accumulate_into_gemm": accumulate_into_gemm,

@@ -60,6 +60,15 @@ def test_grad_out2_equals_the_sum(rms, dropout, residual):
             assert rel_err(a, b) < 1e-12, name
 
 
+@pytest.mark.parametrize("dropout", [False, True])
+def test_dbias_without_bias_is_the_column_sum_of_dx(dropout):
+    """The bias gradient is asked for although the bias stayed in the GEMM before the norm."""
+    x, _, res, w, mean, rstd, seed, p = _norm_case(False, dropout, True)
+    g = torch.randn_like(x)
+    dx, _, _, _, db = nb(g, None, x, None, res, w, mean, rstd, seed, p, False, [True, False, False, False, True])
+    assert db.shape == (24,) and rel_err(db, dx.sum((0, 1))) < 1e-12
+
+
 def test_grad_out2_strided():
     """A non-contiguous second gradient (a transposed view) is read through its strides."""
     x, bias, res, w, mean, rstd, seed, p = _norm_case(False, False, True)

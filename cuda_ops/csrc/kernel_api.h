@@ -219,7 +219,7 @@ inline NormGrads alloc_norm_grads(const at::Tensor& x, const c10::optional<at::T
   if (m[1]) g.dresidual = at::empty(x.sizes(), x.options());
   if (m[2] && present(weight)) g.dweight = at::empty({a.H}, x.options());
   if (m[3]) g.dnorm_bias = at::empty({a.H}, x.options());
-  if (m[4] && present(bias)) g.dbias = at::empty({a.H}, x.options());
+  if (m[4]) g.dbias = at::empty({a.H}, x.options());  // with or without a bias: the column sums of dx
   return g;
 }
 

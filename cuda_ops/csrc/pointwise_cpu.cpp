@@ -464,7 +464,7 @@ std::vector<at::Tensor> bias_act_bwd_cpu(const at::Tensor& grad_out_in, const at
   const auto bias = contiguous(bias_in);
   const at::Tensor empty = at::empty({0}, x.options());
   at::Tensor dx = output_mask[0] ? at::empty(x.sizes(), x.options()) : at::Tensor();
-  at::Tensor dbias = (output_mask[1] && present(bias)) ? at::empty({x.size(-1)}, x.options()) : at::Tensor();
+  at::Tensor dbias = output_mask[1] ? at::empty({x.size(-1)}, x.options()) : at::Tensor();  // (also without a bias)
   if (num_rows(x) > 0 && (dx.defined() || dbias.defined())) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dmfx_bias_act_bwd", [&] {
       dispatch_act(static_cast<int>(act), [&](auto a) {

@@ -461,7 +461,7 @@ std::vector<at::Tensor> bias_act_bwd_cuda(const at::Tensor& grad_out_in, const a
   const auto bias = contiguous(bias_in);
   const at::Tensor empty = at::empty({0}, x.options());
   at::Tensor dx = output_mask[0] ? at::empty(x.sizes(), x.options()) : at::Tensor();
-  at::Tensor dbias = (output_mask[1] && present(bias)) ? at::empty({x.size(-1)}, x.options()) : at::Tensor();
+  at::Tensor dbias = output_mask[1] ? at::empty({x.size(-1)}, x.options()) : at::Tensor();  // (also without a bias)
   if (num_rows(x) > 0 && (dx.defined() || dbias.defined())) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dmfx_bias_act_bwd_cuda", [&] {
       using acc_t = at::opmath_type<scalar_t>;

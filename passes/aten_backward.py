@@ -1,0 +1,215 @@
+"""Backward ATen patterns, for chains whose forward dmfx did not rewrite.
+
+Where the forward pipeline rewrote a chain, AOTAutograd derives its backward from the dmfx op's own
+formula (one fused backward kernel). Where it did not (a pass skipped with ``options={"skip": ...}``,
+a near-miss the forward passes left alone, a norm or activation outside the patterns), the backward
+graph holds PyTorch's own backward ops. This pass (``aten_backward``, first in the backward pipeline)
+replaces those with dmfx's backward kernels, so the later folds (``fold_gradient_adds``,
+``fold_bias_grads``) and the layout search apply to them too:
+
+``native_layer_norm_backward(g, x, [H], mean, rstd, w, b, mask)`` over the last dim
+    -> ``dmfx::norm_backward`` (dx, dgamma, dbeta in one pass over the rows).
+``gelu_backward`` (erf and tanh), ``silu_backward``, ``threshold_backward(g, relu_out, 0)``
+    -> ``dmfx::bias_act_dropout_backward`` with no bias and p = 0; a ``sum`` of the result over every
+    dim but the last (the gradient of the linear bias before the activation, the paper's BDRB / BAOB)
+    becomes the kernel's second output, summed while the rows are in cache.
+``_softmax_backward_data(g, y, -1, dtype)`` -> ``dmfx::softmax_backward`` (p = 0), with a following
+    multiplication or division by a constant (the attention's 1/sqrt(d)) folded into its scale.
+
+Left alone, with the reason in the log at DEBUG and in the record's ``missed``: a layer norm over more
+than the last dim or with statistics in another dtype than dmfx's (bf16 on the CPU: ATen keeps them in
+bf16), a threshold other than 0, a softmax over another dim or with a cast (``input_dtype`` differs),
+and operands of other dtypes or devices than the kernels take. ``tanh_backward`` is not matched: it
+reads tanh's output, and dmfx's kernel recomputes the activation from its input. Dropout masks that an
+unrewritten forward stored (``native_dropout_backward``) stay PyTorch's: dmfx's kernels regenerate
+their masks from a seed instead of reading one.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .graph_utils import PassContext, is_op, kernel_friendly, refresh_val, val
+
+aten = torch.ops.aten
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _stat_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _tensor(n: object) -> torch.Tensor | None:
+    v = val(n) if isinstance(n, Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def sum_over_rows(n: Node, full: tuple[int, ...]) -> bool:
+    """`n` sums a tensor of shape `full` ([..., F]) over every dim but the last, in its own dtype."""
+    if not is_op(n, aten.sum.dim_IntList) or n.kwargs.get("dtype") is not None:
+        return False
+    dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+    nd = len(full)
+    if not isinstance(dims, (list, tuple)):
+        return False
+    return sorted(d % nd for d in dims) == list(range(nd - 1))
+
+
+def row_sum_of(t: Node) -> Node | None:
+    """A ``sum`` over every dim but the last of the contiguous tensor `t`, or of a view of it with the
+    same last dim (which then holds the same columns): the bias gradient of what produced `t`."""
+    F = val(t).shape[-1]
+    stack = [t]
+    while stack:
+        x = stack.pop()
+        for u in x.users:
+            if is_op(u, *_VIEWS):
+                stack.append(u)
+            elif sum_over_rows(u, tuple(val(x).shape)) and val(x).shape[-1] == F:
+                return u
+    return None
+
+
+def _replace_outputs(g, n: Node, new: Node, index_map: dict[int, int]) -> None:
+    """The getitem users of `n` (index i) read `new`'s output index_map[i] instead."""
+    for u in list(n.users):
+        if u.target is operator.getitem:
+            with g.inserting_after(new):
+                item = g.call_function(operator.getitem, (new, index_map[u.args[1]]))
+            item.meta = dict(u.meta)
+            u.replace_all_uses_with(item)
+            g.erase_node(u)
+    g.erase_node(n)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def _layer_norm_backward(g, ctx: PassContext, n: Node) -> None:
+    grad, x, shape, mean, rstd, w, b, mask = n.args
+    xv, mv, rv = _tensor(x), _tensor(mean), _tensor(rstd)
+    if xv is None or mv is None or rv is None or not kernel_friendly(xv):
+        return
+    if len(shape) != 1 or xv.dim() < 1 or shape[0] != xv.shape[-1]:
+        ctx.miss("aten_backward", n, "layer norm over more than the last dim")
+        return
+    if mv.dtype != _stat_dtype(xv) or rv.dtype != _stat_dtype(xv):
+        ctx.miss("aten_backward", n, f"layer norm statistics in {rv.dtype}, dmfx's kernel keeps them in {_stat_dtype(xv)}")
+        return
+    gv = _tensor(grad)
+    if gv is None or gv.dtype != xv.dtype or tuple(gv.shape) != tuple(xv.shape):
+        ctx.miss("aten_backward", n, "the gradient's dtype or shape differs from the input's")
+        return
+    out_mask = [bool(mask[0]), False, bool(mask[1]) and w is not None, bool(mask[2]) and b is not None, False]
+    with g.inserting_before(n):
+        m1 = g.call_function(aten.squeeze.dim, (mean, -1))
+        r1 = g.call_function(aten.squeeze.dim, (rstd, -1))
+        m1.meta["val"], r1.meta["val"] = mv.squeeze(-1), rv.squeeze(-1)
+        new = g.call_function(torch.ops.dmfx.norm_backward.default,
+                              (grad, None, x, None, None, w, m1, r1, None, 0.0, False, out_mask))
+    refresh_val(new, ctx)
+    _replace_outputs(g, n, new, {0: 0, 1: 2, 2: 3})
+    ctx.record("aten_backward", 1, new)
+
+
+def _activation(n: Node) -> tuple[str, Node, Node] | None:
+    """(dmfx activation name, grad, the tensor the activation's derivative is taken at)."""
+    if is_op(n, aten.gelu_backward.default):
+        approx = n.args[2] if len(n.args) > 2 else n.kwargs.get("approximate", "none")
+        return ("gelu_tanh" if approx == "tanh" else "gelu"), n.args[0], n.args[1]
+    if is_op(n, aten.silu_backward.default):
+        return "silu", n.args[0], n.args[1]
+    if is_op(n, aten.threshold_backward.default):
+        # relu's backward: grad where relu's output > 0, which is where its input is > 0
+        return ("relu", n.args[0], n.args[1]) if n.args[2] == 0 else None
+    return None
+
+
+def _activation_backward(g, ctx: PassContext, n: Node, act: str, grad: Node, x: Node) -> None:
+    gv, xv = _tensor(grad), _tensor(x)
+    if gv is None or xv is None or not kernel_friendly(xv) or xv.dim() < 1:
+        return
+    if gv.dtype != xv.dtype or tuple(gv.shape) != tuple(xv.shape) or gv.device != xv.device:
+        ctx.miss("aten_backward", n, "the gradient's dtype, shape or device differs from the activation's input")
+        return
+    bias_sum = row_sum_of(n)
+    if bias_sum is not None and not all(isinstance(d, int) for d in val(bias_sum).shape):
+        bias_sum = None  # (a symbolic feature count would need its SymInt from the graph)
+    with g.inserting_before(n):
+        new = g.call_function(torch.ops.dmfx.bias_act_dropout_backward.default,
+                              (grad, x, None, act, None, 0.0, [True, bias_sum is not None]))
+    refresh_val(new, ctx)
+    with g.inserting_after(new):
+        dx = g.call_function(operator.getitem, (new, 0))
+    dx.meta["val"] = val(new)[0]
+    n.replace_all_uses_with(dx)
+    g.erase_node(n)
+    absorbed = 1
+    if bias_sum is not None:
+        with g.inserting_after(dx):
+            db = g.call_function(operator.getitem, (new, 1))
+        db.meta["val"] = val(new)[1]
+        with g.inserting_before(bias_sum):
+            out = g.call_function(aten.view.default, (db, list(val(bias_sum).shape)))
+        out.meta["val"] = val(bias_sum)
+        bias_sum.replace_all_uses_with(out)
+        g.erase_node(bias_sum)
+        absorbed = 2
+    ctx.record("aten_backward", absorbed, new)
+
+
+def _constant_scale(n: Node) -> float | None:
+    """The constant `n` multiplies its input by (``mul`` / ``div`` by a Python number), or None."""
+    if len(n.args) != 2 or n.kwargs or not isinstance(n.args[1], (int, float)) or isinstance(n.args[1], bool):
+        return None
+    if is_op(n, aten.mul.Tensor, aten.mul.Scalar):
+        return float(n.args[1])
+    if is_op(n, aten.div.Tensor, aten.div.Scalar) and n.args[1] != 0:
+        return 1.0 / float(n.args[1])
+    return None
+
+
+def _softmax_backward(g, ctx: PassContext, n: Node) -> None:
+    grad, y, dim, input_dtype = n.args
+    gv, yv = _tensor(grad), _tensor(y)
+    if gv is None or yv is None or not kernel_friendly(yv) or yv.dim() < 1:
+        return
+    if dim % yv.dim() != yv.dim() - 1:
+        ctx.miss("aten_backward", n, "softmax over another dim than the last")
+        return
+    if input_dtype != yv.dtype or gv.dtype != yv.dtype or tuple(gv.shape) != tuple(yv.shape):
+        ctx.miss("aten_backward", n, "a cast around the softmax, or a gradient of another dtype or shape")
+        return
+    if is_op(grad, aten.native_dropout_backward.default):
+        ctx.miss("aten_backward", grad, "a dropout mask stored by the unrewritten forward (dmfx's kernels regenerate theirs)")
+    scale, target = 1.0, n
+    if len(n.users) == 1:  # the attention's 1/sqrt(d): folded into the kernel's scale
+        user = next(iter(n.users))
+        c = _constant_scale(user) if user.args[0] is n else None
+        uv = _tensor(user)
+        if c is not None and uv is not None and uv.dtype == yv.dtype:
+            scale, target = c, user
+    with g.inserting_before(n):
+        new = g.call_function(torch.ops.dmfx.softmax_backward.default, (grad, y, None, 0.0, scale))
+    refresh_val(new, ctx)
+    target.replace_all_uses_with(new)
+    if target is not n:
+        g.erase_node(target)
+    g.erase_node(n)
+    ctx.record("aten_backward", 1 + (target is not n), new)
+
+
+def fuse_aten_backward(gm: GraphModule, ctx: PassContext) -> None:
+    g = gm.graph
+    for n in list(g.nodes):
+        if n.op != "call_function":
+            continue
+        if is_op(n, aten.native_layer_norm_backward.default):
+            _layer_norm_backward(g, ctx, n)
+        elif is_op(n, aten._softmax_backward_data.default):
+            _softmax_backward(g, ctx, n)
+        elif (found := _activation(n)) is not None:
+            _activation_backward(g, ctx, n, *found)
