@@ -11,9 +11,13 @@ region), medians:
 * ``flash``: attention as dmfx's fused kernel (what the cost model picks with dropout on the CPU);
 * ``flash_no_stacking``: the same without QKV stacking;
 * ``flash_no_backward_passes``: ``flash`` without the backward-graph passes (the gradient adds, the
-  stacked bias gradient's reduction and the layout search left as AOTAutograd derived them).
+  stacked bias gradient's reduction and the layout search left as AOTAutograd derived them);
+* ``flash_restack_in_backward``: ``flash`` without ``unstack_dx``: the backward's dX GEMM reads the
+  stacked weight, concatenated again in the backward (QKV stacking tags it for recomputation).
 
-Usage: ``python -m bench.ablation [--seq 128] [--batch 8] [--rounds 8] [--threads 2] [--json PATH]``
+``--variants a,b,c`` times a subset (eager always runs).
+
+Usage: ``python -m bench.ablation [--seq 128] [--batch 8] [--rounds 8] [--threads 2] [--variants ...] [--json PATH]``
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ VARIANTS = {
     "flash": {"attention": "flash"},
     "flash_no_stacking": {"attention": "flash", "stack_qkv": False},
     "flash_no_backward_passes": {"attention": "flash", "skip": list(BACKWARD_PIPELINE)},
+    "flash_restack_in_backward": {"attention": "flash", "skip": ["unstack_dx"]},
 }
 
 
@@ -50,6 +55,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--variants", default=None, help="comma list of variant names (default: all)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     from transformers import BertConfig
@@ -62,7 +68,8 @@ def main(argv=None):
     base = BertLayer(cfg).train()
     x = torch.randn(a.batch, a.seq, cfg.hidden_size, requires_grad=True)
     runs = {}
-    for name, options in VARIANTS.items():
+    chosen = VARIANTS if not a.variants else {"eager": None, **{n: VARIANTS[n] for n in a.variants.split(",")}}
+    for name, options in chosen.items():
         m = copy.deepcopy(base)
         runs[name] = (m, m if options is None else torch.compile(m, backend="dmfx", options=options))
 

@@ -226,9 +226,15 @@ torch.library.register_autograd("dmfx::rms_norm", _backward_rms_norm, setup_cont
 
 def _setup_bdrn(ctx, inputs, output):
     x, bias, residual, weight, norm_bias, seed, p, eps, rms, return_sum = inputs
-    _, _, mean, rstd = output
+    _, total, mean, rstd = output
     ctx.p, ctx.rms = p, rms
-    ctx.save_for_backward(x, bias, residual, weight, mean, rstd, seed)
+    if p == 0.0 and return_sum:
+        # Without dropout the pre-norm sum the op returns is all the backward needs (dx = dresidual =
+        # d(sum), dbias its column sum): saving it instead of x and the residual keeps the GEMM output
+        # x alive no longer than eager keeps it (pre-norm blocks: ViT, LLaMA).
+        ctx.save_for_backward(total, None, None, weight, mean, rstd, None)
+    else:
+        ctx.save_for_backward(x, bias, residual, weight, mean, rstd, seed)
     ctx.has = (bias is not None, residual is not None, weight is not None, norm_bias is not None)
 
 

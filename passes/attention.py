@@ -40,6 +40,7 @@ import operator
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.utils.checkpoint import CheckpointPolicy
 
 from .graph_utils import (
     PassContext,
@@ -529,6 +530,11 @@ def stack_qkv(gm: GraphModule, ctx: PassContext) -> None:
             else:
                 W = w_all = insert_call(graph, ctx, aten.cat.default, (ws, 1))
             ctx.copies.append({"node": W.name, "bytes": w_bytes, "why": why})
+            # The backward's dX GEMM reads the stacked weight: recompute it there from the parameters
+            # (alive anyway) instead of keeping a copy of all three weights for the whole step. The
+            # tag survives AOTAutograd's trace of this graph and binds its min-cut partitioner.
+            for n in {W, w_all}:
+                n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             if biases[0] is not None:
                 b_all = insert_call(graph, ctx, aten.cat.default, (biases, 0))
                 lin = insert_call(graph, ctx, aten.addmm.default, (b_all, x, w_all))

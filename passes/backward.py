@@ -22,6 +22,9 @@ kernel, reading two [tokens, hidden] tensors and writing a third. Two folds remo
     (batch, head) while the attention backward has dq, dk, dv in cache (the paper's BAIB). Likewise
     ``sum(dx over rows)`` after ``norm_backward`` -> its dbias output.
 
+``unstack_dx``: the dX GEMM of stacked Q/K/V projections reads the three weights where they are
+    (three accumulating GEMMs over the gradient's column blocks) instead of a stacked copy.
+
 ``backward_layout``: the layout search of passes/layout.py on the backward graph.
 
 ``aten_backward`` (first; passes/aten_backward.py): PyTorch's own backward ops of chains the forward
@@ -324,6 +327,68 @@ def fold_head_bias_grads(gm: GraphModule, ctx: PassContext) -> None:
             _take_bias_output(g, ctx, n, 3 + i, found)
 
 
+def _stacked_row_blocks(b: Node) -> list[Any] | None:
+    """When `b` is the stacked Q/K/V weight as QKV stacking builds it (``cat(ws, 0)`` of [out, in]
+    parameters, or ``cat(ws, 1)`` of [in, out] ones, through any number of ``t``), the operands whose
+    row blocks make up `b`, as (weight, transposed) pairs; else None."""
+    flips = 0
+    while is_op(b, aten.t.default):
+        b, flips = b.args[0], flips + 1
+    if not is_op(b, aten.cat.default) or len(b.args[0]) < 2:
+        return None
+    dim = b.args[1] if len(b.args) > 1 else 0
+    vals = [val(w) for w in b.args[0]]
+    if any(not isinstance(v, torch.Tensor) or v.dim() != 2 for v in vals):
+        return None
+    if dim % 2 == 0 and flips % 2 == 0:
+        return [(w, False) for w in b.args[0]]  # rows of cat(ws, 0) are the ws' rows
+    if dim % 2 == 1 and flips % 2 == 1:
+        return [(w, True) for w in b.args[0]]  # cat(ws, 1)ᵀ: rows are the wsᵀ' rows
+    return None
+
+
+def unstack_dx(gm: GraphModule, ctx: PassContext) -> None:
+    """The dX GEMM of stacked Q/K/V projections, ``G · cat(Wq, Wk, Wv)`` (or its accumulating
+    ``addmm_``), becomes three accumulating GEMMs over G's column blocks and the parameters
+    themselves, ``Σ G[:, i] · W_i``: the same flops, but the backward needs no stacked copy of the
+    weights, neither kept from the forward (7 MB a layer at BERT-base sizes, for the whole step) nor
+    concatenated again (the forward's QKV stacking tags its concatenation for recomputation)."""
+    g = gm.graph
+    for n in list(g.nodes):
+        if is_op(n, aten.mm.default):
+            acc, a, b = None, *n.args[:2]
+        elif is_op(n, aten.addmm_.default) and not n.kwargs:
+            acc, a, b = n.args[:3]
+        else:
+            continue
+        blocks = _stacked_row_blocks(b)
+        av = val(a)
+        if blocks is None or not isinstance(av, torch.Tensor) or av.dim() != 2:
+            continue
+        sizes = [val(w).shape[1 if t else 0] for w, t in blocks]
+        if not all(isinstance(k, int) for k in sizes) or sum(sizes) != av.shape[1]:
+            continue
+        with g.inserting_before(n):
+            out, start = acc, 0
+            for (w, transposed), k in zip(blocks, sizes):
+                part = g.call_function(aten.slice.Tensor, (a, 1, start, start + k))
+                refresh_val(part, ctx)
+                wi = w
+                if transposed:
+                    wi = g.call_function(aten.t.default, (w,))
+                    refresh_val(wi, ctx)
+                if out is None:
+                    out = g.call_function(aten.mm.default, (part, wi))
+                else:
+                    out = g.call_function(aten.addmm_.default, (out, part, wi))
+                refresh_val(out, ctx)
+                start += k
+        n.replace_all_uses_with(out)
+        g.erase_node(n)
+        ctx.record("unstack_dx", 1)
+    dead_code_elimination(gm)
+
+
 BackwardPass = Callable[[GraphModule, PassContext], None]
 
 BACKWARD_PIPELINE: dict[str, BackwardPass] = {
@@ -331,6 +396,7 @@ BACKWARD_PIPELINE: dict[str, BackwardPass] = {
     "fold_gradient_adds": fold_gradient_adds,
     "fold_bias_grads": fold_bias_grads,
     "accumulate_into_gemm": accumulate_into_gemm,
+    "unstack_dx": unstack_dx,
     "backward_layout": choose_backward_layouts,
 }
 

@@ -272,6 +272,57 @@ def test_bert_layer_backward_has_no_gradient_adds(stack):
     assert rec.fired.get("fold_bias_grads", 0) == (1 if stack else 3)
     sums = bw.count(aten.sum.dim_IntList)
     assert sums == 0, rec.backward_graph.code
+    # the stacked weight is neither kept for the backward nor concatenated again there: dX reads the
+    # three weights (unstack_dx)
+    assert rec.fired.get("unstack_dx", 0) == int(stack)
+    assert aten.cat.default not in bw
+    saved = [n.meta["val"].shape for n in rec.backward_graph.graph.nodes if n.op == "placeholder"]
+    assert not any(tuple(s) in {(96, 32), (32, 96)} for s in saved), saved
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("layout", ["rows", "cols"])
+def test_unstack_dx_fires_and_keeps_values(accumulate, layout):
+    """G · cat(Wq, Wk, Wv) (rows: cat of [out, in] weights along 0; cols: the transpose of a cat of
+    [in, out] ones along 1) -> one GEMM per weight block, accumulating."""
+    from dmfx.passes.backward import unstack_dx
+
+    torch.manual_seed(0)
+    ws = [torch.randn(8, 6) for _ in range(3)]
+    G, acc = torch.randn(5, 24), torch.randn(5, 6)
+
+    def f(G, acc, w0, w1, w2):
+        W = torch.cat([w0, w1, w2], 0) if layout == "rows" else torch.cat([w0.t(), w1.t(), w2.t()], 1).t()
+        return torch.addmm(acc, G, W) if accumulate else G @ W
+
+    gm = _trace(f, G, acc, *ws)
+    if accumulate:  # as accumulate_into_gemm leaves it: an in-place accumulation into a fresh buffer
+        for n in gm.graph.nodes:
+            if n.target is aten.addmm.default:
+                n.target = aten.addmm_.default
+    gm.recompile()
+    ref = f(G, acc, *ws)
+    ctx = PassContext()
+    unstack_dx(gm, ctx)
+    gm.graph.lint()
+    gm.recompile()
+    got = gm(G, acc.clone(), *ws)
+    assert ctx.fired == {"unstack_dx": 1}
+    ts = _targets(gm)
+    assert aten.cat.default not in ts
+    assert ts.count(aten.addmm_.default) == (3 if accumulate else 2)
+    assert rel_err(got, ref) < 1e-6
+
+
+def test_unstack_dx_leaves_column_blocks():
+    """cat(ws, 1) read without a transpose: its blocks are column blocks, not what G's columns
+    multiply."""
+    from dmfx.passes.backward import unstack_dx
+
+    ws = [torch.randn(24, 4) for _ in range(3)]
+    gm = _trace(lambda G, a, b, c: G @ torch.cat([a, b, c], 1), torch.randn(5, 24), *ws)
+    _, _, ctx = _run(gm, unstack_dx, torch.randn(5, 24), *ws)
+    assert not ctx.fired and aten.cat.default in _targets(gm)
 
 
 def test_skipping_the_backward_passes_keeps_the_adds():
