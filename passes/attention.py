@@ -27,9 +27,11 @@ with equal shapes: the paper's algebraic fusion. The three weights (and biases) 
 and multiplied once, ``qkv = x @ cat(Wq, Wk, Wv)ᵀ + cat(bq, bk, bv)``, and ``dmfx::qkv_attention`` /
 ``dmfx::qkv_flash_attention`` read q, k and v as column blocks of qkv (GPT-2's single Conv1D split
 into q, k, v feeds them directly). In training the concatenation runs every step (it is part of the
-graph, so the stacked weight can never be stale after an optimizer step); its backward is one GEMM
-for dX, one for the stacked dW (whose row blocks are the three weight gradients, as views) and one
-bias reduction, and the attention backward writes dq, dk and dv straight into the stacked gradient.
+graph, so the stacked weight can never be stale after an optimizer step, and tagged for
+recomputation, so it is never kept for the backward); its backward is one GEMM for the stacked dW
+(whose row blocks are the three weight gradients, as views), the bias gradient from the attention
+backward, and dX as three accumulating GEMMs reading the weights themselves (passes/backward.py,
+``unstack_dx``); the attention backward writes dq, dk and dv straight into the stacked gradient.
 ``stack_qkv="auto"`` stacks only where that pays (training with tokens >= input features).
 """
 
@@ -508,10 +510,11 @@ def stack_qkv(gm: GraphModule, ctx: PassContext) -> None:
             continue
         x = parts[0][0]
         if ctx.stack_qkv == "auto":
-            # Training: the concatenation moves 2 * 3 * in * out elements every step, the backward
-            # saves two adds of the three dX GEMMs' outputs (2 * 3 * tokens * in elements) and two
-            # GEMM launches. Inference: the GEMM runs no faster stacked (bench/RESULTS.md) and the
-            # concatenation is pure cost.
+            # Training: the concatenation moves 2 * 3 * in * out elements every step; one GEMM
+            # instead of three runs the forward and the dW of the backward (dX reads the three
+            # weights: unstack_dx), measured 1.6 ms faster at 1024 tokens before unstack_dx and a tie
+            # in a whole BertLayer step since (bench/RESULTS.md). Inference: the GEMM runs no faster
+            # stacked and the concatenation is pure cost.
             tokens, features = (concrete_int(s) for s in tensor_meta(x).shape[-2:]) if tensor_meta(x).dim() == 2 else (0, 1)
             if not ctx.training or tokens < features:
                 why = "inference" if not ctx.training else f"{tokens} tokens < {features} input features"
