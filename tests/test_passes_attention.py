@@ -341,6 +341,45 @@ def test_sdpa_call_becomes_dmfx_attention_in_training(mask_kind):
     assert not any("scaled_dot_product" in str(n.target) for n in rec.forward_graph.graph.nodes)
 
 
+class _SdpaCross(torch.nn.Module):
+    """SDPA calls with grouped-query k/v (enable_gqa, and an explicit scale) or repeated k/v, over keys
+    of another length than the queries (cross-attention)."""
+
+    def __init__(self, gqa, Hq=4, Hk=2, D=8, E=32):
+        super().__init__()
+        self.gqa, self.Hq, self.Hk, self.D = gqa, Hq, Hk, D
+        self.q, self.k, self.v = torch.nn.Linear(E, Hq * D), torch.nn.Linear(E, Hk * D), torch.nn.Linear(E, Hk * D)
+
+    def forward(self, x, y, mask):
+        (b, lq, _), lk = x.shape, y.shape[1]
+        q = self.q(x).view(b, lq, self.Hq, self.D).transpose(1, 2)
+        k, v = (m(y).view(b, lk, self.Hk, self.D).transpose(1, 2) for m in (self.k, self.v))
+        if self.gqa:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=0.3)
+        g = self.Hq // self.Hk
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=mask)
+
+
+@pytest.mark.parametrize("gqa", [True, False])
+@pytest.mark.parametrize("mask_kind", ["bool2d", "float2d", "none"])
+def test_sdpa_call_grouped_query_cross_attention_and_2d_masks(gqa, mask_kind):
+    torch.manual_seed(0)
+    Lq, Lk = 6, 9
+    mask = {"bool2d": torch.rand(Lq, Lk) > 0.3, "float2d": torch.randn(Lq, Lk), "none": None}[mask_kind]
+    model = _SdpaCross(gqa)
+    x, y = torch.randn(2, Lq, 32, requires_grad=True), torch.randn(2, Lk, 32, requires_grad=True)
+    torch._dynamo.reset()
+    dmfx.reset()
+    out = torch.compile(model, backend="dmfx", options={"fallback": False})(x, y, mask)
+    ref = model(x, y, mask)
+    assert rel_err(out, ref) < 1e-5
+    g = torch.randn_like(ref)
+    got, want = (torch.autograd.grad((o * g).sum(), (x, y)) for o in (out, ref))
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-5
+    assert [f for r in dmfx.records() for f, _ in r.attention_forms.values()] == ["flash"]
+
+
 def test_sdpa_call_near_misses_stay_pytorchs():
     """Causal SDPA calls (a top-left aligned mask), and inference (PyTorch's kernel is faster there)
     keep PyTorch's op."""
