@@ -321,6 +321,24 @@ def test_norm_bwd_second_gradient(cpu_ext, cuda_ext, dtype, layout, H):
             assert_close(a, b, tol, f"{name} vs the summed gradient")
 
 
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_norm_bwd_dbias_without_bias(cpu_ext, cuda_ext, p):
+    """output_mask[4] with no bias input (a linear's bias kept in the GEMM): dbias is the column sum of
+    dx on CUDA as on the CPU (the backward pass fold_norm_bias_grads and BDRLN's p=0 path rely on it)."""
+    t = make_inputs(300, 768, torch.float32, "contiguous", COMBOS[0], "cpu", seed=9)
+    out, s, mean, rstd = cpu_ext.norm_fwd(t["x"], None, t["residual"], t["weight"], t["norm_bias"],
+                                          SEED, OFFSET, p, EPS, False, True)
+    args = (t["grad_sum"], t["x"], None, t["residual"], t["weight"], mean, rstd, SEED, OFFSET, p, False,
+            [True, True, True, True, True])
+    cpu = cpu_ext.norm_bwd(t["dy"], *args, None)
+    dev = lambda a: a.to(DEVICE) if isinstance(a, torch.Tensor) else a  # noqa: E731
+    cuda = cuda_ext.norm_bwd(dev(t["dy"]), *[dev(a) for a in args], None)
+    assert cuda[4].shape == (768,)
+    for name, a, b in zip(NAMES[4:], cuda, cpu):
+        assert_close(a, b, TOL[torch.float32], f"{name} p={p}")
+    assert_close(cuda[4], cuda[0].sum(0), (1e-4, 1e-4), "dbias = column sums of dx")
+
+
 def test_norm_bwd_deterministic(cuda_ext):
     """Column sums use per-block partials and a fixed-order reduction: bitwise reproducible."""
     t = make_inputs(2000, 768, torch.float32, "contiguous", COMBOS[0], DEVICE)

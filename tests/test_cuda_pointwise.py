@@ -171,6 +171,21 @@ def test_bias_grad_many_rows_deterministic(cpu_ext, cuda_ext):
         assert_close(cuda_ext.bias_act_fwd(xd, bd, code, SEED, OFFSET, 0.1), out_c, TOL[torch.float32], f"out rows={rows}")
 
 
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_bias_grad_without_bias(cpu_ext, cuda_ext, p):
+    """dbias asked for with no bias input (the bias stayed in the GEMM): the column sums of dx, as on
+    the CPU (passes/aten_backward.py relies on it)."""
+    gen = torch.Generator().manual_seed(5)
+    x, g = torch.randn(1000, 3072, generator=gen), torch.randn(1000, 3072, generator=gen)
+    code = ACT_CODES["gelu"]
+    dx_c, db_c = cpu_ext.bias_act_bwd(g, x, None, code, SEED, OFFSET, p, [True, True])
+    dx, db = cuda_ext.bias_act_bwd(g.to(DEVICE), x.to(DEVICE), None, code, SEED, OFFSET, p, [True, True])
+    assert db.shape == (3072,)
+    assert_close(dx, dx_c, TOL[torch.float32], "dx")
+    assert_close(db, db_c, (1e-4, 1e-4), "dbias without bias")
+    assert_close(db, dx.sum(0), (1e-4, 1e-4), "dbias = column sums of dx")
+
+
 # ------------------------------------------------------------------------------------------------
 # gated activations
 # ------------------------------------------------------------------------------------------------
