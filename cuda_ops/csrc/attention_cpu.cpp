@@ -15,11 +15,13 @@
 //   Both skip the keys an HF padding mask hides from a whole batch element (key_lengths below):
 //   padded positions cost no GEMM work and no row work.
 //
-// The GEMMs are ATen's (at::mm_out on strided views: MKL, no copies); this file is the glue and the
-// row math, which is softmax_cpu.cpp's (same logits, exp, Philox mask: element index = row-major
+// The GEMMs are the BLAS libtorch links (MKL's sgemm_/dgemm_ on the strided operands in place, no
+// copies; gemm_rm below); this file is the glue and the row math, which is softmax_cpu.cpp's (same logits, exp, Philox mask: element index = row-major
 // index in the [B, Hq, Lq, Lk] scores), so the dropout mask is bit for bit that of the unfused form.
 // This file is concatenated after softmax_cpu.cpp (cuda_ops/build.py), whose helpers it uses.
 // float32 and float64 only: bf16/fp16 attention runs the unfused form (cuda_ops/attention.py).
+
+#include <atomic>
 
 namespace dmfx {
 namespace attention_impl {
@@ -37,6 +39,97 @@ using softmax_impl::SoftmaxArgs;
 struct Shapes {
   int64_t B, Hq, Hk, Lq, Lk, D, Dv, groups, block;
 };
+
+// ---------------------------------------------------------------------------------------- GEMMs
+// The kernels run several small GEMMs per block of rows (at L=128, about 700 per BERT-base layer
+// step). Through at::mm_out each one costs a dispatch, output checks and the select/narrow/t views
+// that name its operands: about 3% of a training step. They call the BLAS that libtorch itself
+// links (MKL's Fortran interface, exported by libtorch_cpu) on raw pointers instead. The symbols are
+// weak: where a libtorch has no BLAS, the same GEMMs go through at::addmm_out on from_blob views.
+}  // namespace attention_impl
+}  // namespace dmfx
+
+extern "C" {
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
+            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
+            const int* ldc) __attribute__((weak));
+void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
+            const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
+            const int* ldc) __attribute__((weak));
+}
+
+namespace dmfx {
+namespace attention_impl {
+
+inline void blas_call(const char* ta, const char* tb, const int* m, const int* n, const int* k, const float* alpha,
+                      const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
+                      const int* ldc) {
+  sgemm_(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+inline void blas_call(const char* ta, const char* tb, const int* m, const int* n, const int* k, const double* alpha,
+                      const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
+                      const int* ldc) {
+  dgemm_(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+// false: every GEMM takes the at::addmm_out path (flash_use_blas, for the tests of that path)
+inline std::atomic<bool>& use_blas() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+template <typename T>
+inline bool blas_linked() {
+  return use_blas().load(std::memory_order_relaxed) && (std::is_same<T, float>::value ? sgemm_ != nullptr : dgemm_ != nullptr);
+}
+
+// A leading dimension BLAS accepts for a column-major operand of `rows` rows stored as `cols`
+// columns `ld` apart (a row-major matrix of `cols` rows with row stride `ld`): a single column may
+// carry any stride (PyTorch leaves size-1 dims' strides free); false when it cannot be expressed.
+inline bool fix_ld(int64_t rows, int64_t cols, int64_t& ld) {
+  if (cols <= 1) ld = std::max<int64_t>({ld, rows, 1});
+  return ld >= std::max<int64_t>(rows, 1) && ld <= std::numeric_limits<int>::max();
+}
+
+// Row-major C[M, N] = alpha * op(A) · op(B) + beta * C; every matrix has a unit column stride and the
+// given row stride; op(A) = A stored [M, K], or Aᵀ with A stored [K, M] (ta); likewise B ([K, N] or
+// stored [N, K] with tb). beta = 0 never reads C.
+template <typename T>
+void gemm_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t lda, const T* B,
+             int64_t ldb, T beta, T* C, int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  // BLAS is column-major: Cᵀ[N, M] = op(B)ᵀ · op(A)ᵀ, each stored matrix read as its transpose.
+  bool ok = blas_linked<T>() && std::max<int64_t>({M, N, K}) <= std::numeric_limits<int>::max() &&
+            fix_ld(tb ? K : N, tb ? N : K, ldb) && fix_ld(ta ? M : K, ta ? K : M, lda) && fix_ld(N, M, ldc);
+  if (ok) {
+    const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(std::max<int64_t>(K, 0));
+    const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
+    const char opa = tb ? 'T' : 'N', opb = ta ? 'T' : 'N';
+    blas_call(&opa, &opb, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
+    return;
+  }
+  const auto opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
+  auto view = [&](const T* p, int64_t r, int64_t c, int64_t ld, bool t) {
+    at::Tensor x = at::from_blob(const_cast<T*>(p), {t ? c : r, t ? r : c}, {ld, 1}, opts);
+    return t ? x.t() : x;
+  };
+  at::Tensor c = at::from_blob(C, {M, N}, {ldc, 1}, opts);
+  at::addmm_out(c, c, view(A, M, K, lda, ta), view(B, K, N, ldb, tb), beta, alpha);
+}
+
+// Pointer to row `row` of the [L, D] matrix (b, h) of a [B, H, L, D] tensor with a unit last stride.
+template <typename T>
+inline T* mat(const at::Tensor& t, int64_t b, int64_t h, int64_t row = 0) {
+  return t.data_ptr<T>() + b * t.stride(0) + h * t.stride(1) + row * t.stride(2);
+}
+
+// out[j] = sum over `rows` rows (row stride ld) of p[r * ld + j], j < n
+template <typename T>
+inline void col_sums(const T* p, int64_t rows, int64_t ld, int64_t n, T* out) {
+  std::fill(out, out + n, T(0));
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* row = p + r * ld;
+    for (int64_t j = 0; j < n; ++j) out[j] += row[j];
+  }
+}
 
 inline Shapes check(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   for (const auto* t : {&q, &k, &v}) {
@@ -139,9 +232,9 @@ void fwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Te
     for (int64_t it = begin; it < end; ++it) {
       const int64_t blk = it % nblocks, bh = it / nblocks, b = bh / s.Hq, h = bh % s.Hq;
       const int64_t i0 = blk * s.block, m = std::min(s.block, s.Lq - i0), nk = keys[b];
-      at::Tensor Sb = S.narrow(0, 0, m).narrow(1, 0, nk);
-      at::mm_out(Sb, q[b][h].narrow(0, i0, m), k[b][h / s.groups].narrow(0, 0, nk).t());
-      acc_t* sp = Sb.data_ptr<acc_t>();
+      acc_t* sp = S.data_ptr<acc_t>();
+      gemm_rm<acc_t>(false, true, m, nk, s.D, 1, mat<acc_t>(q, b, h, i0), q.stride(2), mat<acc_t>(k, b, h / s.groups),
+                     k.stride(2), 0, sp, s.Lk);
       for (int64_t r = 0; r < m; ++r) {
         const int64_t R = bh * s.Lq + i0 + r;
         const int64_t n = std::min(causal_limit(a, R), nk);
@@ -169,8 +262,8 @@ void fwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Te
         }
         for (int64_t j = done; j < nk; ++j) row[j] = tail;
       }
-      at::Tensor ob = out[b][h].narrow(0, i0, m);
-      at::mm_out(ob, Sb, v[b][h / s.groups].narrow(0, 0, nk));
+      gemm_rm<acc_t>(false, false, m, s.Dv, nk, 1, sp, s.Lk, mat<acc_t>(v, b, h / s.groups), v.stride(2), 0,
+                     mat<acc_t>(out, b, h, i0), out.stride(2));
     }
   });
 }
@@ -229,8 +322,10 @@ void bwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Te
     RowScratch<acc_t> scratch(s.Lk, a.dropout.active);
     for (int64_t bk = begin; bk < end; ++bk) {
       const int64_t b = bk / s.Hk, hk = bk % s.Hk, nk = keys[b];
-      at::Tensor kb = k[b][hk].narrow(0, 0, nk), vb = v[b][hk].narrow(0, 0, nk);
-      at::Tensor dkb = dk[b][hk].narrow(0, 0, nk), dvb = dv[b][hk].narrow(0, 0, nk);
+      const acc_t* kb = mat<acc_t>(k, b, hk);
+      const acc_t* vb = mat<acc_t>(v, b, hk);
+      acc_t* dkb = mat<acc_t>(dk, b, hk);
+      acc_t* dvb = mat<acc_t>(dv, b, hk);
       if (nk < s.Lk) {  // hidden keys get no gradient
         dk[b][hk].narrow(0, nk, s.Lk - nk).zero_();
         dv[b][hk].narrow(0, nk, s.Lk - nk).zero_();
@@ -239,12 +334,12 @@ void bwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Te
       for (int64_t h = hk * s.groups; h < (hk + 1) * s.groups; ++h) {
         for (int64_t blk = 0; blk < nblocks; ++blk) {
           const int64_t i0 = blk * s.block, m = std::min(s.block, s.Lq - i0);
-          at::Tensor Sb = S.narrow(0, 0, m).narrow(1, 0, nk), Pb = Pd.narrow(0, 0, m).narrow(1, 0, nk);
-          at::Tensor qb = q[b][h].narrow(0, i0, m), gb = go[b][h].narrow(0, i0, m);
-          at::mm_out(Sb, qb, kb.t());  // the scores again
-          at::mm_out(Pb, gb, vb.t());  // dP = dO · Vᵀ
-          acc_t* sp = Sb.data_ptr<acc_t>();
-          acc_t* pp = Pb.data_ptr<acc_t>();
+          const acc_t* qb = mat<acc_t>(q, b, h, i0);
+          const acc_t* gb = mat<acc_t>(go, b, h, i0);
+          acc_t* sp = S.data_ptr<acc_t>();
+          acc_t* pp = Pd.data_ptr<acc_t>();
+          gemm_rm<acc_t>(false, true, m, nk, s.D, 1, qb, q.stride(2), kb, k.stride(2), 0, sp, s.Lk);  // the scores again
+          gemm_rm<acc_t>(false, true, m, nk, s.Dv, 1, gb, go.stride(2), vb, v.stride(2), 0, pp, s.Lk);  // dP = dO · Vᵀ
           for (int64_t r = 0; r < m; ++r) {
             const int64_t R = (b * s.Hq + h) * s.Lq + i0 + r;
             const int64_t n = std::min(causal_limit(a, R), nk);
@@ -265,26 +360,26 @@ void bwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Te
             }
             for (int64_t j = done; j < nk; ++j) row[j] = drow[j] = acc_t(0);
           }
+          const acc_t beta = first ? 0 : 1;
           // dV (+)= P_droppedᵀ · dO (the dropped P is in Pd now)
-          at::addmm_out(dvb, dvb, Pb.t(), gb, first ? 0 : 1, 1);
-          at::Tensor dqb = dq[b][h].narrow(0, i0, m);
-          at::mm_out(dqb, Sb, kb);
-          at::addmm_out(dkb, dkb, Sb.t(), qb, first ? 0 : 1, 1);
+          gemm_rm<acc_t>(true, false, nk, s.Dv, m, 1, pp, s.Lk, gb, go.stride(2), beta, dvb, dv.stride(2));
+          // dQ_blk = dS · K, dK (+)= dSᵀ · Q_blk
+          gemm_rm<acc_t>(false, false, m, s.D, nk, 1, sp, s.Lk, kb, k.stride(2), 0, mat<acc_t>(dq, b, h, i0),
+                         dq.stride(2));
+          gemm_rm<acc_t>(true, false, nk, s.D, m, 1, sp, s.Lk, qb, q.stride(2), beta, dkb, dk.stride(2));
           first = false;
         }
       }
       if (first) {  // no query rows: the gradients of k and v are zero
-        dkb.zero_();
-        dvb.zero_();
+        dk[b][hk].narrow(0, 0, nk).zero_();
+        dv[b][hk].narrow(0, 0, nk).zero_();
       }
-      if (bias_part) {
-        for (int64_t h = hk * s.groups; h < (hk + 1) * s.groups; ++h) {
-          at::Tensor dst = (*bias_part)[0][b][h];
-          at::sum_out(dst, dq[b][h], {0});
-        }
-        at::Tensor dk_sum = (*bias_part)[1][b][hk], dv_sum = (*bias_part)[2][b][hk];
-        at::sum_out(dk_sum, dk[b][hk], {0});
-        at::sum_out(dv_sum, dv[b][hk], {0});
+      if (bias_part) {  // [3, B, H, D], contiguous; groups == 1 (checked)
+        acc_t* bp = bias_part->data_ptr<acc_t>();
+        const int64_t part = s.B * s.Hq * s.D, at_bh = (b * s.Hq + hk) * s.D;
+        col_sums<acc_t>(mat<acc_t>(dq, b, hk), s.Lq, dq.stride(2), s.D, bp + at_bh);
+        col_sums<acc_t>(dkb, s.Lk, dk.stride(2), s.D, bp + part + at_bh);
+        col_sums<acc_t>(dvb, s.Lk, dv.stride(2), s.Dv, bp + 2 * part + at_bh);
       }
     }
   });
@@ -374,7 +469,13 @@ void flash_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Te
   });
 }
 
+// Whether the flash kernels call BLAS directly (the default when libtorch links one); returns the
+// previous setting. Off, they run the same GEMMs through at::addmm_out (the fallback path).
+bool flash_use_blas(bool on) { return attention_impl::use_blas().exchange(on); }
+
 void bind_attention(pybind11::module_& m) {
+  m.def("flash_use_blas", &flash_use_blas, "flash kernels: call BLAS directly (true) or through ATen (false)",
+        pybind11::arg("on"));
   m.def("flash_fwd", &flash_fwd_cpu,
         "fused attention forward that keeps the scores in cache (CPU); writes out, returns the row statistics",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"), pybind11::arg("scale"),
