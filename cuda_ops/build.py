@@ -40,7 +40,7 @@ FAMILIES = ("norm", "softmax", "pointwise")  # one group of kernels per file; se
 # Families with CPU kernels only (CUDA runs their op's other implementation): attention_cpu.cpp is the
 # cache-resident fused attention; on CUDA dmfx's attention is the GEMMs around the softmax kernels.
 CPU_ONLY_FAMILIES = ("attention",)
-CPU_ONLY_FUNCTIONS = ("flash_bwd", "flash_fwd")
+CPU_ONLY_FUNCTIONS = ("flash_bwd", "flash_fwd", "flash_use_blas")
 MARKER = "dmfx_ok.json"
 
 
