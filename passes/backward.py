@@ -330,10 +330,15 @@ def fold_head_bias_grads(gm: GraphModule, ctx: PassContext) -> None:
 def _stacked_row_blocks(b: Node) -> list[Any] | None:
     """When `b` is the stacked Q/K/V weight as QKV stacking builds it (``cat(ws, 0)`` of [out, in]
     parameters, or ``cat(ws, 1)`` of [in, out] ones, through any number of ``t``), the operands whose
-    row blocks make up `b`, as (weight, transposed) pairs; else None."""
+    row blocks make up `b`, as (weight, transposed) pairs; else None. Only when this GEMM is the
+    concatenation's one reader (through the transposes), so that splitting the GEMM removes it."""
     flips = 0
     while is_op(b, aten.t.default):
+        if len(b.users) != 1:
+            return None
         b, flips = b.args[0], flips + 1
+    if len(b.users) != 1:
+        return None
     if not is_op(b, aten.cat.default) or len(b.args[0]) < 2:
         return None
     dim = b.args[1] if len(b.args) > 1 else 0

@@ -314,15 +314,26 @@ def test_unstack_dx_fires_and_keeps_values(accumulate, layout):
     assert rel_err(got, ref) < 1e-6
 
 
-def test_unstack_dx_leaves_column_blocks():
+def test_unstack_dx_leaves_near_misses():
     """cat(ws, 1) read without a transpose: its blocks are column blocks, not what G's columns
-    multiply."""
+    multiply; and a concatenation that another op reads too."""
     from dmfx.passes.backward import unstack_dx
 
     ws = [torch.randn(24, 4) for _ in range(3)]
     gm = _trace(lambda G, a, b, c: G @ torch.cat([a, b, c], 1), torch.randn(5, 24), *ws)
     _, _, ctx = _run(gm, unstack_dx, torch.randn(5, 24), *ws)
     assert not ctx.fired and aten.cat.default in _targets(gm)
+
+    # a concatenation read elsewhere too stays: splitting the GEMM would not remove it
+    ws = [torch.randn(8, 6) for _ in range(3)]
+
+    def shared(G, a, b, c):
+        W = torch.cat([a, b, c], 0)
+        return G @ W, W.sum()
+
+    gm = _trace(shared, torch.randn(5, 24), *ws)
+    _, _, ctx = _run(gm, unstack_dx, torch.randn(5, 24), *ws)
+    assert not ctx.fired and aten.mm.default in _targets(gm)
 
 
 def test_skipping_the_backward_passes_keeps_the_adds():
