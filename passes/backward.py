@@ -226,6 +226,18 @@ def fold_bias_grads(gm: GraphModule, ctx: PassContext) -> None:
     fold_norm_bias_grads(gm, ctx)
 
 
+def _row_sum_of_first_output(n: Node) -> Node | None:
+    """The bias-gradient ``sum`` (row_sum_of) of `n`'s output 0, when one getitem reads that output
+    and the sum's shape is static (a symbolic feature count would need its SymInt from the graph)."""
+    first = [u for u in n.users if u.target is operator.getitem and u.args[1] == 0]
+    if len(first) != 1:
+        return None
+    found = row_sum_of(first[0])
+    if found is None or not all(isinstance(d, int) for d in val(found).shape):
+        return None
+    return found
+
+
 def fold_norm_bias_grads(gm: GraphModule, ctx: PassContext) -> None:
     """``sum(dx over rows)`` after ``norm_backward`` (the bias gradient of the linear before the norm,
     where the bias stayed in the GEMM: the forward's BDRLN did not fire) -> the op's own dbias output
@@ -235,11 +247,8 @@ def fold_norm_bias_grads(gm: GraphModule, ctx: PassContext) -> None:
     for n in list(g.nodes):
         if not is_op(n, op) or len(n.args) < 12 or list(n.args[11])[4]:
             continue
-        first = [u for u in n.users if u.target is operator.getitem and u.args[1] == 0]
-        if len(first) != 1:
-            continue
-        found = row_sum_of(first[0])
-        if found is None or not all(isinstance(d, int) for d in val(found).shape):
+        found = _row_sum_of_first_output(n)
+        if found is None:
             continue
         mask = list(n.args[11])
         mask[4] = True
@@ -258,12 +267,9 @@ def fold_stacked_bias_grads(gm: GraphModule, ctx: PassContext) -> None:
     for n in list(g.nodes):
         if not is_op(n, op) or n.kwargs.get("bias_grad") or len(n.args) > 9:
             continue
-        first = [u for u in n.users if u.target is operator.getitem and u.args[1] == 0]
-        if len(first) != 1:
+        found = _row_sum_of_first_output(n)
+        if found is None:
             continue
-        found = row_sum_of(first[0])
-        if found is None or not all(isinstance(d, int) for d in val(found).shape):
-            continue  # (a symbolic feature count would need its SymInt from the graph)
         n.update_kwarg("bias_grad", True)
         refresh_val(n, ctx)
         _take_bias_output(g, ctx, n, 1, found)
