@@ -1104,17 +1104,22 @@ def _analyze(captured: list[_Captured], stage: str, annotate: bool) -> tuple[lis
 
 
 def explain(model: torch.nn.Module, *args: Any, training: bool = True, measure: bool = False, name: str | None = None,
-            measure_rounds: int = 3, **kwargs: Any) -> Report:
+            measure_rounds: int = 3, dmfx_options: dict | None = None, **kwargs: Any) -> Report:
     """Compile `model` with dmfx and without fusion, run one step of each on ``model(*args, **kwargs)``
     and report, per operator and per class, flop and bytes moved before and after (see the module
     docstring). The model itself is not modified (copies are compiled); ``training`` selects train()
-    mode and a forward + backward step, else eval() and ``no_grad``."""
+    mode and a forward + backward step, else eval() and ``no_grad``. ``dmfx_options`` are the
+    backend's options for the "after" compile (e.g. ``{"skip": ["qkv_stacking"]}`` to see what a pass
+    is worth; named so that a model's own ``options`` keyword still reaches the model)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"dmfx.explain: model must be a torch.nn.Module, got {type(model).__name__}")
+    from .options import Options
     from .passes import ALL_PASSES
 
+    after_options = dict(dmfx_options or {})
+    Options.from_user(after_options)  # a bad option is an error here, naming it, not in the backend
     device = _device_of((args, kwargs, list(model.parameters())[:1]))
-    after_caps, after_rt, after_peak = _compile_and_run(model, args, kwargs, training, {})
+    after_caps, after_rt, after_peak = _compile_and_run(model, args, kwargs, training, after_options)
     before_caps, before_rt, before_peak = _compile_and_run(model, args, kwargs, training, {"skip": list(ALL_PASSES)})
     if not any(c.record for c in after_caps):
         raise RuntimeError("dmfx.explain: dmfx compiled no graph for this model (nothing to explain)")
@@ -1289,13 +1294,18 @@ def main(argv: Sequence[str] | None = None) -> Report:
     p.add_argument("--plot", default=None, help="write a PNG of bytes per class (needs matplotlib)")
     p.add_argument("--measure", action="store_true", help="time each kernel and compute MUE")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--skip", default="", help="comma list of dmfx passes to skip in the 'after' compile")
+    p.add_argument("--attention", default=None, help="dmfx's attention form for the 'after' compile")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
     model, kwargs = build_model(a.model, a.batch, a.seq, a.layers, a.device, dtype)
     label = f"{a.model} (B={a.batch}, L={a.seq}{f', {a.layers} layers' if a.layers else ''}, {a.dtype})"
-    report = explain(model, training=a.train, measure=a.measure, name=label, **kwargs)
+    opts = {"skip": [x for x in a.skip.split(",") if x]} if a.skip else {}
+    if a.attention:
+        opts["attention"] = a.attention
+    report = explain(model, training=a.train, measure=a.measure, name=label, dmfx_options=opts, **kwargs)
     print(report)
     if a.json:
         report.to_json(a.json)

@@ -341,3 +341,19 @@ def test_emit_writes_a_torch_trace_artifact(tmp_path):
     assert '"name": "dmfx_graph_record"' in text
     payload = text[text.index('"name": "dmfx_graph_record"'):]
     assert '"fired": {"layer_norm": 1}' in payload
+
+
+def test_explain_takes_dmfx_options():
+    """dmfx_options reach the "after" compile (skipping the layer's fusions shows in coverage and
+    bytes), and a bad option is a clear error before anything compiles."""
+    from conftest import tiny_bert_layer
+
+    layer, _ = tiny_bert_layer()
+    x = torch.randn(2, 9, 32)
+    full = dmfx.explain(layer, x, training=True)
+    skipped = dmfx.explain(layer, x, training=True,
+                           dmfx_options={"skip": ["bias_dropout_residual_norm", "layer_norm", "bias_activation_dropout"]})
+    assert skipped.coverage.fused < full.coverage.fused
+    assert skipped.reduction_pct < full.reduction_pct
+    with pytest.raises(ValueError, match="unknown option"):
+        dmfx.explain(layer, x, training=True, dmfx_options={"nope": 1})
