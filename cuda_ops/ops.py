@@ -119,12 +119,13 @@ for _dev in ("CPU", "CUDA"):
 # ----------------------------------------------------------------------------------------- fakes
 
 
-def _stat_dtype(x: Tensor) -> torch.dtype:
+def stat_dtype(x: Tensor) -> torch.dtype:
+    """The dtype of the norm kernels' mean / rstd statistics for input `x`."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _stats(x: Tensor) -> Tensor:
-    return x.new_empty(x.shape[:-1], dtype=_stat_dtype(x))
+    return x.new_empty(x.shape[:-1], dtype=stat_dtype(x))
 
 
 def _nothing(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -145,7 +146,7 @@ def _rms_norm_fake(x, weight, eps):
 def _bdrn_fake(x, bias, residual, weight, norm_bias, seed, p, eps, rms, return_sum):
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if return_sum else _nothing(x)
-    mean = _nothing(x, _stat_dtype(x)) if rms else _stats(x)
+    mean = _nothing(x, stat_dtype(x)) if rms else _stats(x)
     return out, s, mean, _stats(x)
 
 

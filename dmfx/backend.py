@@ -134,15 +134,6 @@ def lower_to_aten(gm: GraphModule, example_inputs: Sequence[Any]) -> GraphModule
     return aten_gm
 
 
-# Fused SDPA kernels with a mask argument that scaled_dot_product_attention may pick while tracing
-# under no_grad: positions of (dropout_p, is_causal) and of the mask (positional index or kwarg name).
-_SDPA_KERNELS = {
-    "_scaled_dot_product_flash_attention_for_cpu": dict(dropout=3, causal=4, mask="attn_mask"),
-    "_scaled_dot_product_efficient_attention": dict(dropout=5, causal=6, mask=3),
-    "_scaled_dot_product_cudnn_attention": dict(dropout=5, causal=6, mask=3),
-}
-
-
 def restore_sdpa(aten_gm: GraphModule, requires_grad: Sequence[bool]) -> int:
     """Turn fused SDPA kernels chosen under no_grad back into ``aten.scaled_dot_product_attention``
     where their mask requires grad.
@@ -155,32 +146,28 @@ def restore_sdpa(aten_gm: GraphModule, requires_grad: Sequence[bool]) -> int:
     """
     import operator
 
+    from .passes.attention import sdpa_call
     from .passes.graph_utils import grad_dependent_nodes, views_to_reshapes
 
     grad_nodes = grad_dependent_nodes(aten_gm.graph, requires_grad)
     count = 0
     for n in list(aten_gm.graph.nodes):
-        spec = _SDPA_KERNELS.get(getattr(getattr(n.target, "overloadpacket", None), "__name__", ""))
-        if n.op != "call_function" or spec is None:
+        call = sdpa_call(n)
+        if call is None or not call["extra_outputs"]:  # (the composite op itself needs nothing)
             continue
-        args = list(n.args)
-
-        def arg(i, default):
-            return args[i] if isinstance(i, int) and i < len(args) else n.kwargs.get(i, default) if isinstance(i, str) else default
-
-        mask = arg(spec["mask"], None)
+        mask = call["mask"]
         if mask not in grad_nodes:
             continue
         if any(not (u.target is operator.getitem and u.args[1] == 0) for u in n.users):
             continue
-        q, k, v = args[:3]
+        q, k, v = call["q"], call["k"], call["v"]
         qm, km = q.meta.get("val"), k.meta.get("val")
         gqa = qm is not None and km is not None and qm.dim() >= 3 and qm.shape[-3] != km.shape[-3]
         with aten_gm.graph.inserting_before(n):
             new = aten_gm.graph.call_function(
                 torch.ops.aten.scaled_dot_product_attention.default,
-                (q, k, v, mask, arg(spec["dropout"], 0.0), arg(spec["causal"], False)),
-                {"scale": n.kwargs.get("scale"), **({"enable_gqa": True} if gqa else {})},
+                (q, k, v, mask, call["dropout"], call["causal"]),
+                {"scale": call["scale"], **({"enable_gqa": True} if gqa else {})},
             )
         new.meta["val"] = n.meta["val"][0] if isinstance(n.meta.get("val"), (tuple, list)) else None
         for u in list(n.users):

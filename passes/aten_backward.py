@@ -27,24 +27,15 @@ their masks from a seed instead of reading one.
 
 from __future__ import annotations
 
-import operator
 
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_utils import PassContext, is_op, kernel_friendly, refresh_val, val
+from ..cuda_ops.ops import stat_dtype
+from .graph_utils import PassContext, insert_call, insert_getitems, is_op, kernel_friendly, tensor_meta, val
 
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-
-
-def _stat_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _tensor(n: object) -> torch.Tensor | None:
-    v = val(n) if isinstance(n, Node) else None
-    return v if isinstance(v, torch.Tensor) else None
 
 
 def sum_over_rows(n: Node, full: tuple[int, ...]) -> bool:
@@ -73,45 +64,35 @@ def row_sum_of(t: Node) -> Node | None:
     return None
 
 
-def _replace_outputs(g, n: Node, new: Node, index_map: dict[int, int]) -> None:
-    """The getitem users of `n` (index i) read `new`'s output index_map[i] instead."""
-    for u in list(n.users):
-        if u.target is operator.getitem:
-            with g.inserting_after(new):
-                item = g.call_function(operator.getitem, (new, index_map[u.args[1]]))
-            item.meta = dict(u.meta)
-            u.replace_all_uses_with(item)
-            g.erase_node(u)
-    g.erase_node(n)
-
-
 # ------------------------------------------------------------------------------------------------
 
 
 def _layer_norm_backward(g, ctx: PassContext, n: Node) -> None:
     grad, x, shape, mean, rstd, w, b, mask = n.args
-    xv, mv, rv = _tensor(x), _tensor(mean), _tensor(rstd)
+    xv, mv, rv = tensor_meta(x), tensor_meta(mean), tensor_meta(rstd)
     if xv is None or mv is None or rv is None or not kernel_friendly(xv):
         return
     if len(shape) != 1 or xv.dim() < 1 or shape[0] != xv.shape[-1]:
         ctx.miss("aten_backward", n, "layer norm over more than the last dim")
         return
-    if mv.dtype != _stat_dtype(xv) or rv.dtype != _stat_dtype(xv):
-        ctx.miss("aten_backward", n, f"layer norm statistics in {rv.dtype}, dmfx's kernel keeps them in {_stat_dtype(xv)}")
+    if mv.dtype != stat_dtype(xv) or rv.dtype != stat_dtype(xv):
+        ctx.miss("aten_backward", n, f"layer norm statistics in {rv.dtype}, dmfx's kernel keeps them in {stat_dtype(xv)}")
         return
-    gv = _tensor(grad)
+    gv = tensor_meta(grad)
     if gv is None or gv.dtype != xv.dtype or tuple(gv.shape) != tuple(xv.shape):
         ctx.miss("aten_backward", n, "the gradient's dtype or shape differs from the input's")
         return
     out_mask = [bool(mask[0]), False, bool(mask[1]) and w is not None, bool(mask[2]) and b is not None, False]
     with g.inserting_before(n):
-        m1 = g.call_function(aten.squeeze.dim, (mean, -1))
-        r1 = g.call_function(aten.squeeze.dim, (rstd, -1))
-        m1.meta["val"], r1.meta["val"] = mv.squeeze(-1), rv.squeeze(-1)
-        new = g.call_function(torch.ops.dmfx.norm_backward.default,
-                              (grad, None, x, None, None, w, m1, r1, None, 0.0, False, out_mask))
-    refresh_val(new, ctx)
-    _replace_outputs(g, n, new, {0: 0, 1: 2, 2: 3})
+        m1 = insert_call(g, ctx, aten.squeeze.dim, (mean, -1))
+        r1 = insert_call(g, ctx, aten.squeeze.dim, (rstd, -1))
+        new = insert_call(g, ctx, torch.ops.dmfx.norm_backward.default,
+                          (grad, None, x, None, None, w, m1, r1, None, 0.0, False, out_mask))
+        outs = insert_getitems(g, new, 5)
+    for u in list(n.users):  # ATen's (dx, dweight, dbias) are dmfx's outputs 0, 2, 3
+        u.replace_all_uses_with(outs[{0: 0, 1: 2, 2: 3}[u.args[1]]])
+        g.erase_node(u)
+    g.erase_node(n)
     ctx.record("aten_backward", 1, new)
 
 
@@ -129,7 +110,7 @@ def _activation(n: Node) -> tuple[str, Node, Node] | None:
 
 
 def _activation_backward(g, ctx: PassContext, n: Node, act: str, grad: Node, x: Node) -> None:
-    gv, xv = _tensor(grad), _tensor(x)
+    gv, xv = tensor_meta(grad), tensor_meta(x)
     if gv is None or xv is None or not kernel_friendly(xv) or xv.dim() < 1:
         return
     if gv.dtype != xv.dtype or tuple(gv.shape) != tuple(xv.shape) or gv.device != xv.device:
@@ -139,22 +120,15 @@ def _activation_backward(g, ctx: PassContext, n: Node, act: str, grad: Node, x: 
     if bias_sum is not None and not all(isinstance(d, int) for d in val(bias_sum).shape):
         bias_sum = None  # (a symbolic feature count would need its SymInt from the graph)
     with g.inserting_before(n):
-        new = g.call_function(torch.ops.dmfx.bias_act_dropout_backward.default,
-                              (grad, x, None, act, None, 0.0, [True, bias_sum is not None]))
-    refresh_val(new, ctx)
-    with g.inserting_after(new):
-        dx = g.call_function(operator.getitem, (new, 0))
-    dx.meta["val"] = val(new)[0]
+        new = insert_call(g, ctx, torch.ops.dmfx.bias_act_dropout_backward.default,
+                          (grad, x, None, act, None, 0.0, [True, bias_sum is not None]))
+        dx, db = insert_getitems(g, new, 2)
     n.replace_all_uses_with(dx)
     g.erase_node(n)
     absorbed = 1
     if bias_sum is not None:
-        with g.inserting_after(dx):
-            db = g.call_function(operator.getitem, (new, 1))
-        db.meta["val"] = val(new)[1]
         with g.inserting_before(bias_sum):
-            out = g.call_function(aten.view.default, (db, list(val(bias_sum).shape)))
-        out.meta["val"] = val(bias_sum)
+            out = insert_call(g, ctx, aten.view.default, (db, list(val(bias_sum).shape)))
         bias_sum.replace_all_uses_with(out)
         g.erase_node(bias_sum)
         absorbed = 2
@@ -174,7 +148,7 @@ def _constant_scale(n: Node) -> float | None:
 
 def _softmax_backward(g, ctx: PassContext, n: Node) -> None:
     grad, y, dim, input_dtype = n.args
-    gv, yv = _tensor(grad), _tensor(y)
+    gv, yv = tensor_meta(grad), tensor_meta(y)
     if gv is None or yv is None or not kernel_friendly(yv) or yv.dim() < 1:
         return
     if dim % yv.dim() != yv.dim() - 1:
@@ -189,12 +163,11 @@ def _softmax_backward(g, ctx: PassContext, n: Node) -> None:
     if len(n.users) == 1:  # the attention's 1/sqrt(d): folded into the kernel's scale
         user = next(iter(n.users))
         c = _constant_scale(user) if user.args[0] is n else None
-        uv = _tensor(user)
+        uv = tensor_meta(user)
         if c is not None and uv is not None and uv.dtype == yv.dtype:
             scale, target = c, user
     with g.inserting_before(n):
-        new = g.call_function(torch.ops.dmfx.softmax_backward.default, (grad, y, None, 0.0, scale))
-    refresh_val(new, ctx)
+        new = insert_call(g, ctx, torch.ops.dmfx.softmax_backward.default, (grad, y, None, 0.0, scale))
     target.replace_all_uses_with(new)
     if target is not n:
         g.erase_node(target)

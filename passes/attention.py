@@ -319,15 +319,38 @@ def fuse_attention(gm: GraphModule, ctx: PassContext) -> None:
     noop_clones(gm, ctx)
 
 
-# scaled_dot_product_attention as the forward graph records it: the composite op (restore_sdpa in
-# the backend puts it back where the mask needs a gradient) or the CPU flash kernel PyTorch picked
-# while tracing. -> positions of (dropout_p, is_causal) and of the mask (index or keyword).
+# scaled_dot_product_attention as a traced graph records it: the composite op, or the fused kernel
+# PyTorch picked while tracing (by op name, any overload) -> (position, keyword) of the mask, dropout_p
+# and is_causal, and whether the op returns more than the attention output (logsumexp, rng state).
 _SDPA_CALLS = {
-    aten.scaled_dot_product_attention.default: dict(mask=(3, "attn_mask"), dropout=(4, "dropout_p"),
-                                                    causal=(5, "is_causal"), outputs=False),
-    aten._scaled_dot_product_flash_attention_for_cpu.default: dict(
-        dropout=(3, "dropout_p"), causal=(4, "is_causal"), mask=(None, "attn_mask"), outputs=True),
+    "scaled_dot_product_attention": dict(mask=(3, "attn_mask"), dropout=(4, "dropout_p"), causal=(5, "is_causal"),
+                                         extra_outputs=False),
+    "_scaled_dot_product_flash_attention_for_cpu": dict(mask=(None, "attn_mask"), dropout=(3, "dropout_p"),
+                                                        causal=(4, "is_causal"), extra_outputs=True),
+    "_scaled_dot_product_efficient_attention": dict(mask=(3, "attn_bias"), dropout=(5, "dropout_p"),
+                                                    causal=(6, "is_causal"), extra_outputs=True),
+    "_scaled_dot_product_cudnn_attention": dict(mask=(3, "attn_bias"), dropout=(5, "dropout_p"),
+                                                causal=(6, "is_causal"), extra_outputs=True),
 }
+
+
+def sdpa_call(n: Node) -> dict | None:
+    """When `n` calls scaled_dot_product_attention (or a fused kernel of it): its q, k, v, mask,
+    dropout, causal, scale (None: SDPA's default) and extra_outputs; else None."""
+    if n.op != "call_function":
+        return None
+    spec = _SDPA_CALLS.get(getattr(getattr(n.target, "overloadpacket", None), "__name__", ""))
+    if spec is None:
+        return None
+    args = list(n.args)
+
+    def arg(where, default):
+        i, name = where
+        return args[i] if i is not None and i < len(args) else n.kwargs.get(name, default)
+
+    q, k, v = args[:3]
+    return dict(q=q, k=k, v=v, mask=arg(spec["mask"], None), dropout=arg(spec["dropout"], 0.0),
+                causal=arg(spec["causal"], False), scale=n.kwargs.get("scale"), extra_outputs=spec["extra_outputs"])
 
 
 def lower_sdpa_calls(gm: GraphModule, ctx: PassContext) -> None:
@@ -341,17 +364,10 @@ def lower_sdpa_calls(gm: GraphModule, ctx: PassContext) -> None:
     lengths differ, dmfx's bottom-right)."""
     graph = gm.graph
     for n in list(graph.nodes):
-        spec = _SDPA_CALLS.get(n.target) if n.op == "call_function" else None
-        if spec is None:
+        call = sdpa_call(n)
+        if call is None:
             continue
-        args = list(n.args)
-
-        def arg(where, default):
-            i, name = where
-            return args[i] if i is not None and i < len(args) else n.kwargs.get(name, default)
-
-        q4, k4, v4 = args[:3]
-        mask, p, causal = arg(spec["mask"], None), arg(spec["dropout"], 0.0), arg(spec["causal"], False)
+        q4, k4, v4, mask, p, causal = (call[x] for x in ("q", "k", "v", "mask", "dropout", "causal"))
         qm, km, vm = (tensor_meta(t) for t in (q4, k4, v4))
         if any(m is None or m.dim() != 4 for m in (qm, km, vm)):
             ctx.miss("attention", n, "scaled_dot_product_attention on tensors that are not 4-D [B, H, L, D]")
@@ -359,12 +375,12 @@ def lower_sdpa_calls(gm: GraphModule, ctx: PassContext) -> None:
         if p != 0.0 or causal:
             log.debug("dmfx: %s stays PyTorch's (%s)", n.name, "dropout inside the call" if p else "causal")
             continue
-        if spec["outputs"] and any(not (u.target is operator.getitem and u.args[1] == 0) for u in n.users):
+        if call["extra_outputs"] and any(not (u.target is operator.getitem and u.args[1] == 0) for u in n.users):
             continue  # its logsumexp is read: PyTorch's kernel must run
         heads, kv_heads = qm.shape[1], km.shape[1]
         if not isinstance(heads, int) or not isinstance(kv_heads, int) or heads % kv_heads:
             continue
-        scale = n.kwargs.get("scale")
+        scale = call["scale"]
         if scale is None:
             d = qm.shape[-1]
             if not isinstance(d, int):
@@ -378,7 +394,7 @@ def lower_sdpa_calls(gm: GraphModule, ctx: PassContext) -> None:
             fused = insert_call(graph, ctx, torch.ops.dmfx.flash_attention.default,
                                 (q4, k4, v4, mask, float(scale), False, None, 0.0))
             out, _ = insert_getitems(graph, fused, 2)
-        if spec["outputs"]:
+        if call["extra_outputs"]:
             for u in list(n.users):
                 u.replace_all_uses_with(out)
                 graph.erase_node(u)

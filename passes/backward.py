@@ -44,7 +44,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .aten_backward import fuse_aten_backward, row_sum_of, sum_over_rows
-from .graph_utils import PassContext, dead_code_elimination, is_op, refresh_val, run_passes, val
+from .graph_utils import PassContext, dead_code_elimination, insert_call, is_op, refresh_val, run_passes, val
 from .layout import choose_backward_layouts
 
 aten = torch.ops.aten
@@ -279,11 +279,9 @@ def _take_bias_output(g, ctx: PassContext, n: Node, index: int, found: Node) -> 
     """The reduction `found` becomes output `index` of the backward op `n` (which was asked for it:
     bias_grad=True, or output_mask[4]), viewed to `found`'s shape."""
     with g.inserting_after(n):
-        db = g.call_function(operator.getitem, (n, index))
-    refresh_val(db, ctx)
+        db = insert_call(g, ctx, operator.getitem, (n, index))
     with g.inserting_before(found):
-        out = g.call_function(aten.view.default, (db, list(val(found).shape)))
-    out.meta["val"] = val(found)
+        out = insert_call(g, ctx, aten.view.default, (db, list(val(found).shape)))
     found.replace_all_uses_with(out)
     g.erase_node(found)
     ctx.record("fold_bias_grads", 1)
@@ -382,17 +380,10 @@ def unstack_dx(gm: GraphModule, ctx: PassContext) -> None:
         with g.inserting_before(n):
             out, start = acc, 0
             for (w, transposed), k in zip(blocks, sizes):
-                part = g.call_function(aten.slice.Tensor, (a, 1, start, start + k))
-                refresh_val(part, ctx)
-                wi = w
-                if transposed:
-                    wi = g.call_function(aten.t.default, (w,))
-                    refresh_val(wi, ctx)
-                if out is None:
-                    out = g.call_function(aten.mm.default, (part, wi))
-                else:
-                    out = g.call_function(aten.addmm_.default, (out, part, wi))
-                refresh_val(out, ctx)
+                part = insert_call(g, ctx, aten.slice.Tensor, (a, 1, start, start + k))
+                wi = insert_call(g, ctx, aten.t.default, (w,)) if transposed else w
+                out = (insert_call(g, ctx, aten.mm.default, (part, wi)) if out is None
+                       else insert_call(g, ctx, aten.addmm_.default, (out, part, wi)))
                 start += k
         n.replace_all_uses_with(out)
         g.erase_node(n)

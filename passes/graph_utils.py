@@ -160,14 +160,10 @@ def grad_dependent_nodes(graph: Graph, input_requires_grad: Iterable[bool] | Non
 
 
 def insert_call(graph: Graph, ctx: PassContext, target: Callable, args: tuple, kwargs: dict | None = None) -> Node:
-    """Insert `target(*args)` at the current insertion point and fill meta['val'] by fake execution."""
-    kwargs = kwargs or {}
-    node = graph.call_function(target, args, kwargs)
-    fake_args = torch.fx.node.map_arg(args, lambda a: a.meta.get("val"))
-    fake_kwargs = torch.fx.node.map_arg(kwargs, lambda a: a.meta.get("val"))
-    if ctx.fake_mode is not None:
-        with ctx.fake_mode:
-            node.meta["val"] = target(*fake_args, **fake_kwargs)
+    """Insert `target(*args)` at the current insertion point and fill meta['val'] by fake execution
+    (refresh_val: in the context's fake mode, or the input values' own)."""
+    node = graph.call_function(target, args, kwargs or {})
+    refresh_val(node, ctx)
     return node
 
 

@@ -17,15 +17,11 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import dmfx
-from conftest import compiled_step_matches_eager, tiny_bert_layer
+from conftest import compiled_step_matches_eager, rel_err, tiny_bert_layer
 from dmfx.passes import PassContext
 from dmfx.passes.aten_backward import fuse_aten_backward
 
 aten = torch.ops.aten
-
-
-def rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def _run(fn, *args):
