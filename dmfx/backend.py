@@ -7,7 +7,9 @@ Flow of one Dynamo graph::
          beyond what ATen itself does, same signature and SymInts as the Dynamo graph)
       -> pass pipeline (dmfx.passes.PIPELINE): chains of memory-bound ops -> dmfx:: fused ops
       -> AOTAutograd (aot_module_simplified): derives the backward from each op's autograd formula,
-         so a fused forward op gets its fused backward op; min-cut partitioner
+         so a fused forward op gets its fused backward op; in training the layout search runs on
+         its joint forward+backward graph (rewrite_joint), then the min-cut partitioner splits it
+      -> backward passes (dmfx.passes.BACKWARD_PIPELINE) on the backward graph
       -> boxed callables for the forward, backward and inference graphs
 
 Never wrong: if lowering fails, the graph runs as Dynamo gave it; if a pass raises or a kernel cannot
@@ -113,13 +115,21 @@ def pass_context(example_inputs: Sequence[Any], opts: Options, training: bool):
         attention=opts.attention,
         tune=opts.tune,
         input_requires_grad=input_requires_grad(example_inputs),
+        joint_layouts=training and "layout" not in opts.skip,
     )
 
 
 def _copy(gm: GraphModule) -> GraphModule:
+    """A copy of `gm` whose graph the passes may rewrite (nodes, their meta, the output's meta and the
+    calling convention carried over: AOTAutograd's joint graph takes ``(primals, tangents)`` and
+    describes its outputs in the output node's meta)."""
     graph = torch.fx.Graph()
     out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
+    new_out = graph.output(out)
+    for old_out in gm.graph.nodes:
+        if old_out.op == "output":
+            new_out.meta.update(old_out.meta)
+    graph._codegen = gm.graph._codegen
     return GraphModule(gm, graph)
 
 
@@ -216,10 +226,22 @@ def rewrite_backward(gm: GraphModule, example_inputs: Sequence[Any], opts: Optio
     return gm if work is None else work
 
 
+def rewrite_joint(joint: GraphModule, joint_inputs: Sequence[Any], opts: Options, record: GraphRecord) -> GraphModule:
+    """The layout search on a copy of AOTAutograd's joint forward+backward graph (passes/layout.py,
+    choose_joint_layouts); on failure (with opts.fallback) the joint graph unchanged."""
+    from .passes import run_joint_layout
+
+    if record.fallback or "layout" in opts.skip:
+        return joint
+    work = _run_on_copy(joint, joint_inputs, opts, record, True, run_joint_layout, "joint")
+    return joint if work is None else work
+
+
 def _run_on_copy(gm: GraphModule, example_inputs: Sequence[Any], opts: Options, record: GraphRecord, training: bool,
                  run: Callable, graph: str) -> GraphModule | None:
     """``run(copy, ctx, opts.skip)`` on a copy of `gm`, and what it did added to `record` (`graph`:
-    "" for the forward pipeline, "backward" for the backward one). On failure with opts.fallback:
+    "" for the forward pipeline, "backward" for the backward one, "joint" for the joint graph's layout
+    search). On failure with opts.fallback:
     one warning and None (the caller keeps `gm`; a failed forward pipeline marks the record)."""
     ctx = pass_context(example_inputs, opts, training)
     work = _copy(gm)
@@ -229,7 +251,8 @@ def _run_on_copy(gm: GraphModule, example_inputs: Sequence[Any], opts: Options, 
         if not opts.fallback:
             raise
         name, kind = ctx.current, type(e).__name__
-        then = "the backward runs as AOTAutograd derived it" if graph else "the graph runs unrewritten"
+        then = {"": "the graph runs unrewritten", "backward": "the backward runs as AOTAutograd derived it",
+                "joint": "the layouts stay as traced"}[graph]
         _warn_once(f"{graph}pass:{name}:{kind}", f"dmfx: {graph + ' ' if graph else ''}pass %r failed on graph %d (%s: %s); {then}",
                    name, record.graph_id, kind, e)
         if not graph:
@@ -241,7 +264,7 @@ def _run_on_copy(gm: GraphModule, example_inputs: Sequence[Any], opts: Options, 
         record.replaced[k] = record.replaced.get(k, 0) + v
     record.missed.extend(ctx.missed)
     record.attention_forms.update(ctx.forms)
-    record.copies.extend({**c, "graph": graph} if graph else c for c in ctx.copies)
+    record.copies.extend({"graph": graph, **c} if graph else c for c in ctx.copies)  # (joint: c names its graph)
     for m in ctx.missed:
         log.debug("dmfx: graph %d%s: left alone: %s", record.graph_id, f" {graph}" if graph else "", m)
     return work
@@ -285,10 +308,17 @@ def _boxed(gm: GraphModule) -> Callable:
     return run
 
 
-def _partitioner(opts: Options) -> Callable:
+def _partitioner(opts: Options, record: GraphRecord) -> Callable:
+    """AOTAutograd's partitioner (min-cut or default), after the layout search on the joint graph:
+    the one place forward and backward are one graph, so layouts are chosen for both at once."""
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
-    return min_cut_rematerialization_partition if opts.partitioner == "min_cut" else default_partition
+    split = min_cut_rematerialization_partition if opts.partitioner == "min_cut" else default_partition
+
+    def partition(joint: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        return split(rewrite_joint(joint, joint_inputs, opts, record), joint_inputs, **kwargs)
+
+    return partition
 
 
 def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict | None = None, **kwargs: Any) -> Callable:
@@ -327,7 +357,7 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
         fw_compiler=_compiler("forward", record),
         bw_compiler=_compiler("backward", record, opts),
         inference_compiler=_compiler("inference", record),
-        partition_fn=_partitioner(opts),
+        partition_fn=_partitioner(opts, record),
         decompositions={},
         keep_inference_input_mutations=True,
     )

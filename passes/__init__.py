@@ -18,7 +18,7 @@ from .graph_utils import PassContext, finish, remove_metadata_asserts, run_passe
 from .norms import fuse_native_layer_norm, fuse_norm_idioms
 from .rope import fuse_rope
 from .attention import fuse_attention, stack_qkv
-from .layout import choose_layouts
+from .layout import choose_forward_layouts, choose_joint_layouts
 from .softmax import fuse_attention_softmax
 from .backward import BACKWARD_PIPELINE
 
@@ -27,7 +27,7 @@ Pass = Callable[[GraphModule, PassContext], None]
 # name -> pass, in pipeline order. Idioms become single ops first (normalizations give bdrln its
 # anchor, activation idioms give the activation passes theirs); each chain pass then takes the
 # dropout that belongs to it; whatever dropout is left runs on its own; the layout search runs on
-# the fused graph last.
+# the fused graph last (in training: on the joint forward+backward graph, see run_joint_layout).
 PIPELINE: dict[str, Pass] = {
     "remove_metadata_asserts": remove_metadata_asserts,
     "norm_idioms": fuse_norm_idioms,
@@ -41,7 +41,7 @@ PIPELINE: dict[str, Pass] = {
     "gated_activation": fuse_gated_activation,
     "bias_activation_dropout": fuse_bias_activation_dropout,
     "dropout": fuse_dropout,
-    "layout": choose_layouts,
+    "layout": choose_forward_layouts,
 }
 
 # Every pass name `options={"skip": [...]}` accepts: the forward pipeline above, then the passes over
@@ -58,4 +58,17 @@ def run_pipeline(gm: GraphModule, ctx: PassContext, skip: tuple[str, ...] = ()) 
     return finish(gm)
 
 
-__all__ = ["ALL_PASSES", "BACKWARD_PIPELINE", "PIPELINE", "PassContext", "Pass", "finish", "run_pipeline"]
+def run_joint_layout(joint: GraphModule, ctx: PassContext, skip: tuple[str, ...] = ()) -> GraphModule:
+    """The ``layout`` pass on AOTAutograd's joint graph (the backend's partition function runs it in
+    training, before the partitioner splits forward from backward). No dead-code elimination: the
+    search erases what it replaces, and the partitioner owns the joint graph's liveness."""
+    if "layout" not in skip:
+        ctx.current = "layout"
+        choose_joint_layouts(joint, ctx)
+        ctx.current = None
+    joint.graph.lint()
+    joint.recompile()
+    return joint
+
+
+__all__ = ["ALL_PASSES", "BACKWARD_PIPELINE", "PIPELINE", "PassContext", "Pass", "finish", "run_joint_layout", "run_pipeline"]

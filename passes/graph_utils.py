@@ -29,6 +29,9 @@ class PassContext:
     tune: bool = False  # Options.tune: time the candidate forms (passes/tuning.py)
     forms: dict[str, tuple[str, str]] = field(default_factory=dict)  # attention node -> (form, why)
     copies: list[dict] = field(default_factory=list)  # copies a pass added knowingly: node, bytes, why
+    # In training the backend searches layouts on AOTAutograd's joint graph (passes/layout.py,
+    # choose_joint_layouts); the forward pipeline's layout pass then leaves them to it.
+    joint_layouts: bool = False
 
     def needs_grad(self, n: Any) -> bool:
         """Whether `n` may require grad: it is computed from a graph input that requires grad (an

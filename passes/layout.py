@@ -23,9 +23,17 @@ with the candidate strides, and prices each reader (bytes, from the tensor sizes
 
 The traced layouts are always a feasible assignment, so the search never does worse than the graph
 it was given. Copies the search keeps are listed in ``ctx.copies`` (and ``dmfx.explain``) with their
-bytes and the cheapest alternative's cost. The same pass runs on the backward graph
-(passes/backward.py). Forward and backward are searched one after the other, not as one problem: a
-tensor the forward saves for the backward is a graph output here, so it keeps its traced layout.
+bytes and the cheapest alternative's cost.
+
+In training, forward and backward are searched as one problem: the backend runs the search on
+AOTAutograd's joint graph (``choose_joint_layouts``), in its partition function, before the
+partitioner splits it. There a tensor the forward saves is priced for its backward readers too (a
+dmfx backward kernel reads the GEMM output its forward kernel read, so a layout that costs that
+kernel a copy costs it twice), and the backward's own GEMM outputs and copies are variables of the
+same problem. The forward pipeline's ``layout`` pass then changes nothing (``ctx.joint_layouts``);
+without a backward (inference) it is the search. After the backward passes have rewritten the
+partitioned backward graph (passes/backward.py), the search runs once more there, on what they made:
+the tensors the forward saved are its inputs then, with their layouts fixed.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_utils import PassContext, is_op, refresh_val, val, views_to_reshapes
+from .graph_utils import PassContext, grad_dependent_nodes, is_op, refresh_val, val, views_to_reshapes
 from .layout_search import INF, LayoutProblem, SearchTooWide, solve
 
 aten = torch.ops.aten
@@ -193,6 +201,28 @@ def build_problem(gm: GraphModule) -> tuple[LayoutProblem, _Model]:
 
 def _traced_choice(model: _Model, n: Node) -> str:
     return KEEP if model.vars[n][0] == KEEP else ROW
+
+
+def choose_forward_layouts(gm: GraphModule, ctx: PassContext) -> None:
+    """The forward pipeline's ``layout`` pass: the search on the forward graph, unless the backend
+    will search the joint forward+backward graph (training; see the module docstring)."""
+    if ctx.training and ctx.joint_layouts:
+        return
+    choose_layouts(gm, ctx)
+
+
+def choose_joint_layouts(joint: GraphModule, ctx: PassContext) -> None:
+    """The search on AOTAutograd's joint graph (primals and tangents in, forward outputs and gradients
+    out). Copies it keeps are tagged with the graph the partitioner will put them in: a node that
+    depends on a tangent runs in the backward."""
+    first = len(ctx.copies)
+    choose_layouts(joint, ctx, "layout")
+    kept = ctx.copies[first:]
+    if kept:
+        is_tangent = [("tangents" in str(n.target)) for n in joint.graph.nodes if n.op == "placeholder"]
+        names = {n.name for n in grad_dependent_nodes(joint.graph, is_tangent)}
+        for c in kept:
+            c["graph"] = "backward" if c["node"] in names else "forward"
 
 
 def choose_layouts(gm: GraphModule, ctx: PassContext, name: str = "layout") -> None:

@@ -247,3 +247,103 @@ def test_bert_inference_context_copy_is_dropped():
     assert rec.fired.get("layout") == 1 and [f for f, _ in rec.attention_forms.values()] == ["sdpa"]
     assert aten.clone.default not in [n.target for n in rec.inference_graph.graph.nodes]
     assert dmfx.records()[0].copies == []
+
+
+# ------------------------------------------------------------------ forward and backward as one problem
+
+M_, N_, K_ = 16, 8, 6
+
+
+def _slice_and_transpose(a, w, g1, b1, g2, b2):
+    """h = a @ w is read by a LayerNorm over the first K_ of its columns (a slice) and, transposed
+    and copied, by a LayerNorm over its rows. Both LayerNorms run as dmfx kernels (they read rows),
+    and each kernel's backward reads its input again."""
+    h = a.mm(w)
+    y1 = torch.nn.functional.layer_norm(h[:, :K_], (K_,), g1, b1)
+    y2 = torch.nn.functional.layer_norm(h.t().contiguous(), (M_,), g2, b2)
+    return y1, y2
+
+
+def _slice_and_transpose_args():
+    torch.manual_seed(0)
+    return [torch.randn(M_, 5), torch.randn(5, N_), torch.randn(K_), torch.randn(K_), torch.randn(M_), torch.randn(M_)]
+
+
+def test_joint_search_prices_the_backward_readers_of_saved_tensors(monkeypatch):
+    """Known optimum. B = the bytes of h (512), S = those of its slice (384). Forward alone: keeping
+    the copy costs 2B = 1024; writing h column-major drops it, and the first LayerNorm copies its
+    now strided slice: 2S = 768, cheaper. With the backward in the problem, that LayerNorm's backward
+    reads the strided slice again: 4S = 1536 against the copy's 1024. So inference (forward alone)
+    drops the copy and training (the joint graph) keeps it; the joint problem's optimum is exact
+    (brute force agrees) and the kept copy is listed with its graph."""
+    from dmfx import backend
+
+    joints = []
+    real = backend.rewrite_joint
+
+    def spy(joint, joint_inputs, opts, record):
+        joints.append(backend._copy(joint))
+        return real(joint, joint_inputs, opts, record)
+
+    monkeypatch.setattr(backend, "rewrite_joint", spy)
+    args = _slice_and_transpose_args()
+    ref = _slice_and_transpose(*args)
+
+    with torch.no_grad():
+        out = torch.compile(_slice_and_transpose, backend="dmfx", options={"fallback": False})(*args)
+    (inf,) = dmfx.records()
+    assert inf.fired.get("layout") == 2 and inf.copies == []  # column-major GEMM, copy dropped
+    assert aten.clone.default not in [n.target for n in inf.inference_graph.graph.nodes]
+    for r, o in zip(ref, out):
+        assert torch.allclose(r, o, rtol=1e-5, atol=1e-5)
+
+    dmfx.reset()
+    torch._dynamo.reset()
+    leaves = [t.clone().requires_grad_() for t in args]
+    eager = [t.clone().requires_grad_() for t in args]
+    out = torch.compile(_slice_and_transpose, backend="dmfx", options={"fallback": False})(*leaves)
+    sum((o * o).sum() for o in out).backward()
+    sum((o * o).sum() for o in _slice_and_transpose(*eager)).backward()
+    for a, b in zip(leaves, eager):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+    (rec,) = dmfx.records()
+    assert "layout" not in rec.fired
+    assert [(c["graph"], c["node"], c["bytes"]) for c in rec.copies] == [("forward", "clone", 1024)]
+    assert aten.clone.default in [n.target for n in rec.forward_graph.graph.nodes]
+
+    (joint,) = joints
+    p, model = build_problem(joint)
+    # the forward GEMM (the backward's GEMMs are variables of the same problem)
+    (mm,) = [n for n in model.vars if model.vars[n][0] == ROW and all(a.op == "placeholder" for a in n.args)]
+    (clone,) = [n for n in model.vars if model.vars[n][0] == KEEP]
+    sol = solve(p)
+    best, cost = brute_force(p)
+    assert sol.cost == cost == 1024.0 and sol.assignment[mm] == ROW and sol.assignment[clone] == KEEP
+    assert p.cost_of({**sol.assignment, mm: COL, clone: DROP}) == 4 * M_ * K_ * 4  # 1536: the forward's choice
+
+
+def test_a_failing_joint_search_warns_and_keeps_the_traced_layouts(monkeypatch, caplog):
+    import logging
+
+    from dmfx.passes import layout
+
+    def broken(joint, ctx):
+        raise RuntimeError("joint boom")
+
+    monkeypatch.setattr(layout, "choose_joint_layouts", broken)
+    monkeypatch.setattr(dmfx.passes, "choose_joint_layouts", broken)
+    args = [t.requires_grad_() for t in _slice_and_transpose_args()]
+    with caplog.at_level(logging.WARNING, logger="dmfx"):
+        out = torch.compile(_slice_and_transpose, backend="dmfx")(*args)
+        sum(o.sum() for o in out).backward()
+    assert "joint pass 'layout' failed" in caplog.text and "joint boom" in caplog.text
+    (rec,) = dmfx.records()
+    assert rec.fallback is None and rec.fired == {"layer_norm": 2}  # the fusions stand
+
+
+def test_skipping_layout_skips_the_joint_search_too():
+    args = [t.requires_grad_() for t in _slice_and_transpose_args()]
+    out = torch.compile(_slice_and_transpose, backend="dmfx", options={"skip": ["layout"]})(*args)
+    sum(o.sum() for o in out).backward()
+    (rec,) = dmfx.records()
+    assert "layout" not in rec.fired and rec.copies == []
