@@ -21,6 +21,9 @@ with the candidate strides, and prices each reader (bytes, from the tensor sizes
   fail), as is any layout change seen by a graph output or by an op whose output layout follows its
   inputs (element-wise ops, reductions): those keep the strides they were traced with.
 
+With ``options={"tune": True}`` the same terms are priced in seconds measured on this machine instead
+(``MeasuredPrices``; passes/tuning.py caches them per machine).
+
 The traced layouts are always a feasible assignment, so the search never does worse than the graph
 it was given. Copies the search keeps are listed in ``ctx.copies`` (and ``dmfx.explain``) with their
 bytes and the cheapest alternative's cost.
@@ -38,15 +41,17 @@ the tensors the forward saved are its inputs then, with their layouts fixed.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
 
 from .graph_utils import PassContext, grad_dependent_nodes, is_op, refresh_val, val, views_to_reshapes
-from .layout_search import INF, LayoutProblem, SearchTooWide, solve
+from .layout_search import INF, Infeasible, LayoutProblem, SearchTooWide, solve
 
 aten = torch.ops.aten
+log = logging.getLogger("dmfx")
 
 KEEP, DROP = "keep", "drop"  # copy variables
 ROW, COL = "row-major", "column-major"  # GEMM output variables
@@ -151,6 +156,91 @@ def _reader_cost(u: Node, t: torch.Tensor, traced: torch.Tensor) -> float:
     return 0.0 if tuple(t.stride()) == tuple(traced.stride()) or t.numel() <= 1 else INF
 
 
+class BytesPrices:
+    """The default cost model: bytes moved (see the module docstring)."""
+
+    unit = "bytes"
+    min_gain = 0.0  # a cheaper assignment wins by any margin
+
+    def copy(self, src: torch.Tensor) -> float:
+        """A ``clone(contiguous)`` of a tensor with `src`'s strides."""
+        return 2.0 * _nbytes(src)
+
+    def gemm_output(self, n: Node) -> float:
+        """What writing the ``mm`` `n` column-major adds (free in BLAS: only the flags change)."""
+        return 0.0
+
+    def reader(self, u: Node, x: Node, t: torch.Tensor, traced: torch.Tensor) -> float:
+        """What `u` pays to read `x` with `t`'s strides (traced with `traced`'s)."""
+        return _reader_cost(u, t, traced)
+
+    def more(self, delta: float) -> str:
+        return f"{delta:.0f} more bytes"
+
+
+class MeasuredPrices(BytesPrices):
+    """``options={"tune": True}``: seconds measured on this machine (passes/tuning.py, cached per
+    machine), for the same terms the bytes model prices: a copy from the candidate strides, a
+    GEMM reading an operand with the candidate strides (against the GEMM as traced: what BLAS's
+    transposition flags or ATen's own copy of the operand really cost), and an ``mm`` written
+    column-major, i.e. ``(Bᵀ·Aᵀ)ᵀ`` (timed with its operands as traced). Forbidden combinations stay
+    forbidden. A change must gain at least ``min_gain`` over the layouts as traced: differences of
+    timings below it are noise."""
+
+    unit = "seconds"
+    min_gain = 2e-6
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def _seconds(self, case: dict, op: Any, args: list) -> float:
+        from .tuning import measured_seconds
+
+        return measured_seconds(case, op, args, self.device)
+
+    def _call(self, u: Node, args: list) -> float:
+        from .tuning import tensor_case
+
+        case = {"op": str(u.target), "args": [tensor_case(a) if isinstance(a, torch.Tensor) else a for a in args],
+                "kwargs": {k: v for k, v in u.kwargs.items() if not isinstance(v, (Node, torch.Tensor))}}
+        return self._seconds(case, lambda *a: u.target(*a, **case["kwargs"]), args)
+
+    def copy(self, src: torch.Tensor) -> float:
+        from .tuning import tensor_case
+
+        return self._seconds({"op": "copy", "src": tensor_case(src)},
+                             lambda a: a.clone(memory_format=torch.contiguous_format), [src])
+
+    def gemm_output(self, n: Node) -> float:
+        a, b = val(n.args[0]), val(n.args[1])
+        return self._call(n, [_meta_like(b).t(), _meta_like(a).t()]) - self._call(n, [_meta_like(a), _meta_like(b)])
+
+    def reader(self, u: Node, x: Node, t: torch.Tensor, traced: torch.Tensor) -> float:
+        base = _reader_cost(u, t, traced)
+        if base == INF or base == 0.0 and tuple(t.stride()) == tuple(traced.stride()):
+            return base  # forbidden, or as traced (the reference every other candidate is timed against)
+        if u.op == "call_function" and u.target in _GEMMS and not u.kwargs:
+            args = [val(a) for a in u.args]
+            if all(isinstance(v, torch.Tensor) or not isinstance(a, Node) for a, v in zip(u.args, args)):
+                now = [t if a is x else _meta_like(v) if isinstance(v, torch.Tensor) else v for a, v in zip(u.args, args)]
+                was = [_meta_like(v) if isinstance(v, torch.Tensor) else v for v in args]
+                return self._call(u, now) - self._call(u, was)
+        if base == 0.0:
+            return 0.0
+        return self.copy(t)  # a dmfx kernel's own copy of a strided input
+
+    def more(self, delta: float) -> str:
+        return f"{1e6 * delta:.1f} us more (measured)"
+
+
+def _prices(gm: GraphModule, ctx: PassContext) -> BytesPrices:
+    if not ctx.tune:
+        return BytesPrices()
+    devices = {v.device for n in gm.graph.nodes if isinstance(v := val(n), torch.Tensor)}
+    devices.discard(torch.device("meta"))
+    return MeasuredPrices(devices.pop()) if len(devices) == 1 else BytesPrices()
+
+
 def _readers(model: _Model, n: Node) -> list[tuple[Node, Node]]:
     """(reader, the node it reads) for the non-view readers of `n`, through view ops."""
     out, stack, seen = [], [n], {n}
@@ -168,14 +258,29 @@ def _readers(model: _Model, n: Node) -> list[tuple[Node, Node]]:
     return out
 
 
-def build_problem(gm: GraphModule) -> tuple[LayoutProblem, _Model]:
+def build_problem(gm: GraphModule, prices: BytesPrices | None = None) -> tuple[LayoutProblem, _Model]:
+    prices = prices or BytesPrices()
     model = _Model(gm)
     p = LayoutProblem()
+    for n in model.vars:
+        p.var(n, model.vars[n])
     for n, dom in model.vars.items():
-        p.var(n, dom)
-        if dom[0] == KEEP:
-            nbytes = 2.0 * _nbytes(val(n))
-            p.add([n], lambda c, nbytes=nbytes: nbytes if c == KEEP else 0.0, f"copy {n.name}")
+        if dom[0] == KEEP:  # a kept copy costs a copy from whatever strides its input has
+            scope = sorted(model.scope(n), key=lambda m: m.name)
+
+            def copy_cost(*choice, n=n, scope=scope):
+                assign = dict(zip(scope, choice))
+                if assign[n] != KEEP:
+                    return 0.0
+                try:
+                    src = model.tensor(n.args[0], assign, {})
+                except _Bad:
+                    return INF
+                return prices.copy(src)
+
+            p.add(scope, copy_cost, f"copy {n.name}")
+        elif col := prices.gemm_output(n):
+            p.add([n], lambda c, col=col: col if c == COL else 0.0, f"{n.name} written column-major")
     # every variable's readers (through views), and a dropped copy's readers in turn
     priced: set[tuple[Node, Node]] = set()
     for n in model.vars:
@@ -193,10 +298,24 @@ def build_problem(gm: GraphModule) -> tuple[LayoutProblem, _Model]:
                     t = model.tensor(x, dict(zip(scope, choice)), {})
                 except _Bad:
                     return INF
-                return _reader_cost(u, t, traced)
+                return prices.reader(u, x, t, traced)
 
             p.add(scope, cost, f"{u.name} reads {x.name}")
     return p, model
+
+
+def _why_kept(p: LayoutProblem, n: Node, cost: float, prices: BytesPrices) -> str:
+    """Why the copy `n` stays: what the best assignment without it costs (the search re-run with the
+    copy dropped), against `cost`."""
+    without = LayoutProblem(domains={**p.domains, n: [DROP]}, factors=p.factors)
+    try:
+        c = solve(without).cost
+    except (Infeasible, SearchTooWide):
+        c = INF
+    return "layout search kept this copy: " + (
+        "dropping it is not possible (a reader needs the copied layout)" if c == INF
+        else "dropping it would only move the copy into a reader (same cost)" if c <= cost + prices.min_gain
+        else f"the best layouts without it would cost {prices.more(c - cost)}")
 
 
 def _traced_choice(model: _Model, n: Node) -> str:
@@ -230,18 +349,30 @@ def choose_layouts(gm: GraphModule, ctx: PassContext, name: str = "layout") -> N
     docstring). A problem the search cannot take leaves the graph as it is and says why."""
     _refresh_traced_views(gm, ctx)
     try:
-        p, model = build_problem(gm)
-        if not model.vars:
-            return
-        sol = solve(p)
+        prices = _prices(gm, ctx)
+        try:
+            p, model = build_problem(gm, prices)
+            if not model.vars:
+                return
+            sol = solve(p)
+        except (SearchTooWide, _Bad):
+            raise
+        except Exception as e:  # a measurement failed (out of memory, an op that cannot run alone): bytes
+            if not isinstance(prices, MeasuredPrices):
+                raise
+            log.info("dmfx: layout tuning failed (%s: %s); pricing in bytes", type(e).__name__, e)
+            prices = BytesPrices()
+            p, model = build_problem(gm, prices)
+            sol = solve(p)
     except (SearchTooWide, _Bad, RuntimeError, TypeError, ValueError) as e:
         first = next(iter(n for n in gm.graph.nodes if n.op == "call_function"), None)
         if first is not None:
             ctx.miss(name, first, f"layout search not run ({type(e).__name__}: {e}); the traced layouts stay")
         return
     traced = {n: _traced_choice(model, n) for n in model.vars}
-    if p.cost_of(traced) <= sol.cost:  # nothing cheaper than the graph as traced: change nothing
-        sol.assignment = traced
+    if p.cost_of(traced) <= sol.cost + prices.min_gain:  # nothing cheaper than the graph as traced: change nothing
+        sol.assignment, sol.cost = traced, p.cost_of(traced)
+    kept = {n: _why_kept(p, n, sol.cost, prices) for n in model.vars if sol.assignment[n] == KEEP}  # (before any edit)
     graph = gm.graph
     changed = 0
     moved: list[Node] = []  # nodes whose readers now see other strides
@@ -267,15 +398,7 @@ def choose_layouts(gm: GraphModule, ctx: PassContext, name: str = "layout") -> N
             moved.extend(out.users)
             changed += 1
         elif choice == KEEP:
-            c = p.cost_of({**sol.assignment, n: DROP})
-            v = val(n)
-            ctx.copies.append({
-                "node": n.name, "bytes": int(2 * _nbytes(v)),
-                "why": "layout search kept this copy: " + (
-                    "dropping it is not possible (a reader needs the copied layout)" if c == INF
-                    else "dropping it would only move the copy into a reader (same bytes)" if c == sol.cost
-                    else f"dropping it would cost {c - sol.cost:.0f} more bytes"),
-            })
+            ctx.copies.append({"node": n.name, "bytes": int(2 * _nbytes(val(n))), "why": kept[n]})
     if moved:  # (their readers' views now see the search's strides)
         _refresh_traced_views(gm, ctx)
     # The search checked each view against the traced strides; reshape is that same view then, and

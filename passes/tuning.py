@@ -3,7 +3,10 @@
 With tuning on, the attention pass does not trust its cost model's rules: for each attention shape
 it times every form that can run it (dmfx's fused kernel, dmfx's GEMM form, PyTorch's SDPA) on
 random inputs of the same shapes, dtype, layout and mask, forward + backward in training and
-forward alone in inference, and takes the fastest. Results are kept in ``dmfx_tuning.json`` in the
+forward alone in inference, and takes the fastest. The layout search (passes/layout.py) prices its
+choices in measured time instead of bytes: a copy from the strides a candidate layout gives, a GEMM
+with an operand in those strides or writing its output transposed (``measured_seconds``).
+Results are kept in ``dmfx_tuning.json`` in the
 kernel cache directory (``DMFX_CACHE_DIR`` / the torch extensions directory), keyed by the machine
 (CPU model and flags or GPU name), torch version, thread count and the case, so each case is timed
 once per machine. A corrupt or unreadable file is ignored (and rewritten); timing failures fall back
@@ -165,3 +168,42 @@ def tuned_attention_form(case: dict, forms: list[str], scale: float, p: float) -
     _store(path, key, {"best": best, "ms": {f: round(t, 3) for f, t in times.items()}})
     log.info("dmfx: tuned attention %s: %s", case, times)
     return best, times
+
+
+def _real(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A real tensor on `device` with `t`'s sizes, strides and dtype (random values)."""
+    out = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+    if out.is_floating_point() or out.is_complex():
+        out.normal_()
+    else:
+        out.zero_()
+    return out
+
+
+def tensor_case(t: torch.Tensor) -> list:
+    return [list(t.shape), list(t.stride()), str(t.dtype)]
+
+
+_measured: dict[str, float] = {}  # key -> seconds (this process; the file keeps them across runs)
+
+
+def measured_seconds(case: dict, op: Callable[..., object], args: list, device: torch.device) -> float:
+    """Seconds one call ``op(*args)`` takes, where each tensor of `args` (fake, meta or real) is
+    replaced by a real one of the same sizes, strides and dtype: from the cache, or measured now (the
+    median of a few calls after a warm-up) and cached. `case` names the call in the cache key."""
+    key = json.dumps({**case, "machine": _machine(device), "torch": torch.__version__,
+                      "threads": torch.get_num_threads()}, sort_keys=True)
+    if key in _measured:
+        return _measured[key]
+    path = _path()
+    hit = _load(path).get(key)
+    if isinstance(hit, dict) and isinstance(hit.get("s"), (int, float)):
+        _measured[key] = float(hit["s"])
+        return _measured[key]
+    real = [_real(a, device) if isinstance(a, torch.Tensor) else a for a in args]
+    with torch.no_grad():
+        seconds = _time(lambda: op(*real), device)
+    _measured[key] = seconds
+    _store(path, key, {"s": seconds})
+    log.info("dmfx: tuned %s: %.1f us", case, 1e6 * seconds)
+    return seconds

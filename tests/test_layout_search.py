@@ -4,6 +4,7 @@ against brute force on random ones."""
 from __future__ import annotations
 
 import itertools
+import json
 import random
 
 import pytest
@@ -309,6 +310,7 @@ def test_joint_search_prices_the_backward_readers_of_saved_tensors(monkeypatch):
     (rec,) = dmfx.records()
     assert "layout" not in rec.fired
     assert [(c["graph"], c["node"], c["bytes"]) for c in rec.copies] == [("forward", "clone", 1024)]
+    assert "without it would cost 512 more bytes" in rec.copies[0]["why"]  # 1536 - 1024
     assert aten.clone.default in [n.target for n in rec.forward_graph.graph.nodes]
 
     (joint,) = joints
@@ -347,3 +349,88 @@ def test_skipping_layout_skips_the_joint_search_too():
     sum(o.sum() for o in out).backward()
     (rec,) = dmfx.records()
     assert "layout" not in rec.fired and rec.copies == []
+
+
+# ------------------------------------------------------------------ measured prices (options={"tune": True})
+
+
+def _transpose_copy(a, w):
+    return a.mm(w).t().contiguous() * 2
+
+
+def test_tuned_prices_follow_the_measurements(monkeypatch):
+    """With tune, the search prices in measured seconds. Where the measurements say the GEMM written
+    transposed costs 50 us more and the copy 10 us, it keeps the copy (the bytes model drops it:
+    test_gemm_writes_the_transposed_layout_and_the_copy_goes) and says why in measured time; where
+    they say the transposed GEMM is as fast, it drops the copy as the bytes model does."""
+    from dmfx.passes import tuning
+
+    def fake(slow_gemm):
+        def measured_seconds(case, op, args, device):
+            if case["op"] == "copy":
+                return 10e-6
+            transposed = args[0].stride(-1) != 1  # (Bᵀ·Aᵀ): the column-major output
+            return 100e-6 + (50e-6 if transposed and slow_gemm else 0.0)
+        return measured_seconds
+
+    for slow, clones, fired in [(True, 1, {}), (False, 0, {"layout": 2})]:
+        monkeypatch.setattr(tuning, "measured_seconds", fake(slow))
+        gm = make_fx(_transpose_copy, tracing_mode="fake")(A, W)
+        ctx = PassContext(tune=True, training=False)
+        choose_layouts(gm, ctx)
+        gm.recompile()
+        assert _count(gm, aten.clone.default) == clones and ctx.fired == fired
+        assert torch.allclose(gm(A, W), _transpose_copy(A, W))
+        if slow:
+            (copy,) = ctx.copies
+            assert "40.0 us more (measured)" in copy["why"], copy["why"]
+
+
+def test_tuned_prices_are_measured_once_and_cached(tmp_path, monkeypatch):
+    """A real tune run: the copy and the GEMM cases are timed on this machine, kept in the tuning
+    file, and read from it by a later process (here: the in-process memo cleared) without timing."""
+    from dmfx.passes import tuning
+
+    path = tmp_path / tuning.FILE
+    monkeypatch.setattr(tuning, "_path", lambda: path)
+    monkeypatch.setattr(tuning, "_measured", {})
+    gm = make_fx(_transpose_copy, tracing_mode="fake")(A, W)
+    choose_layouts(gm, PassContext(tune=True, training=False))
+    gm.recompile()
+    assert torch.allclose(gm(A, W), _transpose_copy(A, W))
+    cases = [json.loads(k) for k in json.loads(path.read_text())]
+    assert {c["op"] for c in cases} == {"copy", "aten.mm.default"}
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a cached case was timed again")
+
+    monkeypatch.setattr(tuning, "_time", no_timing)
+    monkeypatch.setattr(tuning, "_measured", {})
+    gm = make_fx(_transpose_copy, tracing_mode="fake")(A, W)
+    choose_layouts(gm, PassContext(tune=True, training=False))
+
+
+def test_a_failing_measurement_falls_back_to_bytes(monkeypatch):
+    from dmfx.passes import tuning
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot time")
+
+    monkeypatch.setattr(tuning, "measured_seconds", broken)
+    gm = make_fx(_transpose_copy, tracing_mode="fake")(A, W)
+    ctx = PassContext(tune=True, training=False)
+    choose_layouts(gm, ctx)
+    assert _count(gm, aten.clone.default) == 0 and ctx.fired == {"layout": 2}  # the bytes model's answer
+
+
+def test_tuned_bert_layer_training_matches_eager(tmp_path, monkeypatch):
+    """tune=True end to end on a training step (attention forms and the joint layout search timed):
+    gradients equal eager's."""
+    from conftest import compiled_step_matches_eager
+    from dmfx.passes import tuning
+
+    monkeypatch.setattr(tuning, "_path", lambda: tmp_path / tuning.FILE)
+    layer, ref = tiny_bert_layer()
+    compiled_step_matches_eager(layer.train(), ref.train(), {"tune": True, "fallback": False})
+    (rec,) = dmfx.records()
+    assert rec.fallback is None and not [m for m in rec.missed if "layout search not run" in m]

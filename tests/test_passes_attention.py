@@ -430,8 +430,8 @@ def test_tune_times_each_case_once_and_caches_it(tmp_path, monkeypatch):
     (rec,) = dmfx.records()
     (why,) = [w for _, w in rec.attention_forms.values()]
     assert why.startswith("tuned: ") and all(f in why for f in ("flash", "gemm", "sdpa")), why
-    cached = json.loads(path.read_text())
-    assert len(cached) == 1 and next(iter(cached.values()))["best"] == first
+    cached = [v for v in json.loads(path.read_text()).values() if "best" in v]  # (the rest: the layout search's)
+    assert len(cached) == 1 and cached[0]["best"] == first
 
     def no_timing(*args, **kwargs):
         raise AssertionError("a cached case was timed again")
