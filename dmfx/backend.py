@@ -45,7 +45,9 @@ class GraphRecord:
     devices: tuple[str, ...] = ()
     training: bool = False  # compiled with grad enabled and some input requiring grad
     attention_forms: dict[str, tuple[str, str]] = field(default_factory=dict)  # node -> (form, why)
-    copies: list[dict] = field(default_factory=list)  # copies dmfx added or the layout search kept (node, bytes, why)
+    # copies dmfx added or the layout search kept: node, bytes, why, and graph ("forward", "backward",
+    # "inference": the compiled graph it runs in)
+    copies: list[dict] = field(default_factory=list)
     fired: dict[str, int] = field(default_factory=dict)
     replaced: dict[str, int] = field(default_factory=dict)
     missed: list[str] = field(default_factory=list)
@@ -264,7 +266,8 @@ def _run_on_copy(gm: GraphModule, example_inputs: Sequence[Any], opts: Options, 
         record.replaced[k] = record.replaced.get(k, 0) + v
     record.missed.extend(ctx.missed)
     record.attention_forms.update(ctx.forms)
-    record.copies.extend({"graph": graph, **c} if graph else c for c in ctx.copies)  # (joint: c names its graph)
+    kind = graph or ("forward" if training else "inference")
+    record.copies.extend({"graph": kind, **c} for c in ctx.copies)  # (the joint search names each copy's graph)
     for m in ctx.missed:
         log.debug("dmfx: graph %d%s: left alone: %s", record.graph_id, f" {graph}" if graph else "", m)
     return work

@@ -1020,8 +1020,8 @@ class Report:
         if d.get("copies_added"):
             lines.append("")
             lines.append("copies dmfx added or kept knowingly (the layout search prices every copy; the others are gone):")
-            lines.append(tabulate([[c["node"], _fmt_bytes(c["bytes"]), c["why"]] for c in d["copies_added"]],
-                                  headers=["node", "bytes", "why"], tablefmt="github", disable_numparse=True))
+            lines.append(tabulate([[c.get("graph", ""), c["node"], _fmt_bytes(c["bytes"]), c["why"]] for c in d["copies_added"]],
+                                  headers=["graph", "node", "bytes", "why"], tablefmt="github", disable_numparse=True))
         cov = d["coverage"]
         lines.append("")
         lines.append(f"coverage: {cov['fused']} of {cov['total']} memory-bound ATen ops are inside dmfx kernels ({100 * cov['ratio']:.1f}%)")
@@ -1160,7 +1160,7 @@ def explain(model: torch.nn.Module, *args: Any, training: bool = True, measure: 
         "missed": missed,
         "attention_forms": [{"graph": r.graph_id, "node": node, "form": form, "why": why}
                             for r in records for node, (form, why) in r.attention_forms.items()],
-        "copies_added": [{"graph": r.graph_id, **c} for r in records for c in r.copies],
+        "copies_added": [{"graph_id": r.graph_id, **c} for r in records for c in r.copies],
         "fallbacks": fallbacks,
         "runtime": runtime,
         "peak_memory": {"before": before_peak.to_dict(), "after": after_peak.to_dict()},
