@@ -267,7 +267,11 @@ def _run_on_copy(gm: GraphModule, example_inputs: Sequence[Any], opts: Options, 
     record.missed.extend(ctx.missed)
     record.attention_forms.update(ctx.forms)
     kind = graph or ("forward" if training else "inference")
-    record.copies.extend({"graph": kind, **c} for c in ctx.copies)  # (the joint search names each copy's graph)
+    listed = {(c["graph"], c["node"]) for c in record.copies}
+    for c in ctx.copies:
+        c = {"graph": kind, **c}  # (the joint search names each copy's graph)
+        if (c["graph"], c["node"]) not in listed:  # (the backward search sees the joint search's copies again)
+            record.copies.append(c)
     for m in ctx.missed:
         log.debug("dmfx: graph %d%s: left alone: %s", record.graph_id, f" {graph}" if graph else "", m)
     return work

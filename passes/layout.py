@@ -132,7 +132,7 @@ class _Model:
             rest = [val(a) if isinstance(a, Node) else a for a in n.args[1:]]
             try:
                 out = n.target(src, *rest, **n.kwargs)
-            except RuntimeError as e:  # view size is not compatible with input tensor's size and stride
+            except (RuntimeError, ValueError) as e:  # a view the strides cannot express (meta kernels raise either)
                 raise _Bad(str(e)) from e
             if n.target is aten.reshape.default and not torch._C._is_alias_of(out, src):
                 raise _Bad("reshape would copy")

@@ -143,6 +143,7 @@ def _fired():
     fired = {}
     for r in dmfx.records():
         assert r.fallback is None, r.fallback
+        assert not [m for m in r.missed if "layout search not run" in m], r.missed  # (forward, joint and backward)
         for k, v in r.fired.items():
             fired[k] = fired.get(k, 0) + v
     return fired
