@@ -14,9 +14,13 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 echo "== build CUDA kernels"
 python3 -c "import time; from dmfx.cuda_ops import build; t=time.time(); build.load('cuda'); print(f'cuda build/load {time.time()-t:.1f}s')" 2>&1 | tee "$out/gpu_build.log"
 echo "== CUDA tests"
-# every CUDA-vs-CPU test file (tests/test_cuda_*.py: norm, softmax, pointwise families), then the
+# every CUDA-vs-CPU test file (tests/test_cuda_*.py: norm, softmax, pointwise, attention, and the fused
+# attention kernels in test_cuda_flash_attention.py), then the
 # model tests on the GPU path are left to CPU CI; no -x: one failing family must not hide the others
 python3 -m pytest -q tests/test_cuda_*.py 2>&1 | tail -25 | tee "$out/gpu_tests.log"
+echo "== attention alone: dmfx's CUDA flash kernel against SDPA (the cost model runs it only when forced until this is known)"
+python3 -m bench.attention --device cuda --seq 128,512 --dropout 0.0,0.1 --mode train --rounds 10 --threads 16 \
+  2>>"$out/gpu_bench.err" | tee "$out/gpu_attention.txt"
 echo "== benchmark"
 python3 bench/bert_layer.py --device cuda --dtype bf16 --batch 8 --seq 512 --hidden 1024 --heads 16 --ffn 4096 \
   --rounds 20 --warmup 3 --threads 16 --json "$out/gpu_bert_layer.json" 2>"$out/gpu_bench.err" | tee "$out/gpu_bench.txt"

@@ -47,11 +47,15 @@ the GEMMs are ATen's (MKL / cuBLAS), the softmax kernels are dmfx's own)
     ``bias_grad=True`` the backwards also return the projections' bias gradients (for [B, H, L, D]
     views of [B, L, H * D] projections), summed per (batch, head) while dq, dk, dv are in cache (else
     the bias outputs are empty); the backward pass (passes/backward.py) asks for them. Same dropout
-    mask as the unfused form. No mask gradient (it raises). CPU float32/float64; elsewhere the same
-    ops run the unfused form.
+    mask as the unfused form. No mask gradient (it raises). Fused kernels: CPU float32/float64
+    (csrc/attention_cpu.cpp), CUDA float32/float16/bfloat16 with head dims up to 128
+    (csrc/attention_cuda.cu, stats float32); elsewhere the same ops run the unfused form
+    (``flash_supported``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -285,21 +289,59 @@ def _qkv_attention_backward_kernel(grad_out, qkv, heads, probs, dropped, seed, p
 # ------------------------------------------------------------------------------- fused (flash) form
 #
 # CPU: csrc/attention_cpu.cpp, per block of query rows with the scores in cache; the backward
-# recomputes them from the row statistics (max and 1 / sum of the exps: stats [2, B, H, Lq]).
-# float32/float64 only. Elsewhere (CUDA, bf16/fp16) the
-# same op runs the unfused form: the forward discards the probabilities and the backward recomputes
-# them with the softmax kernel (same Philox mask), so results never depend on the path taken.
+# recomputes them from the row statistics (max and 1 / sum of the exps: stats [2, B, H, Lq]),
+# float32/float64. CUDA: csrc/attention_cuda.cu (FlashAttention-2's decomposition: scores on chip,
+# online softmax; the backward as delta, dQ and dK/dV kernels), float32/float16/bfloat16 with head
+# dims up to 128, stats float32. Elsewhere (float64 or larger heads on CUDA, bf16/fp16 on the CPU)
+# the same op runs the unfused form: the forward discards the probabilities and the backward
+# recomputes them with the softmax kernel (same Philox mask), so results never depend on the path taken.
+
+_CUDA_FLASH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_CUDA_FLASH_MAX_HEAD_DIM = 128  # csrc/attention_cuda.cu pads head dims to 32, 64, 96 or 128
+# Shared memory per block the largest CUDA flash kernel needs (kMaxSmemBytes in csrc/attention_cuda.cu,
+# static_assert-ed there: dQ at head dim 128); GPUs that offer less per block run the unfused form.
+_CUDA_FLASH_SMEM_BYTES = 112384
 
 
-def flash_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether dmfx::flash_attention has its fused kernel for this device and dtype."""
-    return device.type == "cpu" and dtype in (torch.float32, torch.float64)
+def flash_supported(device: torch.device, dtype: torch.dtype, head_dim=None, value_dim=None) -> bool:
+    """Whether dmfx::flash_attention has its fused kernel for this device, dtype and head dims
+    (q's and k's `head_dim` D, v's `value_dim` Dv). CPU: float32 and float64, any head dims (they may
+    be omitted). CUDA: float32, float16 and bfloat16 with D and Dv up to 128 (head dims not given,
+    or symbolic, are not known to fit: False), on a GPU with enough shared memory per block."""
+    if device.type == "cpu":
+        return dtype in (torch.float32, torch.float64)
+    if device.type != "cuda" or dtype not in _CUDA_FLASH_DTYPES:
+        return False
+    if not all(isinstance(d, int) and d <= _CUDA_FLASH_MAX_HEAD_DIM for d in (head_dim, value_dim)):
+        return False
+    return _cuda_flash_fits(device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_flash_fits(index: int | None) -> bool:
+    """Whether CUDA device `index` (None: the current one) offers the flash kernels' shared memory."""
+    if not torch.cuda.is_available():
+        return False
+    props = torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index)
+    return getattr(props, "shared_memory_per_block_optin", 0) >= _CUDA_FLASH_SMEM_BYTES
+
+
+def _flash_ok(q: Tensor, v: Tensor) -> bool:
+    """flash_supported for these operands (q [B, Hq, Lq, D], v [B, Hk, Lk, Dv])."""
+    return flash_supported(q.device, q.dtype, q.shape[3], v.shape[3])
+
+
+def _rows(*ts: Tensor) -> tuple[Tensor, ...]:
+    """The fused kernels read q, k, v (and the output gradient) with a unit stride in the head dim:
+    copies of any that lack it (the ops accept any strides; the passes never hand such views)."""
+    return tuple(t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous() for t in ts)
 
 
 def _flash_forward(q, k, v, mask, scale, causal, seed, p, out):
     from .softmax import _kernel_mask
 
-    if flash_supported(q.device, q.dtype):
+    if _flash_ok(q, v):
+        q, k, v = _rows(q, k, v)
         s, o = _seed_values(seed, "flash_attention")
         stats = kernels_for(q.device).flash_fwd(q, k, v, _kernel_mask(mask, q), scale, causal, s, o, p, out)
         return out, stats
@@ -312,9 +354,9 @@ def _flash_backward(grad_out, q, k, v, stats, mask, scale, causal, seed, p, dq, 
     (batch, head)'s column sums of dq, dk, dv there (the unfused path leaves it to the caller)."""
     from .softmax import _kernel_mask
 
-    if flash_supported(q.device, q.dtype):
+    if _flash_ok(q, v):
         s, o = _seed_values(seed, "flash_attention_backward")
-        go = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+        go, q, k, v = _rows(grad_out, q, k, v)
         kernels_for(q.device).flash_bwd(go, q, k, v, stats, _kernel_mask(mask, q), scale, causal, s, o, p, dq, dk, dv,
                                         bias_part)
         return dq, dk, dv
@@ -336,7 +378,7 @@ def _flash_attention_kernel(q, k, v, mask, scale, causal, seed, p):
 def _bias_part(bias_grad: bool, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
     """The [3, B, H, D] buffer the fused backward writes each (batch, head)'s dq, dk, dv column sums
     into, or None: not asked for, no fused kernel here, or grouped-query k/v."""
-    if bias_grad and flash_supported(q.device, q.dtype) and q.shape[1] == k.shape[1] and q.shape[3] == v.shape[3]:
+    if bias_grad and _flash_ok(q, v) and q.shape[1] == k.shape[1] and q.shape[3] == v.shape[3]:
         return q.new_empty((3, q.shape[0], q.shape[1], q.shape[3]))
     return None
 

@@ -36,11 +36,12 @@ from filelock import FileLock
 log = logging.getLogger("dmfx")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-FAMILIES = ("norm", "softmax", "pointwise")  # one group of kernels per file; see csrc/cpu_bindings.cpp
-# Families with CPU kernels only (CUDA runs their op's other implementation): attention_cpu.cpp is the
-# cache-resident fused attention; on CUDA dmfx's attention is the GEMMs around the softmax kernels.
-CPU_ONLY_FAMILIES = ("attention",)
-CPU_ONLY_FUNCTIONS = ("flash_bwd", "flash_fwd", "flash_use_blas")
+# One group of kernels per file (csrc/<family>_cpu.cpp, <family>_cuda.cu + <family>_cuda_bind.cpp); see
+# csrc/cpu_bindings.cpp. Order matters: each file may use the helpers of the files before it
+# (attention_cpu.cpp / attention_cuda.cu use the softmax family's).
+FAMILIES = ("norm", "softmax", "pointwise", "attention")
+# Functions of the CPU module without a CUDA twin: flash_use_blas switches the CPU flash kernels' GEMMs.
+CPU_ONLY_FUNCTIONS = ("flash_use_blas",)
 MARKER = "dmfx_ok.json"
 
 
@@ -73,7 +74,7 @@ def _cpu_capability_flags() -> tuple[str, ...]:
 FLAVORS = {
     "cpu": Flavor(
         kind="cpu",
-        cpp_sources=(*(f"{f}_cpu.cpp" for f in FAMILIES + CPU_ONLY_FAMILIES), "cpu_bindings.cpp"),
+        cpp_sources=(*(f"{f}_cpu.cpp" for f in FAMILIES), "cpu_bindings.cpp"),
         cuda_sources=(),
         cflags=("-O3", "-march=native", "-fopenmp", *_cpu_capability_flags()),
         ldflags=("-fopenmp",),

@@ -179,15 +179,21 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | Non
 
     * "sdpa": PyTorch's own scaled_dot_product_attention, for causal attention without dropout (a tie
       at best for dmfx's kernel, which gains nothing there: no bias to fold in the models that use
-      it), for other dtypes without dropout, and on CUDA (its flash / efficient / cuDNN kernels; dmfx has no fused
-      CUDA attention kernel). Not with a causal mask over different query and key lengths (SDPA
-      aligns it top-left, dmfx and HF bottom-right).
+      it), for other dtypes without dropout, and on CUDA (its flash / efficient / cuDNN kernels run on
+      tensor cores; dmfx's CUDA flash kernel, csrc/attention_cuda.cu, on CUDA cores, and it has not run
+      on a GPU yet: only attention="flash" picks it). Not with a causal mask over different query and
+      key lengths (SDPA aligns it top-left, dmfx and HF bottom-right).
 
     With ``options={"tune": True}`` the feasible forms are timed instead (passes/tuning.py).
     """
     from ..cuda_ops.attention import flash_supported
 
     qm = tensor_meta(q4)
+    flash_ok = flash_supported(qm.device, qm.dtype, qm.shape[3], tensor_meta(v4).shape[3])
+    # dmfx's CUDA flash kernel has run on a CPU emulation of CUDA (tests/test_emulated_cuda_flash.py)
+    # but not yet on a GPU: until bench/gpu_check.sh has passed on one, only attention="flash" runs it
+    # (neither the rules below nor tuning, which would time it but not check its results).
+    flash_auto = flash_ok and qm.device.type != "cuda"
     if probs_read:
         return "gemm", "the attention probabilities are read elsewhere (returned attention weights)"
     if mask is not None and ctx.needs_grad(mask):
@@ -196,7 +202,7 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | Non
     if ctx.tune and ctx.attention == "auto":
         from .tuning import attention_case, tuned_attention_form
 
-        forms = ["gemm"] + (["flash"] if flash_supported(qm.device, qm.dtype) else []) + (["sdpa"] if sdpa_ok else [])
+        forms = ["gemm"] + (["flash"] if flash_auto else []) + (["sdpa"] if sdpa_ok else [])
         case = attention_case(qm, tensor_meta(k4), tensor_meta(v4), tensor_meta(mask), causal, p, ctx.training)
         tuned = tuned_attention_form(case, forms, scale, p)
         if tuned is not None:
@@ -205,15 +211,15 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | Non
     forced = ctx.attention
     if forced == "gemm":
         return "gemm", "option attention='gemm'"
-    if forced == "flash" and flash_supported(qm.device, qm.dtype):
+    if forced == "flash" and flash_ok:
         return "flash", "option attention='flash'"
     if forced == "sdpa" and sdpa_ok:
         return "sdpa", "option attention='sdpa'"
     if qm.device.type == "cpu" and p > 0:
-        if flash_supported(qm.device, qm.dtype):
+        if flash_auto:
             return "flash", "dropout on the CPU: no fused PyTorch kernel"
         return "gemm", f"dropout on the CPU in {qm.dtype}: no fused kernel"
-    if qm.device.type == "cpu" and qm.dtype == torch.float32 and not causal and flash_supported(qm.device, qm.dtype):
+    if qm.device.type == "cpu" and qm.dtype == torch.float32 and not causal and flash_auto:
         if ctx.needs_grad(q4):
             return "flash", ("training without dropout on the CPU: dmfx's fused kernel ties SDPA's forward+backward "
                              "(bench/attention.py --mask none) and lets the projections stack and the bias "
@@ -222,7 +228,7 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | Non
                          "(bench/attention.py --mode infer) and writes the context in the layout the next GEMM reads")
     if sdpa_ok:
         return "sdpa", "PyTorch's fused kernel is the fastest here"
-    if flash_supported(qm.device, qm.dtype):
+    if flash_auto:
         return "flash", "causal attention over different query and key lengths"
     return "gemm", "no fused kernel for this case"
 

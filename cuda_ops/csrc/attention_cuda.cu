@@ -1,0 +1,816 @@
+// dmfx CUDA fused ("flash") attention: the scores never reach global memory.
+//
+// attention_cpu.cpp is the specification: same arguments, checks, outputs and math (logits
+// z = q·kᵀ * scale + mask, -inf past the causal limit; P = exp(z - max) / sum; dropout by the Philox
+// mask of the [B, Hq, Lq, Lk] probabilities, element (b, h, i, j) = logical index
+// ((b * Hq + h) * Lq + i) * Lk + j, so the keep/drop bits equal the CPU kernels' and the softmax
+// kernels' bit for bit; stats [2, B, Hq, Lq] = row max of the logits and 1 / sum of their exps, float32).
+// This file is concatenated after softmax_cuda.cu (cuda_ops/build.py), whose device helpers it uses
+// (mask reads, Philox multipliers, NaN-propagating max, exp).
+//
+// Design (FlashAttention-2's decomposition on CUDA cores, fp32 math for every input dtype)
+// ------
+// * Every kernel runs 256 threads as a 16 x 16 grid (ty = tid / 16, tx = tid % 16). A [rows, cols]
+//   tile of scores is spread as rows ty * RM + r, columns tx + 16 * c: a row's values sit in the 16
+//   lanes of one half-warp (row max / sum are 4 xor-shuffles), and the shared-memory reads of both
+//   tile products below are free of bank conflicts (row strides are padded by 4 floats).
+// * Tiles live in dynamic shared memory as float (converted once on load), zero-padded to the
+//   head-dim template kHead (32, 64, 96, 128) and past the sequence ends, so padding adds nothing.
+// * Forward (flash_fwd_kernel): a block per (batch, head, 64 query rows), looping over key tiles
+//   with the online softmax (running max and sum per row in registers, the output rescaled when the
+//   max grows); P (dropped out) goes through shared memory into O += P · V.
+// * Backward: no atomics, three launches.
+//   1. delta = rowsum(dO ∘ O) per query row (the forward kernel again, kDelta: the binding has no
+//      `out`, so O is recomputed; it is the forward's O bit for bit). rowsum(dropout(dP) ∘ P) = dO · O.
+//   2. flash_bwd_dq_kernel: a block per (batch, head, 64 query rows) looping over key tiles:
+//      P = exp(z - max) * inv from stats, dP = dO · Vᵀ, dS = scale * P * (dropout(dP) - delta),
+//      dQ += dS · K.
+//   3. flash_bwd_dkdv_kernel: a block per (batch, kv head, 64 keys) looping over the group's query
+//      heads and their query tiles (transposed products: keys are the tile rows): dV += P_droppedᵀ · dO,
+//      dK += dSᵀ · Q, so a GQA group's sum needs no second pass.
+//   Causal blocks skip the key (forward, dQ) or query (dK/dV) tiles the limit hides entirely.
+// * Fully masked rows (max -inf) give zeros and no gradient, never NaN; a NaN logit propagates.
+// * Shared memory: at most 112,384 bytes per block (dQ at kHead 128; two blocks fit on an H100/H200
+//   SM), opted in with cudaFuncSetAttribute; dmfx.cuda_ops.attention.flash_supported runs the
+//   unfused form on GPUs that offer less per block. 256 threads, at most 128 registers (two blocks).
+// * Per-row data of a step (causal limit, mask row offset, the backward's stats) sits in a small
+//   shared table (RowTable), not in registers: that is what keeps the kernels near 128 registers.
+// * bias_part (per-(batch, head) column sums of dq, dk, dv) is computed after the kernels with ATen
+//   reductions: same values as the CPU kernel's, not fused.
+#include <torch/extension.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "dmfx_common.h"
+#include "kernel_api.h"
+#include "softmax_api.h"
+
+namespace dmfx {
+namespace attention_impl {
+
+using softmax_impl::causal_limit;
+using softmax_impl::MaskPtr;
+using softmax_impl::MaskView;
+using softmax_impl::SmPack;
+using softmax_impl::SoftmaxArgs;
+
+constexpr int kThreads = 256;      // 16 x 16
+constexpr int kMaxHead = 128;      // largest head dim (D and Dv) of the kernels
+constexpr int64_t kMaxGrid = 1 << 30;
+
+// Tile sizes per padded head dim. Wider heads take narrower key (forward, dQ) and query (dK/dV)
+// steps so that two blocks fit on an SM (H100/H200: 228 KB of shared memory per SM).
+template <int kHead>
+struct Tiles {
+  static constexpr int kLd = kHead + 4;                 // row stride of a [rows, head] tile (floats)
+  static constexpr int kQ = 64;                         // query rows per forward / dQ block
+  static constexpr int kK = kHead <= 64 ? 64 : 32;      // keys per forward / dQ step
+  static constexpr int kKeys = 64;                      // keys per dK/dV block
+  static constexpr int kQStep = kHead <= 64 ? 64 : 32;  // query rows per dK/dV step
+  // dynamic shared memory in floats: the tiles, then the row table (RowTable: 4 floats per row, 7 with
+  // the backward's stats)
+  static constexpr size_t fwd_floats = kQ * kLd + 2 * kK * kLd + kQ * (kK + 4) + 4 * kQ;
+  static constexpr size_t dq_floats = 2 * kQ * kLd + 2 * kK * kLd + kQ * (kK + 4) + 7 * kQ;
+  static constexpr size_t dkdv_floats = 2 * kKeys * kLd + 2 * kQStep * kLd + kKeys * (kQStep + 4) + 7 * kQStep;
+};
+
+// The most any kernel asks for; cuda_ops/attention.py's _CUDA_FLASH_SMEM_BYTES must say the same.
+constexpr size_t kMaxSmemBytes = 112384;
+static_assert(std::max({Tiles<32>::fwd_floats, Tiles<32>::dq_floats, Tiles<32>::dkdv_floats, Tiles<64>::fwd_floats,
+                        Tiles<64>::dq_floats, Tiles<64>::dkdv_floats, Tiles<96>::fwd_floats, Tiles<96>::dq_floats,
+                        Tiles<96>::dkdv_floats, Tiles<128>::fwd_floats, Tiles<128>::dq_floats,
+                        Tiles<128>::dkdv_floats}) * sizeof(float) == kMaxSmemBytes,
+              "update kMaxSmemBytes and _CUDA_FLASH_SMEM_BYTES in cuda_ops/attention.py");
+
+// A [B, H, L, cols] operand with a unit column stride; vec: every row starts on a 4-element boundary
+// and cols % 4 == 0 (4-wide loads).
+template <typename T>
+struct Mat {
+  T* p = nullptr;
+  int64_t sb = 0, sh = 0, sl = 0;
+  bool vec = false;
+  DMFX_HD T* at(int64_t b, int64_t h) const { return p + b * sb + h * sh; }
+};
+
+template <typename scalar_t>
+struct Params {
+  Mat<const scalar_t> q, k, v, go;  // go: grad_out (backward, and the delta pass)
+  Mat<scalar_t> out, dq, dk, dv;
+  float* stats = nullptr;  // [2, B, Hq, Lq]: max, then 1 / sum
+  float* delta = nullptr;  // [B, Hq, Lq]: rowsum(dO ∘ O)
+  MaskPtr mask;
+  SoftmaxArgs a;  // Sq = Lq, Sk = Lk, scale, causal, dropout: causal_limit and the Philox indexing
+  int64_t B = 0, Hq = 0, Hk = 0, Lq = 0, Lk = 0, groups = 1;
+  int D = 0, Dv = 0;
+};
+
+// ------------------------------------------------------------------------------------------------
+// Device helpers
+// ------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float neg_inf() { return softmax_impl::sm_neg_inf<float>(); }
+
+// Max / sum over the 16 lanes of a half-warp (the 16 tx of one ty); every lane gets the result.
+// All 32 lanes must call it (the xor partners stay inside each half).
+__device__ __forceinline__ float half_warp_max(float v) {
+#pragma unroll
+  for (int m = 8; m > 0; m >>= 1) v = softmax_impl::sm_nan_max(v, __shfl_xor_sync(0xffffffffu, v, m));
+  return v;
+}
+
+__device__ __forceinline__ float half_warp_sum(float v) {
+#pragma unroll
+  for (int m = 8; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+
+// Dropout multiplier (0 or 1 / (1 - p); 1 without dropout) of probability element `idx`.
+__device__ __forceinline__ float drop_mult(const SoftmaxArgs& a, float keep_scale, uint64_t idx) {
+  return softmax_impl::sm_mult<float>(a.dropout, keep_scale, idx);
+}
+
+// Rows [row0, row0 + ROWS) of one [L, cols] matrix (row stride m.sl, from `base`) into dst[ROWS][kLd]
+// as float; zeros past `rows` rows and `cols` columns, up to kHead. Called by all threads.
+template <typename scalar_t, int ROWS, int kHead>
+__device__ __forceinline__ void load_tile(float* dst, const Mat<const scalar_t>& m, const scalar_t* base,
+                                          int64_t row0, int64_t rows, int cols) {
+  constexpr int kChunks = kHead / 4, kLd = Tiles<kHead>::kLd;
+  for (int e = threadIdx.x; e < ROWS * kChunks; e += kThreads) {
+    const int r = e / kChunks, c0 = (e % kChunks) * 4;
+    const int64_t row = row0 + r;
+    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (row < rows && c0 < cols) {
+      const scalar_t* src = base + row * m.sl + c0;
+      if (m.vec) {
+        const SmPack<scalar_t, 4> pk = *reinterpret_cast<const SmPack<scalar_t, 4>*>(src);
+        x = make_float4(static_cast<float>(pk.v[0]), static_cast<float>(pk.v[1]), static_cast<float>(pk.v[2]),
+                        static_cast<float>(pk.v[3]));
+      } else {
+        x.x = static_cast<float>(src[0]);
+        if (c0 + 1 < cols) x.y = static_cast<float>(src[1]);
+        if (c0 + 2 < cols) x.z = static_cast<float>(src[2]);
+        if (c0 + 3 < cols) x.w = static_cast<float>(src[3]);
+      }
+    }
+    *reinterpret_cast<float4*>(dst + r * kLd + c0) = x;
+  }
+}
+
+// acc[r][c] += sum_{d < K} A[ty * RM + r][d] * B[tx + 16 c][d]  (both row-major, K % 4 == 0)
+template <int RM, int CN, int K>
+__device__ __forceinline__ void tile_nt(const float* A, int lda, const float* B, int ldb, float (&acc)[RM][CN]) {
+  const float* a0 = A + (threadIdx.x >> 4) * RM * lda;
+  const float* b0 = B + (threadIdx.x & 15) * ldb;
+#pragma unroll 1
+  for (int d = 0; d < K; d += 4) {
+    float4 a[RM], b[CN];
+#pragma unroll
+    for (int r = 0; r < RM; ++r) a[r] = *reinterpret_cast<const float4*>(a0 + r * lda + d);
+#pragma unroll
+    for (int c = 0; c < CN; ++c) b[c] = *reinterpret_cast<const float4*>(b0 + c * 16 * ldb + d);
+#pragma unroll
+    for (int r = 0; r < RM; ++r) {
+#pragma unroll
+      for (int c = 0; c < CN; ++c) {
+        float s = acc[r][c];
+        s = fmaf(a[r].x, b[c].x, s);
+        s = fmaf(a[r].y, b[c].y, s);
+        s = fmaf(a[r].z, b[c].z, s);
+        s = fmaf(a[r].w, b[c].w, s);
+        acc[r][c] = s;
+      }
+    }
+  }
+}
+
+// acc[r][c] += sum_{k < K} P[ty * RM + r][k] * X[k][tx + 16 c]  (both row-major, K % 4 == 0)
+template <int RM, int CN, int K>
+__device__ __forceinline__ void tile_nn(const float* P, int ldp, const float* X, int ldx, float (&acc)[RM][CN]) {
+  const float* p0 = P + (threadIdx.x >> 4) * RM * ldp;
+  const float* x0 = X + (threadIdx.x & 15);
+#pragma unroll 1
+  for (int k = 0; k < K; k += 4) {
+    float4 p[RM];
+#pragma unroll
+    for (int r = 0; r < RM; ++r) p[r] = *reinterpret_cast<const float4*>(p0 + r * ldp + k);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      float x[CN];
+#pragma unroll
+      for (int c = 0; c < CN; ++c) x[c] = x0[(k + kk) * ldx + 16 * c];
+#pragma unroll
+      for (int r = 0; r < RM; ++r) {
+        const float pv = kk == 0 ? p[r].x : kk == 1 ? p[r].y : kk == 2 ? p[r].z : p[r].w;
+#pragma unroll
+        for (int c = 0; c < CN; ++c) acc[r][c] = fmaf(pv, x[c], acc[r][c]);
+      }
+    }
+  }
+}
+
+// Per-row data of a step's query rows, kept in shared memory so that the per-element passes hold
+// few registers: the causal limit (keys lim.. are hidden; 0 for rows past Lq and, in the backward,
+// for fully masked rows, which have no probabilities), the mask row offset, and in the backward the
+// forward's row max, 1 / sum and the row's delta.
+struct RowTable {
+  int64_t* lim;
+  int64_t* moff;
+  float* mx;
+  float* inv;
+  float* dl;
+
+  // The table of `rows` rows at `base` (8-byte aligned): 4 * rows floats, 7 * rows with stats.
+  __device__ __forceinline__ static RowTable at(float* base, int rows) {
+    RowTable t;
+    t.lim = reinterpret_cast<int64_t*>(base);
+    t.moff = t.lim + rows;
+    t.mx = reinterpret_cast<float*>(t.moff + rows);
+    t.inv = t.mx + rows;
+    t.dl = t.inv + rows;
+    return t;
+  }
+};
+
+// Fills the table for query rows i0 .. i0 + rows - 1 of (batch, head) bh. Called by all threads;
+// the caller synchronizes before the table is read.
+template <bool kStats, typename scalar_t>
+__device__ __forceinline__ void fill_rows(const Params<scalar_t>& P, const RowTable& t, int rows, int64_t bh,
+                                          int64_t i0) {
+  const int64_t N = P.B * P.Hq * P.Lq;
+  for (int x = threadIdx.x; x < rows; x += kThreads) {
+    const int64_t i = i0 + x, R = bh * P.Lq + i;
+    const bool valid = i < P.Lq;
+    int64_t lim = valid ? causal_limit(P.a, R) : 0;
+    if constexpr (kStats) {
+      const float mx = valid ? P.stats[R] : neg_inf();
+      if (mx == neg_inf()) lim = 0;  // fully masked (a NaN max still runs: NaN propagates)
+      t.mx[x] = mx;
+      t.inv[x] = valid ? P.stats[N + R] : 0.f;
+      t.dl[x] = valid ? P.delta[R] : 0.f;
+    }
+    t.lim[x] = lim;
+    t.moff[x] = (P.mask.data && valid) ? P.mask.idx.offset(R) : 0;
+  }
+}
+
+// Logit of score `s` at key j of the probability row whose mask row starts at moff (j below the
+// row's causal limit).
+template <typename scalar_t>
+__device__ __forceinline__ float logit(const Params<scalar_t>& P, float s, float scale, int64_t moff, int64_t j) {
+  float z = s * scale;
+  if (P.mask.data) z += softmax_impl::sm_mask_at<scalar_t, float>(P.mask, moff, j);
+  return z;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Forward (and the backward's delta pass)
+// ------------------------------------------------------------------------------------------------
+
+// kDelta = false: writes out and stats. kDelta = true: writes delta[R] = sum_d dO[R][d] * O[R][d]
+// (O as the forward computes it, before rounding to scalar_t).
+template <typename scalar_t, int kHead, bool kDelta>
+__global__ void __launch_bounds__(kThreads, 2) flash_fwd_kernel(const Params<scalar_t> P) {
+  using T = Tiles<kHead>;
+  constexpr int BM = T::kQ, BN = T::kK, RM = BM / 16, CN = BN / 16, NC = kHead / 16, LD = T::kLd, LDP = BN + 4;
+  extern __shared__ float4 dmfx_attn_smem[];
+  float* Qs = reinterpret_cast<float*>(dmfx_attn_smem);  // [BM][LD]
+  float* Ks = Qs + BM * LD;                               // [BN][LD]
+  float* Vs = Ks + BN * LD;                               // [BN][LD]
+  float* Ps = Vs + BN * LD;                               // [BM][LDP]: the dropped-out P of a step
+  const RowTable rows = RowTable::at(Ps + BM * LDP, BM);  // lim, moff
+  const int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
+  const float scale = static_cast<float>(P.a.scale), keep_scale = static_cast<float>(P.a.keep_scale);
+  const bool dropout = P.a.dropout.active;
+  const int64_t nqb = (P.Lq + BM - 1) / BM, items = P.B * P.Hq * nqb, N = P.B * P.Hq * P.Lq;
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {  // uniform per block
+    const int64_t bh = item / nqb, b = bh / P.Hq, h = bh % P.Hq, hk = h / P.groups;
+    const int64_t i0 = (item % nqb) * BM;
+    const int64_t R0 = bh * P.Lq + i0 + ty * RM;  // probability row of this thread's row r: R0 + r
+    __syncthreads();  // the previous item's reads of Qs and the row table are done
+    load_tile<scalar_t, BM, kHead>(Qs, P.q, P.q.at(b, h), i0, P.Lq, P.D);
+    fill_rows<false>(P, rows, BM, bh, i0);
+    float m[RM], l[RM], o[RM][NC];
+#pragma unroll
+    for (int r = 0; r < RM; ++r) {
+      m[r] = neg_inf();
+      l[r] = 0.f;
+#pragma unroll
+      for (int n = 0; n < NC; ++n) o[r][n] = 0.f;
+    }
+    // keys any row of the block sees: the causal limit of its last row
+    const int64_t kend = causal_limit(P.a, bh * P.Lq + (i0 + BM < P.Lq ? i0 + BM : P.Lq) - 1);
+    const scalar_t* kb = P.k.at(b, hk);
+    const scalar_t* vb = P.v.at(b, hk);
+    for (int64_t j0 = 0; j0 < kend; j0 += BN) {
+      __syncthreads();  // Ks, Vs, Ps free again (Qs and the row table visible on the first step)
+      load_tile<scalar_t, BN, kHead>(Ks, P.k, kb, j0, P.Lk, P.D);
+      load_tile<scalar_t, BN, kHead>(Vs, P.v, vb, j0, P.Lk, P.Dv);
+      __syncthreads();
+      float s[RM][CN];
+#pragma unroll
+      for (int r = 0; r < RM; ++r)
+#pragma unroll
+        for (int c = 0; c < CN; ++c) s[r][c] = 0.f;
+      tile_nt<RM, CN, kHead>(Qs, LD, Ks, LD, s);
+#pragma unroll
+      for (int r = 0; r < RM; ++r) {
+        const int64_t lim = rows.lim[ty * RM + r], moff = rows.moff[ty * RM + r];
+        float tmax = neg_inf();
+#pragma unroll
+        for (int c = 0; c < CN; ++c) {
+          const int64_t j = j0 + tx + 16 * c;
+          s[r][c] = j < lim ? logit(P, s[r][c], scale, moff, j) : neg_inf();
+          tmax = softmax_impl::sm_nan_max(tmax, s[r][c]);
+        }
+        tmax = half_warp_max(tmax);
+        const float mnew = softmax_impl::sm_nan_max(m[r], tmax);
+        // while everything so far is masked (mnew = -inf) subtract 0: exp(-inf) = 0, never NaN
+        const float msub = mnew == neg_inf() ? 0.f : mnew;
+        const float alpha = softmax_impl::sm_exp(m[r] - msub);  // 0 while m[r] = -inf
+        float tsum = 0.f;
+#pragma unroll
+        for (int c = 0; c < CN; ++c) {
+          const int64_t j = j0 + tx + 16 * c;
+          const float e = softmax_impl::sm_exp(s[r][c] - msub);
+          tsum += e;
+          const float pd = dropout ? e * drop_mult(P.a, keep_scale, static_cast<uint64_t>((R0 + r) * P.Lk + j)) : e;
+          Ps[(ty * RM + r) * LDP + tx + 16 * c] = pd;
+        }
+        tsum = half_warp_sum(tsum);
+        l[r] = l[r] * alpha + tsum;
+        m[r] = mnew;
+#pragma unroll
+        for (int n = 0; n < NC; ++n) o[r][n] *= alpha;
+      }
+      __syncthreads();
+      tile_nn<RM, NC, BN>(Ps, LDP, Vs, LD, o);
+    }
+#pragma unroll
+    for (int r = 0; r < RM; ++r) {
+      const int64_t i = i0 + ty * RM + r;
+      const bool empty = !(m[r] != neg_inf());  // fully masked (NaN is not empty: it propagates)
+      const float inv = empty ? 0.f : 1.f / l[r];
+      if constexpr (kDelta) {
+        float dot = 0.f;
+        if (i < P.Lq && !empty) {
+          const scalar_t* g = P.go.at(b, h) + i * P.go.sl;
+#pragma unroll
+          for (int n = 0; n < NC; ++n) {
+            const int col = tx + 16 * n;
+            if (col < P.Dv) dot += o[r][n] * inv * static_cast<float>(g[col]);
+          }
+        }
+        dot = half_warp_sum(dot);
+        if (tx == 0 && i < P.Lq) P.delta[R0 + r] = dot;
+      } else {
+        if (i < P.Lq) {
+          scalar_t* orow = P.out.at(b, h) + i * P.out.sl;
+#pragma unroll
+          for (int n = 0; n < NC; ++n) {
+            const int col = tx + 16 * n;
+            if (col < P.Dv) orow[col] = static_cast<scalar_t>(empty ? 0.f : o[r][n] * inv);
+          }
+          if (tx == 0) {
+            P.stats[R0 + r] = empty ? neg_inf() : m[r];
+            P.stats[N + R0 + r] = inv;
+          }
+        }
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Backward: dQ
+// ------------------------------------------------------------------------------------------------
+
+template <typename scalar_t, int kHead>
+__global__ void __launch_bounds__(kThreads, 2) flash_bwd_dq_kernel(const Params<scalar_t> P) {
+  using T = Tiles<kHead>;
+  constexpr int BM = T::kQ, BN = T::kK, RM = BM / 16, CN = BN / 16, NC = kHead / 16, LD = T::kLd, LDS = BN + 4;
+  extern __shared__ float4 dmfx_attn_smem[];
+  float* Qs = reinterpret_cast<float*>(dmfx_attn_smem);  // [BM][LD]
+  float* Gs = Qs + BM * LD;                               // [BM][LD]: dO
+  float* Ks = Gs + BM * LD;                               // [BN][LD]
+  float* Vs = Ks + BN * LD;                               // [BN][LD]
+  float* Ss = Vs + BN * LD;                               // [BM][LDS]: dS of a step
+  const RowTable rows = RowTable::at(Ss + BM * LDS, BM);
+  const int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
+  const float scale = static_cast<float>(P.a.scale), keep_scale = static_cast<float>(P.a.keep_scale);
+  const bool dropout = P.a.dropout.active;
+  const int64_t nqb = (P.Lq + BM - 1) / BM, items = P.B * P.Hq * nqb;
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const int64_t bh = item / nqb, b = bh / P.Hq, h = bh % P.Hq, hk = h / P.groups;
+    const int64_t i0 = (item % nqb) * BM;
+    const int64_t R0 = bh * P.Lq + i0 + ty * RM;
+    __syncthreads();  // the previous item's reads of Qs, Gs and the row table are done
+    load_tile<scalar_t, BM, kHead>(Qs, P.q, P.q.at(b, h), i0, P.Lq, P.D);
+    load_tile<scalar_t, BM, kHead>(Gs, P.go, P.go.at(b, h), i0, P.Lq, P.Dv);
+    fill_rows<true>(P, rows, BM, bh, i0);
+    float acc[RM][NC];
+#pragma unroll
+    for (int r = 0; r < RM; ++r)
+#pragma unroll
+      for (int n = 0; n < NC; ++n) acc[r][n] = 0.f;
+    const int64_t kend = causal_limit(P.a, bh * P.Lq + (i0 + BM < P.Lq ? i0 + BM : P.Lq) - 1);
+    const scalar_t* kb = P.k.at(b, hk);
+    const scalar_t* vb = P.v.at(b, hk);
+    for (int64_t j0 = 0; j0 < kend; j0 += BN) {
+      __syncthreads();  // Ks, Vs, Ss free again (Qs, Gs and the row table visible on the first step)
+      load_tile<scalar_t, BN, kHead>(Ks, P.k, kb, j0, P.Lk, P.D);
+      load_tile<scalar_t, BN, kHead>(Vs, P.v, vb, j0, P.Lk, P.Dv);
+      __syncthreads();
+      float s[RM][CN], dp[RM][CN];
+#pragma unroll
+      for (int r = 0; r < RM; ++r)
+#pragma unroll
+        for (int c = 0; c < CN; ++c) s[r][c] = dp[r][c] = 0.f;
+      tile_nt<RM, CN, kHead>(Qs, LD, Ks, LD, s);
+      tile_nt<RM, CN, kHead>(Gs, LD, Vs, LD, dp);
+#pragma unroll
+      for (int r = 0; r < RM; ++r) {
+        const int x = ty * RM + r;
+        const int64_t lim = rows.lim[x], moff = rows.moff[x];
+        const float mx = rows.mx[x], inv = rows.inv[x], dl = rows.dl[x];
+#pragma unroll
+        for (int c = 0; c < CN; ++c) {
+          const int64_t j = j0 + tx + 16 * c;
+          float ds = 0.f;
+          if (j < lim) {
+            const float p = softmax_impl::sm_exp(logit(P, s[r][c], scale, moff, j) - mx) * inv;
+            const float g =
+                dropout ? dp[r][c] * drop_mult(P.a, keep_scale, static_cast<uint64_t>((R0 + r) * P.Lk + j)) : dp[r][c];
+            ds = scale * p * (g - dl);
+          }
+          Ss[x * LDS + tx + 16 * c] = ds;
+        }
+      }
+      __syncthreads();
+      tile_nn<RM, NC, BN>(Ss, LDS, Ks, LD, acc);
+    }
+#pragma unroll
+    for (int r = 0; r < RM; ++r) {
+      const int64_t i = i0 + ty * RM + r;
+      if (i >= P.Lq) continue;
+      scalar_t* row = P.dq.at(b, h) + i * P.dq.sl;
+#pragma unroll
+      for (int n = 0; n < NC; ++n) {
+        const int col = tx + 16 * n;
+        if (col < P.D) row[col] = static_cast<scalar_t>(acc[r][n]);
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Backward: dK and dV
+// ------------------------------------------------------------------------------------------------
+
+template <typename scalar_t, int kHead>
+__global__ void __launch_bounds__(kThreads, 2) flash_bwd_dkdv_kernel(const Params<scalar_t> P) {
+  using T = Tiles<kHead>;
+  // tile rows are keys (RM per thread), tile columns queries (CN per thread)
+  constexpr int BN = T::kKeys, BM = T::kQStep, RM = BN / 16, CN = BM / 16, NC = kHead / 16, LD = T::kLd,
+                LDT = BM + 4;
+  extern __shared__ float4 dmfx_attn_smem[];
+  float* Ks = reinterpret_cast<float*>(dmfx_attn_smem);  // [BN][LD]
+  float* Vs = Ks + BN * LD;                               // [BN][LD]
+  float* Qs = Vs + BN * LD;                               // [BM][LD]
+  float* Gs = Qs + BM * LD;                               // [BM][LD]: dO
+  float* Ts = Gs + BM * LD;                               // [BN][LDT]: P_droppedᵀ, then dSᵀ
+  const RowTable rows = RowTable::at(Ts + BN * LDT, BM);  // the step's query rows
+  const int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
+  const float scale = static_cast<float>(P.a.scale), keep_scale = static_cast<float>(P.a.keep_scale);
+  const bool dropout = P.a.dropout.active;
+  const int64_t nkb = (P.Lk + BN - 1) / BN, items = P.B * P.Hk * nkb;
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const int64_t bk = item / nkb, b = bk / P.Hk, hk = bk % P.Hk;
+    const int64_t j0 = (item % nkb) * BN;
+    __syncthreads();  // the previous item's reads of Ks and Vs are done
+    load_tile<scalar_t, BN, kHead>(Ks, P.k, P.k.at(b, hk), j0, P.Lk, P.D);
+    load_tile<scalar_t, BN, kHead>(Vs, P.v, P.v.at(b, hk), j0, P.Lk, P.Dv);
+    float dk[RM][NC], dv[RM][NC];
+#pragma unroll
+    for (int r = 0; r < RM; ++r)
+#pragma unroll
+      for (int n = 0; n < NC; ++n) dk[r][n] = dv[r][n] = 0.f;
+    // causal: query i sees key j0 iff j0 < i + (Lk - Lq) + 1 (causal_limit), so rows before
+    // j0 - (Lk - Lq) see none of this block's keys
+    const int64_t first = (P.a.causal && j0 > P.Lk - P.Lq) ? j0 - (P.Lk - P.Lq) : 0;
+    for (int64_t h = hk * P.groups; h < (hk + 1) * P.groups; ++h) {
+      const int64_t bh = b * P.Hq + h;
+      const scalar_t* qb = P.q.at(b, h);
+      const scalar_t* gb = P.go.at(b, h);
+      for (int64_t i0 = first / BM * BM; i0 < P.Lq; i0 += BM) {
+        __syncthreads();  // Qs, Gs, Ts and the row table free again (Ks, Vs visible on the first step)
+        load_tile<scalar_t, BM, kHead>(Qs, P.q, qb, i0, P.Lq, P.D);
+        load_tile<scalar_t, BM, kHead>(Gs, P.go, gb, i0, P.Lq, P.Dv);
+        fill_rows<true>(P, rows, BM, bh, i0);
+        __syncthreads();
+        float s[RM][CN], dp[RM][CN];
+#pragma unroll
+        for (int r = 0; r < RM; ++r)
+#pragma unroll
+          for (int c = 0; c < CN; ++c) s[r][c] = dp[r][c] = 0.f;
+        tile_nt<RM, CN, kHead>(Ks, LD, Qs, LD, s);   // Sᵀ
+        tile_nt<RM, CN, kHead>(Vs, LD, Gs, LD, dp);  // dPᵀ (before dropout)
+#pragma unroll
+        for (int c = 0; c < CN; ++c) {
+          const int x = tx + 16 * c;  // query row i0 + x
+          const int64_t lim = rows.lim[x], moff = rows.moff[x], R = bh * P.Lq + i0 + x;
+          const float mx = rows.mx[x], inv = rows.inv[x], dl = rows.dl[x];
+#pragma unroll
+          for (int r = 0; r < RM; ++r) {
+            const int64_t j = j0 + ty * RM + r;
+            float pd = 0.f, ds = 0.f;
+            if (j < lim) {  // lim <= Lk: keys past Lk, rows past Lq and fully masked rows skip
+              const float p = softmax_impl::sm_exp(logit(P, s[r][c], scale, moff, j) - mx) * inv;
+              const float mult = dropout ? drop_mult(P.a, keep_scale, static_cast<uint64_t>(R * P.Lk + j)) : 1.f;
+              pd = p * mult;
+              ds = scale * p * (dp[r][c] * mult - dl);
+            }
+            Ts[(ty * RM + r) * LDT + x] = pd;
+            s[r][c] = ds;  // kept for the dK product
+          }
+        }
+        __syncthreads();
+        tile_nn<RM, NC, BM>(Ts, LDT, Gs, LD, dv);
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < RM; ++r)
+#pragma unroll
+          for (int c = 0; c < CN; ++c) Ts[(ty * RM + r) * LDT + tx + 16 * c] = s[r][c];
+        __syncthreads();
+        tile_nn<RM, NC, BM>(Ts, LDT, Qs, LD, dk);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < RM; ++r) {
+      const int64_t j = j0 + ty * RM + r;
+      if (j >= P.Lk) continue;
+      scalar_t* krow = P.dk.at(b, hk) + j * P.dk.sl;
+      scalar_t* vrow = P.dv.at(b, hk) + j * P.dv.sl;
+#pragma unroll
+      for (int n = 0; n < NC; ++n) {
+        const int col = tx + 16 * n;
+        if (col < P.D) krow[col] = static_cast<scalar_t>(dk[r][n]);
+        if (col < P.Dv) vrow[col] = static_cast<scalar_t>(dv[r][n]);
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host side
+// ------------------------------------------------------------------------------------------------
+
+struct Shapes {
+  int64_t B, Hq, Hk, Lq, Lk, D, Dv, groups;
+};
+
+inline Shapes check(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  for (const auto* t : {&q, &k, &v}) {
+    TORCH_CHECK(t->device().is_cuda(), "dmfx::", op, ": this is the CUDA kernel but an input is on ", t->device());
+    TORCH_CHECK(t->device() == q.device(), "dmfx::", op, ": q, k and v must be on one device, got ", q.device(),
+                " and ", t->device());
+    TORCH_CHECK(t->dim() == 4, "dmfx::", op, ": q, k and v must be 4-D [B, H, L, D], got shape ", t->sizes());
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "dmfx::", op, ": q, k and v must have one dtype");
+    TORCH_CHECK(t->size(3) <= 1 || t->stride(3) == 1, "dmfx::", op,
+                ": q, k and v need a unit stride in the head dim, got strides ", t->strides());
+  }
+  const auto st = q.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kHalf || st == at::kBFloat16, "dmfx::", op,
+              ": the fused CUDA attention takes float32, float16 or bfloat16, got ", st);
+  Shapes s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3), 1};
+  TORCH_CHECK(k.size(0) == s.B && v.size(0) == s.B && v.size(1) == s.Hk && v.size(2) == s.Lk &&
+                  k.size(3) == s.D && s.Hk > 0 && s.Hq % s.Hk == 0,
+              "dmfx::", op, ": q ", q.sizes(), ", k ", k.sizes(), " and v ", v.sizes(),
+              " do not fit [B, Hq, Lq, D], [B, Hk, Lk, D], [B, Hk, Lk, Dv] with Hq a multiple of Hk");
+  TORCH_CHECK(s.D <= kMaxHead && s.Dv <= kMaxHead, "dmfx::", op,
+              ": the fused CUDA attention takes head dims up to ", kMaxHead, ", got D = ", s.D, " and Dv = ", s.Dv,
+              " (dmfx.cuda_ops.attention runs the unfused form for larger heads)");
+  s.groups = s.Hq / s.Hk;
+  return s;
+}
+
+inline void check_out(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef shape,
+                      const at::Tensor& like) {
+  TORCH_CHECK(t.sizes() == shape && t.scalar_type() == like.scalar_type() && t.device() == like.device(),
+              "dmfx::", op, ": ", name, " must be a ", like.scalar_type(), " tensor of shape ", shape, " on ",
+              like.device(), ", got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
+  TORCH_CHECK(t.size(3) <= 1 || t.stride(3) == 1, "dmfx::", op, ": ", name, " needs a unit last-dim stride");
+}
+
+inline SoftmaxArgs row_args(const Shapes& s, double scale, bool causal, int64_t seed, int64_t offset, double p) {
+  TORCH_CHECK(std::isfinite(scale), "dmfx::attention: scale must be finite, got ", scale);
+  softmax_impl::check_p_range("attention", p);
+  SoftmaxArgs a;
+  a.Sk = s.Lk;
+  a.Sq = s.Lq;
+  a.rows = s.B * s.Hq * s.Lq;
+  a.scale = scale;
+  a.causal = causal;
+  a.dropout = make_dropout_params(p, seed, offset);
+  a.keep_scale = a.dropout.scale;
+  return a;
+}
+
+// The mask as the softmax kernels read it, broadcast to the [B, Hq, Lq, Lk] scores.
+inline MaskView mask_view(const char* op, const c10::optional<at::Tensor>& mask, const Shapes& s,
+                          const at::Tensor& q) {
+  return softmax_impl::prepare_mask(op, mask, at::empty({1}, q.options()).expand({s.B, s.Hq, s.Lq, s.Lk}));
+}
+
+// 4-wide loads of `cols` columns: every row of t starts on a 4-element boundary.
+inline bool vec_rows(const at::Tensor& t, int64_t cols) {
+  if (cols % 4 != 0 || reinterpret_cast<uintptr_t>(t.data_ptr()) % (4 * t.element_size()) != 0) return false;
+  for (int d = 0; d < 3; ++d)
+    if (t.size(d) > 1 && t.stride(d) % 4 != 0) return false;
+  return true;
+}
+
+template <typename T>
+Mat<T> mat(const at::Tensor& t, int64_t cols) {
+  Mat<T> m;
+  m.p = static_cast<T*>(t.data_ptr());
+  m.sb = t.stride(0);
+  m.sh = t.stride(1);
+  m.sl = t.stride(2);
+  m.vec = vec_rows(t, cols);
+  return m;
+}
+
+template <typename scalar_t>
+Params<scalar_t> make_params(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Tensor& q,
+                             const at::Tensor& k, const at::Tensor& v) {
+  Params<scalar_t> P;
+  P.q = mat<const scalar_t>(q, s.D);
+  P.k = mat<const scalar_t>(k, s.D);
+  P.v = mat<const scalar_t>(v, s.Dv);
+  P.mask.data = mv.t.defined() ? mv.t.data_ptr() : nullptr;
+  P.mask.kind = mv.kind;
+  P.mask.col_stride = mv.col_stride;
+  P.mask.idx = mv.idx;
+  P.a = a;
+  P.B = s.B;
+  P.Hq = s.Hq;
+  P.Hk = s.Hk;
+  P.Lq = s.Lq;
+  P.Lk = s.Lk;
+  P.groups = s.groups;
+  P.D = static_cast<int>(s.D);
+  P.Dv = static_cast<int>(s.Dv);
+  return P;
+}
+
+// Calls f(scalar_t{}) for the dtypes of the kernels (check() rejects the others).
+template <typename F>
+void with_dtype(at::ScalarType st, F&& f) {
+  switch (st) {
+    case at::kFloat: f(float{}); break;
+    case at::kHalf: f(at::Half{}); break;
+    case at::kBFloat16: f(at::BFloat16{}); break;
+    default: TORCH_CHECK(false, "dmfx::flash attention: internal error: dtype ", st);
+  }
+}
+
+// Calls f(std::integral_constant<int, kHead>) with kHead the padded head dim of max(D, Dv).
+template <typename F>
+void with_head(int64_t head, F&& f) {
+  if (head <= 32) {
+    f(std::integral_constant<int, 32>{});
+  } else if (head <= 64) {
+    f(std::integral_constant<int, 64>{});
+  } else if (head <= 96) {
+    f(std::integral_constant<int, 96>{});
+  } else {
+    f(std::integral_constant<int, 128>{});
+  }
+}
+
+// Launches `kernel` over `items` blocks (grid-stride beyond kMaxGrid) with `floats` of dynamic shared
+// memory, opting in above the 48 KB default.
+template <typename Kernel, typename Arg>
+void launch(Kernel kernel, int64_t items, size_t floats, const Arg& P) {
+  if (items == 0) return;
+  const size_t smem = floats * sizeof(float);
+  int optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, c10::cuda::current_device()));
+  TORCH_CHECK(smem <= static_cast<size_t>(optin), "dmfx::flash attention: the CUDA kernel needs ", smem,
+              " bytes of shared memory per block, this GPU offers ", optin,
+              " (dmfx.cuda_ops.attention.flash_supported should have chosen the unfused form)");
+  if (smem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  }
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(items, kMaxGrid));
+  kernel<<<grid, kThreads, smem, softmax_impl::sm_stream()>>>(P);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename scalar_t, int kHead, bool kDelta>
+void launch_fwd(const Params<scalar_t>& P) {
+  const int64_t items = P.B * P.Hq * ((P.Lq + Tiles<kHead>::kQ - 1) / Tiles<kHead>::kQ);
+  launch(flash_fwd_kernel<scalar_t, kHead, kDelta>, items, Tiles<kHead>::fwd_floats, P);
+}
+
+}  // namespace attention_impl
+
+// ------------------------------------------------------------------------------------------------
+// Entry points (same signatures, checks and outputs as attention_cpu.cpp; stats are float32)
+// ------------------------------------------------------------------------------------------------
+
+at::Tensor flash_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const c10::optional<at::Tensor>& mask, double scale, bool causal, int64_t seed,
+                          int64_t offset, double p, at::Tensor out) {
+  using namespace attention_impl;
+  const Shapes s = check("flash_fwd", q, k, v);
+  check_out("flash_fwd", "out", out, {s.B, s.Hq, s.Lq, s.Dv}, q);
+  const SoftmaxArgs a = row_args(s, scale, causal, seed, offset, p);
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  at::Tensor stats = at::empty({2, s.B, s.Hq, s.Lq}, q.options().dtype(at::kFloat));
+  if (s.B * s.Hq * s.Lq == 0) return stats;
+  if (s.Lk == 0) {
+    out.zero_();
+    stats[0].fill_(-std::numeric_limits<double>::infinity());
+    stats[1].zero_();
+    return stats;
+  }
+  const MaskView mv = mask_view("flash_fwd", mask, s, q);
+  with_dtype(q.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    Params<scalar_t> P = make_params<scalar_t>(s, a, mv, q, k, v);
+    P.out = mat<scalar_t>(out, s.Dv);
+    P.stats = stats.data_ptr<float>();
+    with_head(std::max(s.D, s.Dv), [&](auto head) { launch_fwd<scalar_t, decltype(head)::value, false>(P); });
+  });
+  return stats;
+}
+
+void flash_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& stats, const c10::optional<at::Tensor>& mask, double scale, bool causal,
+                    int64_t seed, int64_t offset, double p, at::Tensor dq, at::Tensor dk, at::Tensor dv,
+                    const c10::optional<at::Tensor>& bias_part) {
+  using namespace attention_impl;
+  const Shapes s = check("flash_bwd", q, k, v);
+  check_out("flash_bwd", "grad_out", grad_out, {s.B, s.Hq, s.Lq, s.Dv}, q);
+  check_out("flash_bwd", "dq", dq, q.sizes(), q);
+  check_out("flash_bwd", "dk", dk, k.sizes(), q);
+  check_out("flash_bwd", "dv", dv, v.sizes(), q);
+  TORCH_CHECK(stats.sizes() == at::IntArrayRef({2, s.B, s.Hq, s.Lq}) && stats.is_contiguous() &&
+                  stats.scalar_type() == at::kFloat && stats.device() == q.device(),
+              "dmfx::flash_bwd: stats must be the forward's contiguous float32 [2, B, Hq, Lq] row statistics on ",
+              q.device(), ", got ", stats.scalar_type(), " ", stats.sizes(), " on ", stats.device());
+  if (bias_part) {
+    TORCH_CHECK(s.groups == 1, "dmfx::flash_bwd: bias gradients need as many key/value heads as query heads");
+    const auto& bp = *bias_part;
+    TORCH_CHECK(bp.sizes() == at::IntArrayRef({3, s.B, s.Hq, s.D}) && bp.is_contiguous() &&
+                    bp.scalar_type() == q.scalar_type() && bp.device() == q.device() && s.D == s.Dv,
+                "dmfx::flash_bwd: bias_part must be a contiguous [3, B, H, D] tensor of q's dtype, got ", bp.sizes());
+  }
+  const SoftmaxArgs a = row_args(s, scale, causal, seed, offset, p);
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  if (s.B * s.Hk == 0) return;
+  if (s.Lq == 0 || s.Lk == 0) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    if (bias_part) bias_part->zero_();
+    return;
+  }
+  const MaskView mv = mask_view("flash_bwd", mask, s, q);
+  at::Tensor delta = at::empty({s.B, s.Hq, s.Lq}, q.options().dtype(at::kFloat));
+  with_dtype(q.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    Params<scalar_t> P = make_params<scalar_t>(s, a, mv, q, k, v);
+    P.go = mat<const scalar_t>(grad_out, s.Dv);
+    P.dq = mat<scalar_t>(dq, s.D);
+    P.dk = mat<scalar_t>(dk, s.D);
+    P.dv = mat<scalar_t>(dv, s.Dv);
+    P.stats = const_cast<float*>(stats.data_ptr<float>());  // read only
+    P.delta = delta.data_ptr<float>();
+    with_head(std::max(s.D, s.Dv), [&](auto head) {
+      constexpr int kHead = decltype(head)::value;
+      using T = Tiles<kHead>;
+      launch_fwd<scalar_t, kHead, true>(P);  // delta
+      launch(flash_bwd_dq_kernel<scalar_t, kHead>, s.B * s.Hq * ((s.Lq + T::kQ - 1) / T::kQ), T::dq_floats, P);
+      launch(flash_bwd_dkdv_kernel<scalar_t, kHead>, s.B * s.Hk * ((s.Lk + T::kKeys - 1) / T::kKeys), T::dkdv_floats,
+             P);
+    });
+  });
+  if (bias_part) {  // [3, B, H, D]: each (batch, head)'s column sums of dq, dk, dv (groups == 1)
+    for (int64_t t = 0; t < 3; ++t) {
+      at::Tensor part = bias_part->select(0, t);
+      at::sum_out(part, t == 0 ? dq : t == 1 ? dk : dv, {2});
+    }
+  }
+}
+
+}  // namespace dmfx

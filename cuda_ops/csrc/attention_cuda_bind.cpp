@@ -1,0 +1,30 @@
+// Python bindings of the fused ("flash") attention CUDA kernels (implemented in attention_cuda.cu). The
+// functions have the same names, arguments and semantics as the CPU functions in attention_cpu.cpp
+// (flash_use_blas, a switch of the CPU kernels' GEMMs, has no CUDA twin); stats are float32.
+#include <torch/extension.h>
+
+namespace dmfx {
+
+at::Tensor flash_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const c10::optional<at::Tensor>& mask, double scale, bool causal, int64_t seed,
+                          int64_t offset, double p, at::Tensor out);
+
+void flash_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& stats, const c10::optional<at::Tensor>& mask, double scale, bool causal,
+                    int64_t seed, int64_t offset, double p, at::Tensor dq, at::Tensor dk, at::Tensor dv,
+                    const c10::optional<at::Tensor>& bias_part);
+
+void bind_attention(pybind11::module_& m) {
+  m.def("flash_fwd", &flash_fwd_cuda,
+        "fused attention forward, scores kept on chip (CUDA); writes out, returns the row statistics",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"), pybind11::arg("scale"),
+        pybind11::arg("causal"), pybind11::arg("seed"), pybind11::arg("offset"), pybind11::arg("p"),
+        pybind11::arg("out"));
+  m.def("flash_bwd", &flash_bwd_cuda, "fused attention backward (CUDA); writes dq, dk and dv in place",
+        pybind11::arg("grad_out"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("stats"),
+        pybind11::arg("mask"), pybind11::arg("scale"), pybind11::arg("causal"), pybind11::arg("seed"),
+        pybind11::arg("offset"), pybind11::arg("p"), pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"),
+        pybind11::arg("bias_part") = pybind11::none());
+}
+
+}  // namespace dmfx
