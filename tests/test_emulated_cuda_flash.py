@@ -156,10 +156,11 @@ def test_dropout_everything(emu, cpu):
 @pytest.mark.parametrize("args", [(2, 4, 2, 70, 130, 64, 64, "padding", True, 0.2, F32),
                                   (1, 2, 2, 40, 40, 128, 128, "bool", False, 0.1, BF16)])
 def test_results_do_not_depend_on_scheduling(emu, cpu, args):
-    """Threads run in order, reversed or shuffled at every barrier, on 1 to 1000 blocks: the same bits
-    (a read of shared memory another thread writes in the same phase would show here)."""
+    """Threads run in order, reversed or shuffled at every barrier, or warp by warp (each to its next
+    __syncthreads), on 1 to 1000 blocks: the same bits (a read of shared memory another thread writes
+    in the same phase would show here)."""
     ref = _case(emu, cpu, *args, order=0, grid=3)
-    for order, grid in ((1, 1), (2, 2), (2, 1000)):
+    for order, grid in ((1, 1), (2, 2), (2, 1000), (3, 2), (5, 3)):
         got = _case(emu, cpu, *args, order=order, grid=grid)
         assert all(torch.equal(a, b) for a, b in zip(got, ref)), (order, grid)
 
