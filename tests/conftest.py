@@ -21,6 +21,22 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None)
     return (a - b).norm().item() / max(denom, 1e-30)
 
 
+def assert_kernel_close(actual: torch.Tensor, expected: torch.Tensor, tol: tuple[float, float], what: str,
+                        same_dtype: bool = True) -> None:
+    """A kernel's output against its reference (the CPU twin of a CUDA kernel, on any device): the
+    same shape (and dtype), values within `tol` = (rtol, atol), atol scaled by the reference's
+    magnitude (1 + max |expected|). `what` names the case in the failure."""
+    actual, expected = actual.detach().cpu(), expected.detach().cpu()
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if same_dtype:
+        assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    if expected.numel() == 0:
+        return
+    rtol, atol = tol
+    a, e = actual.double(), expected.double()
+    torch.testing.assert_close(a, e, rtol=rtol, atol=atol * (1.0 + e.abs().max().item()), msg=lambda m: f"{what}: {m}")
+
+
 def tiny_bert_layer():
     """An HF BertLayer (hidden 32, 4 heads, eager attention, dropout off) in train mode, and a copy."""
     import copy

@@ -34,6 +34,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import assert_kernel_close
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 DEVICE = "cuda"
@@ -161,16 +163,7 @@ def run_norm(ext, t, *, p, rms, return_sum, mask, seed=SEED, offset=OFFSET):
 
 def assert_close(actual, expected, tol, what):
     """Values close with rtol and a magnitude-scaled atol (see module docstring); shapes equal."""
-    actual = actual.detach().cpu()
-    expected = expected.detach().cpu()
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    if expected.numel() == 0:
-        return
-    rtol, atol = tol
-    actual, expected = actual.to(torch.float64), expected.to(torch.float64)
-    scale = 1.0 + expected.abs().max().item()
-    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol * scale,
-                               msg=lambda m: f"{what}: {m}")
+    assert_kernel_close(actual, expected, tol, what, same_dtype=False)
 
 
 def assert_same_layout(cuda_res: dict, cpu_res: dict, what: str):

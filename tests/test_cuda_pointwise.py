@@ -25,6 +25,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import assert_kernel_close as assert_close
+
 from dmfx.cuda_ops import build
 from dmfx.cuda_ops import pointwise as P
 
@@ -52,17 +54,6 @@ def cpu_ext():
 @pytest.fixture(scope="module")
 def cuda_ext():
     return build.load("cuda")
-
-
-def assert_close(actual, expected, tol, what):
-    actual, expected = actual.detach().cpu(), expected.detach().cpu()
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
-    if expected.numel() == 0:
-        return
-    rtol, atol = tol
-    a, e = actual.double(), expected.double()
-    torch.testing.assert_close(a, e, rtol=rtol, atol=atol * (1.0 + e.abs().max().item()), msg=lambda m: f"{what}: {m}")
 
 
 def activation(rows, N, dtype, layout, gen, device, positive=False):

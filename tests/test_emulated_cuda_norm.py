@@ -15,6 +15,8 @@ import sys
 import pytest
 import torch
 
+from conftest import assert_kernel_close as assert_close
+
 if not sys.platform.startswith("linux"):  # (ucontext fibers)
     pytest.skip("the CUDA emulation needs Linux", allow_module_level=True)
 
@@ -102,16 +104,6 @@ def run_norm(ext, t, *, p, rms, return_sum, mask, dy2=None):
     grads = ext.norm_bwd(t["dy"], t["grad_sum"], t["x"], t["bias"], t["residual"], t["weight"],
                          None if rms else mean, rstd, SEED, OFFSET, p, rms, mask, dy2)
     return dict(zip(NAMES, [out, s, mean, rstd, *grads]))
-
-
-def assert_close(actual, expected, tol, what):
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
-    if expected.numel() == 0:
-        return
-    rtol, atol = tol
-    a, e = actual.double(), expected.double()
-    torch.testing.assert_close(a, e, rtol=rtol, atol=atol * (1.0 + e.abs().max().item()), msg=lambda m: f"{what}: {m}")
 
 
 def check(cpu, emu, rows, H, dtype, rms, p, combo, layout="contiguous", seed=0):

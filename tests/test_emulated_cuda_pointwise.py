@@ -15,6 +15,8 @@ import sys
 import pytest
 import torch
 
+from conftest import assert_kernel_close as assert_close
+
 if not sys.platform.startswith("linux"):  # (ucontext fibers)
     pytest.skip("the CUDA emulation needs Linux", allow_module_level=True)
 
@@ -44,17 +46,6 @@ def emu():
 @pytest.fixture(scope="module")
 def cpu():
     return build.load("cpu")
-
-
-def assert_close(actual, expected, tol, what):
-    assert actual.device.type == "cpu", what
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
-    if expected.numel() == 0:
-        return
-    rtol, atol = tol
-    a, e = actual.double(), expected.double()
-    torch.testing.assert_close(a, e, rtol=rtol, atol=atol * (1.0 + e.abs().max().item()), msg=lambda m: f"{what}: {m}")
 
 
 def activation(rows, N, dtype, layout, gen, positive=False):
