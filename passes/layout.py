@@ -304,12 +304,23 @@ def build_problem(gm: GraphModule, prices: BytesPrices | None = None) -> tuple[L
     return p, model
 
 
-def _why_kept(p: LayoutProblem, n: Node, cost: float, prices: BytesPrices) -> str:
+def _why_kept(p: LayoutProblem, n: Node, assignment: dict, prices: BytesPrices) -> str:
     """Why the copy `n` stays: what the best assignment without it costs (the search re-run with the
-    copy dropped), against `cost`."""
-    without = LayoutProblem(domains={**p.domains, n: [DROP]}, factors=p.factors)
+    copy dropped), against the chosen one. Only the part of the problem connected to `n` is re-run
+    (the rest cannot change): a model keeps many small independent copies (LLaMA's repeat_kv)."""
+    component, frontier = {n}, [n]
+    while frontier:
+        v = frontier.pop()
+        for f in p.factors:
+            if v in f.vars:
+                new = set(f.vars) - component
+                component |= new
+                frontier.extend(new)
+    factors = [f for f in p.factors if component & set(f.vars)]
+    part = LayoutProblem(domains={v: p.domains[v] for v in component}, factors=factors)
+    cost = part.cost_of({v: assignment[v] for v in component})
     try:
-        c = solve(without).cost
+        c = solve(LayoutProblem(domains={**part.domains, n: [DROP]}, factors=factors)).cost
     except (Infeasible, SearchTooWide):
         c = INF
     return "layout search kept this copy: " + (
@@ -372,7 +383,7 @@ def choose_layouts(gm: GraphModule, ctx: PassContext, name: str = "layout") -> N
     traced = {n: _traced_choice(model, n) for n in model.vars}
     if p.cost_of(traced) <= sol.cost + prices.min_gain:  # nothing cheaper than the graph as traced: change nothing
         sol.assignment, sol.cost = traced, p.cost_of(traced)
-    kept = {n: _why_kept(p, n, sol.cost, prices) for n in model.vars if sol.assignment[n] == KEEP}  # (before any edit)
+    kept = {n: _why_kept(p, n, sol.assignment, prices) for n in model.vars if sol.assignment[n] == KEEP}  # (before any edit)
     graph = gm.graph
     changed = 0
     moved: list[Node] = []  # nodes whose readers now see other strides
