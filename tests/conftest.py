@@ -37,6 +37,29 @@ def assert_kernel_close(actual: torch.Tensor, expected: torch.Tensor, tol: tuple
     torch.testing.assert_close(a, e, rtol=rtol, atol=atol * (1.0 + e.abs().max().item()), msg=lambda m: f"{what}: {m}")
 
 
+def softmax_mask(kind: str, shape, dtype: torch.dtype, gen: torch.Generator):
+    """A softmax kernel test's mask of `kind` for scores of `shape` (the CUDA tests, real and
+    emulated, build the same ones)."""
+    *lead, Sq, Sk = shape
+    if kind == "none":
+        return None
+    if kind == "padding":  # [B, 1, 1, Sk] fp32 0 / finfo.min
+        keep = torch.rand(lead[0], 1, 1, Sk, generator=gen) < 0.7
+        keep[..., 0] = True
+        return torch.where(keep, 0.0, torch.finfo(torch.float32).min)
+    if kind == "bool":  # [Sq, Sk], one fully masked row
+        m = torch.rand(Sq, Sk, generator=gen) < 0.8
+        m[0] = False
+        return m
+    if kind == "same":
+        return torch.randn(shape, generator=gen).to(dtype)
+    if kind == "float":  # fp32 mask (scores of another dtype read it as fp32)
+        return torch.randn(Sq, Sk, generator=gen)
+    if kind == "rowconst":
+        return torch.randn(Sq, 1, generator=gen).to(dtype)
+    raise ValueError(kind)
+
+
 def tiny_bert_layer():
     """An HF BertLayer (hidden 32, 4 heads, eager attention, dropout off) in train mode, and a copy."""
     import copy

@@ -26,7 +26,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-from conftest import rel_err  # noqa: E402
+from conftest import rel_err, softmax_mask  # noqa: E402
 
 DEV = "cuda"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
@@ -47,27 +47,6 @@ def cuda_ext():
     from dmfx.cuda_ops import build
 
     return build.load("cuda")
-
-
-def _mask(kind, shape, dtype, gen):
-    *lead, Sq, Sk = shape
-    if kind == "none":
-        return None
-    if kind == "padding":  # [B, 1, 1, Sk] fp32 0 / finfo.min
-        keep = torch.rand(lead[0], 1, 1, Sk, generator=gen) < 0.7
-        keep[..., 0] = True
-        return torch.where(keep, 0.0, NEG)
-    if kind == "bool":  # [Sq, Sk], one fully masked row
-        m = torch.rand(Sq, Sk, generator=gen) < 0.8
-        m[0] = False
-        return m
-    if kind == "same":
-        return torch.randn(shape, generator=gen).to(dtype)
-    if kind == "float":  # fp32 mask (scores of another dtype read it as fp32)
-        return torch.randn(Sq, Sk, generator=gen)
-    if kind == "rowconst":
-        return torch.randn(Sq, 1, generator=gen).to(dtype)
-    raise ValueError(kind)
 
 
 def _compare(got, expected, dtype, what):
@@ -108,7 +87,7 @@ def test_matches_cpu(cpu_ext, cuda_ext, Sk, dtype):
     shape = (2, 3, 5, Sk)
     scores = (torch.randn(shape, generator=gen) * 3).to(dtype)
     for kind in ("none", "padding", "bool", "same", "float", "rowconst"):
-        mask = _mask(kind, shape, dtype, gen)
+        mask = softmax_mask(kind, shape, dtype, gen)
         for causal, p in ((False, 0.0), (True, 0.1), (False, 1.0)):
             _run_both(cpu_ext, cuda_ext, scores, mask, 0.3, causal, p, f"Sk={Sk} {dtype} {kind} causal={causal} p={p}")
 

@@ -19,7 +19,7 @@ import torch
 if not sys.platform.startswith("linux"):  # (ucontext fibers)
     pytest.skip("the CUDA emulation needs Linux", allow_module_level=True)
 
-from conftest import rel_err  # noqa: E402
+from conftest import rel_err, softmax_mask  # noqa: E402
 from dmfx.cuda_ops import build  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
@@ -42,27 +42,6 @@ def emu():
 @pytest.fixture(scope="module")
 def cpu():
     return build.load("cpu")
-
-
-def _mask(kind, shape, dtype, gen):
-    *lead, Sq, Sk = shape
-    if kind == "none":
-        return None
-    if kind == "padding":  # [B, 1, 1, Sk] fp32 0 / finfo.min
-        keep = torch.rand(lead[0], 1, 1, Sk, generator=gen) < 0.7
-        keep[..., 0] = True
-        return torch.where(keep, 0.0, NEG)
-    if kind == "bool":  # [Sq, Sk], one fully masked row
-        m = torch.rand(Sq, Sk, generator=gen) < 0.8
-        m[0] = False
-        return m
-    if kind == "same":
-        return torch.randn(shape, generator=gen).to(dtype)
-    if kind == "float":  # fp32 mask (scores of another dtype read it as fp32)
-        return torch.randn(Sq, Sk, generator=gen)
-    if kind == "rowconst":
-        return torch.randn(Sq, 1, generator=gen).to(dtype)
-    raise ValueError(kind)
 
 
 def _compare(got, expected, dtype, what):
@@ -111,7 +90,7 @@ def test_matches_cpu(cpu, emu, Sk, dtype):
     scores = (torch.randn(shape, generator=gen) * 3).to(dtype)
     kinds = ("none", "padding", "bool", "same", "float", "rowconst")
     for kind in kinds:
-        mask = _mask(kind, shape, dtype, gen)
+        mask = softmax_mask(kind, shape, dtype, gen)
         for causal, p in ((False, 0.0), (True, 0.1), (False, 1.0)):
             _run_both(cpu, emu, scores, mask, 0.3, causal, p, f"Sk={Sk} {dtype} {kind} causal={causal} p={p}")
 
