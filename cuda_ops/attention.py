@@ -314,15 +314,15 @@ def flash_supported(device: torch.device, dtype: torch.dtype, head_dim=None, val
         return False
     if not all(isinstance(d, int) and d <= _CUDA_FLASH_MAX_HEAD_DIM for d in (head_dim, value_dim)):
         return False
-    return _cuda_flash_fits(device.index)
+    if not torch.cuda.is_available():
+        return False
+    return _cuda_flash_fits(torch.cuda.current_device() if device.index is None else device.index)
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_flash_fits(index: int | None) -> bool:
-    """Whether CUDA device `index` (None: the current one) offers the flash kernels' shared memory."""
-    if not torch.cuda.is_available():
-        return False
-    props = torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index)
+def _cuda_flash_fits(index: int) -> bool:
+    """Whether CUDA device `index` offers the flash kernels' shared memory per block."""
+    props = torch.cuda.get_device_properties(index)
     return getattr(props, "shared_memory_per_block_optin", 0) >= _CUDA_FLASH_SMEM_BYTES
 
 

@@ -27,7 +27,6 @@ their masks from a seed instead of reading one.
 
 from __future__ import annotations
 
-
 import torch
 from torch.fx import GraphModule, Node
 

@@ -159,7 +159,6 @@ def _reader_cost(u: Node, t: torch.Tensor, traced: torch.Tensor) -> float:
 class BytesPrices:
     """The default cost model: bytes moved (see the module docstring)."""
 
-    unit = "bytes"
     min_gain = 0.0  # a cheaper assignment wins by any margin
 
     def copy(self, src: torch.Tensor) -> float:
@@ -187,7 +186,6 @@ class MeasuredPrices(BytesPrices):
     forbidden. A change must gain at least ``min_gain`` over the layouts as traced: differences of
     timings below it are noise."""
 
-    unit = "seconds"
     min_gain = 2e-6
 
     def __init__(self, device: torch.device):
@@ -217,8 +215,8 @@ class MeasuredPrices(BytesPrices):
 
     def reader(self, u: Node, x: Node, t: torch.Tensor, traced: torch.Tensor) -> float:
         base = _reader_cost(u, t, traced)
-        if base == INF or base == 0.0 and tuple(t.stride()) == tuple(traced.stride()):
-            return base  # forbidden, or as traced (the reference every other candidate is timed against)
+        if base == INF or tuple(t.stride()) == tuple(traced.stride()):
+            return base  # forbidden, or as traced (0: the reference every other candidate is timed against)
         if u.op == "call_function" and u.target in _GEMMS and not u.kwargs:
             args = [val(a) for a in u.args]
             if all(isinstance(v, torch.Tensor) or not isinstance(a, Node) for a, v in zip(u.args, args)):
