@@ -146,12 +146,17 @@ def _attention_runner(form: str, case: dict, device: torch.device, scale: float,
     return step
 
 
+def _key(case: dict, device: torch.device) -> str:
+    """The cache key of `case`: the case with what its timing depends on besides (machine, torch, threads)."""
+    return json.dumps({**case, "machine": _machine(device), "torch": torch.__version__,
+                       "threads": torch.get_num_threads()}, sort_keys=True)
+
+
 def tuned_attention_form(case: dict, forms: list[str], scale: float, p: float) -> tuple[str, dict] | None:
     """The fastest of `forms` for `case` (from the cache, or measured now and cached), with the times
     in ms; None when nothing could be timed."""
     device = torch.device(case["device"])
-    key = json.dumps({**case, "forms": sorted(forms), "machine": _machine(device), "torch": torch.__version__,
-                      "threads": torch.get_num_threads()}, sort_keys=True)
+    key = _key({**case, "forms": sorted(forms)}, device)
     path = _path()
     hit = _load(path).get(key)
     if isinstance(hit, dict) and hit.get("best") in forms:
@@ -171,13 +176,12 @@ def tuned_attention_form(case: dict, forms: list[str], scale: float, p: float) -
 
 
 def _real(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A real tensor on `device` with `t`'s sizes, strides and dtype (random values)."""
-    out = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
-    if out.is_floating_point() or out.is_complex():
-        out.normal_()
-    else:
-        out.zero_()
-    return out
+    """A real tensor on `device` with `t`'s sizes, strides and dtype (random values; the storage is
+    filled, so strides that overlap, e.g. an expanded dim's 0, are fine)."""
+    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+    base = torch.empty(extent, dtype=t.dtype, device=device)
+    base.normal_() if base.is_floating_point() or base.is_complex() else base.zero_()
+    return base.as_strided(tuple(t.shape), tuple(t.stride()))
 
 
 def tensor_case(t: torch.Tensor) -> list:
@@ -191,8 +195,7 @@ def measured_seconds(case: dict, op: Callable[..., object], args: list, device: 
     """Seconds one call ``op(*args)`` takes, where each tensor of `args` (fake, meta or real) is
     replaced by a real one of the same sizes, strides and dtype: from the cache, or measured now (the
     median of a few calls after a warm-up) and cached. `case` names the call in the cache key."""
-    key = json.dumps({**case, "machine": _machine(device), "torch": torch.__version__,
-                      "threads": torch.get_num_threads()}, sort_keys=True)
+    key = _key(case, device)
     if key in _measured:
         return _measured[key]
     path = _path()
