@@ -24,6 +24,8 @@
 
 #include <atomic>
 
+#include "attention_api.h"
+
 extern "C" {
 void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
             const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
@@ -45,10 +47,6 @@ using softmax_impl::MaskView;
 using softmax_impl::NoMask;
 using softmax_impl::RowScratch;
 using softmax_impl::SoftmaxArgs;
-
-struct Shapes {
-  int64_t B, Hq, Hk, Lq, Lk, D, Dv, groups, block;
-};
 
 // ---------------------------------------------------------------------------------------- GEMMs
 // The kernels run several small GEMMs per block of rows (at L=128, about 700 per BERT-base layer
@@ -128,21 +126,9 @@ inline void col_sums(const T* p, int64_t rows, int64_t ld, int64_t n, T* out) {
 }
 
 inline Shapes check(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  for (const auto* t : {&q, &k, &v}) {
-    TORCH_CHECK(t->device().is_cpu(), "dmfx::", op, ": this is the CPU kernel but an input is on ", t->device());
-    TORCH_CHECK(t->dim() == 4, "dmfx::", op, ": q, k and v must be 4-D [B, H, L, D], got shape ", t->sizes());
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "dmfx::", op, ": q, k and v must have one dtype");
-    TORCH_CHECK(t->size(3) <= 1 || t->stride(3) == 1, "dmfx::", op,
-                ": q, k and v need a unit stride in the head dim, got strides ", t->strides());
-  }
+  Shapes s = check_qkv(op, q, k, v, "CPU", [](const at::Tensor& t) { return t.device().is_cpu(); });
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, "dmfx::", op,
               ": the fused CPU attention takes float32 or float64, got ", q.scalar_type());
-  Shapes s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3), 1, 1};
-  TORCH_CHECK(k.size(0) == s.B && v.size(0) == s.B && v.size(1) == s.Hk && v.size(2) == s.Lk &&
-                  k.size(3) == s.D && s.Hk > 0 && s.Hq % s.Hk == 0,
-              "dmfx::", op, ": q ", q.sizes(), ", k ", k.sizes(), " and v ", v.sizes(),
-              " do not fit [B, Hq, Lq, D], [B, Hk, Lk, D], [B, Hk, Lk, Dv] with Hq a multiple of Hk");
-  s.groups = s.Hq / s.Hk;
   // rows per block: the [block, Lk] scores (in the backward two such buffers) stay in L2; 512 KB
   // measured best of 128 KB / 512 KB / 1 MB (bench/RESULTS.md: 1.27x faster than 128 KB at L=512)
   const int64_t budget = 512 * 1024 / static_cast<int64_t>(q.element_size());
@@ -150,19 +136,6 @@ inline Shapes check(const char* op, const at::Tensor& q, const at::Tensor& k, co
   return s;
 }
 
-inline SoftmaxArgs row_args(const Shapes& s, double scale, bool causal, int64_t seed, int64_t offset, double p) {
-  TORCH_CHECK(std::isfinite(scale), "dmfx::attention: scale must be finite, got ", scale);
-  softmax_impl::check_p_range("attention", p);
-  SoftmaxArgs a;
-  a.Sk = s.Lk;
-  a.Sq = s.Lq;
-  a.rows = s.B * s.Hq * s.Lq;
-  a.scale = scale;
-  a.causal = causal;
-  a.dropout = make_dropout_params(p, seed, offset);
-  a.keep_scale = a.dropout.scale;
-  return a;
-}
 
 // Logits of score row `r` (global row index R) into z; returns (max, number of unmasked columns).
 template <typename acc_t, typename mask_t>
@@ -392,19 +365,6 @@ void with_mask(const MaskView& mv, F&& f) {
   }
 }
 
-inline void check_out(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef shape,
-                      const at::Tensor& like) {
-  TORCH_CHECK(t.sizes() == shape && t.scalar_type() == like.scalar_type() && t.device() == like.device(),
-              "dmfx::", op, ": ", name, " must be a ", like.scalar_type(), " tensor of shape ", shape, ", got ",
-              t.scalar_type(), " ", t.sizes());
-  TORCH_CHECK(t.size(3) <= 1 || t.stride(3) == 1, "dmfx::", op, ": ", name, " needs a unit last-dim stride");
-}
-
-// The mask as the softmax kernels read it, broadcast to the [B, Hq, Lq, Lk] scores.
-inline MaskView mask_view(const char* op, const c10::optional<at::Tensor>& mask, const Shapes& s, const at::Tensor& q) {
-  return softmax_impl::prepare_mask(op, mask, at::empty({1}, q.options()).expand({s.B, s.Hq, s.Lq, s.Lk}));
-}
-
 }  // namespace attention_impl
 
 at::Tensor flash_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -435,21 +395,7 @@ void flash_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Te
                    const c10::optional<at::Tensor>& bias_part) {
   using namespace attention_impl;
   const Shapes s = check("flash_bwd", q, k, v);
-  check_out("flash_bwd", "grad_out", grad_out, {s.B, s.Hq, s.Lq, s.Dv}, q);
-  check_out("flash_bwd", "dq", dq, q.sizes(), q);
-  check_out("flash_bwd", "dk", dk, k.sizes(), q);
-  check_out("flash_bwd", "dv", dv, v.sizes(), q);
-  TORCH_CHECK(stats.sizes() == at::IntArrayRef({2, s.B, s.Hq, s.Lq}) && stats.is_contiguous() &&
-                  stats.scalar_type() == q.scalar_type(),
-              "dmfx::flash_bwd: stats must be the forward's contiguous [2, B, Hq, Lq] row statistics, got ",
-              stats.sizes());
-  if (bias_part) {
-    TORCH_CHECK(s.groups == 1, "dmfx::flash_bwd: bias gradients need as many key/value heads as query heads");
-    const auto& bp = *bias_part;
-    TORCH_CHECK(bp.sizes() == at::IntArrayRef({3, s.B, s.Hq, s.D}) && bp.is_contiguous() &&
-                    bp.scalar_type() == q.scalar_type() && s.D == s.Dv,
-                "dmfx::flash_bwd: bias_part must be a contiguous [3, B, H, D] tensor of q's dtype, got ", bp.sizes());
-  }
+  check_backward(s, grad_out, q, k, v, stats, q.scalar_type(), dq, dk, dv, bias_part);  // (stats in q's dtype)
   const SoftmaxArgs a = row_args(s, scale, causal, seed, offset, p);
   if (s.B * s.Hk == 0) return;
   if (s.Lq == 0 || s.Lk == 0) {

@@ -52,6 +52,7 @@
 #include "dmfx_common.h"
 #include "kernel_api.h"
 #include "softmax_api.h"
+#include "attention_api.h"
 
 namespace dmfx {
 namespace attention_impl {
@@ -130,6 +131,12 @@ __device__ __forceinline__ float half_warp_sum(float v) {
 #pragma unroll
   for (int m = 8; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
   return v;
+}
+
+// The keys any row of the query block [i0, i0 + rows) of (batch, head) `bh` sees: the causal limit of
+// its last row (all Lk without a causal mask).
+__device__ __forceinline__ int64_t block_key_end(const SoftmaxArgs& a, int64_t Lq, int64_t bh, int64_t i0, int rows) {
+  return causal_limit(a, bh * Lq + (i0 + rows < Lq ? i0 + rows : Lq) - 1);
 }
 
 // Dropout multiplier (0 or 1 / (1 - p); 1 without dropout) of probability element `idx`.
@@ -305,8 +312,7 @@ __global__ void __launch_bounds__(kThreads, 2) flash_fwd_kernel(const Params<sca
 #pragma unroll
       for (int n = 0; n < NC; ++n) o[r][n] = 0.f;
     }
-    // keys any row of the block sees: the causal limit of its last row
-    const int64_t kend = causal_limit(P.a, bh * P.Lq + (i0 + BM < P.Lq ? i0 + BM : P.Lq) - 1);
+    const int64_t kend = block_key_end(P.a, P.Lq, bh, i0, BM);
     const scalar_t* kb = P.k.at(b, hk);
     const scalar_t* vb = P.v.at(b, hk);
     for (int64_t j0 = 0; j0 < kend; j0 += BN) {
@@ -420,7 +426,7 @@ __global__ void __launch_bounds__(kThreads, 2) flash_bwd_dq_kernel(const Params<
     for (int r = 0; r < RM; ++r)
 #pragma unroll
       for (int n = 0; n < NC; ++n) acc[r][n] = 0.f;
-    const int64_t kend = causal_limit(P.a, bh * P.Lq + (i0 + BM < P.Lq ? i0 + BM : P.Lq) - 1);
+    const int64_t kend = block_key_end(P.a, P.Lq, bh, i0, BM);
     const scalar_t* kb = P.k.at(b, hk);
     const scalar_t* vb = P.v.at(b, hk);
     for (int64_t j0 = 0; j0 < kend; j0 += BN) {
@@ -572,61 +578,15 @@ __global__ void __launch_bounds__(kThreads, 2) flash_bwd_dkdv_kernel(const Param
 // Host side
 // ------------------------------------------------------------------------------------------------
 
-struct Shapes {
-  int64_t B, Hq, Hk, Lq, Lk, D, Dv, groups;
-};
-
 inline Shapes check(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  for (const auto* t : {&q, &k, &v}) {
-    TORCH_CHECK(t->device().is_cuda(), "dmfx::", op, ": this is the CUDA kernel but an input is on ", t->device());
-    TORCH_CHECK(t->device() == q.device(), "dmfx::", op, ": q, k and v must be on one device, got ", q.device(),
-                " and ", t->device());
-    TORCH_CHECK(t->dim() == 4, "dmfx::", op, ": q, k and v must be 4-D [B, H, L, D], got shape ", t->sizes());
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "dmfx::", op, ": q, k and v must have one dtype");
-    TORCH_CHECK(t->size(3) <= 1 || t->stride(3) == 1, "dmfx::", op,
-                ": q, k and v need a unit stride in the head dim, got strides ", t->strides());
-  }
+  Shapes s = check_qkv(op, q, k, v, "CUDA", [](const at::Tensor& t) { return t.device().is_cuda(); });
   const auto st = q.scalar_type();
   TORCH_CHECK(st == at::kFloat || st == at::kHalf || st == at::kBFloat16, "dmfx::", op,
               ": the fused CUDA attention takes float32, float16 or bfloat16, got ", st);
-  Shapes s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3), 1};
-  TORCH_CHECK(k.size(0) == s.B && v.size(0) == s.B && v.size(1) == s.Hk && v.size(2) == s.Lk &&
-                  k.size(3) == s.D && s.Hk > 0 && s.Hq % s.Hk == 0,
-              "dmfx::", op, ": q ", q.sizes(), ", k ", k.sizes(), " and v ", v.sizes(),
-              " do not fit [B, Hq, Lq, D], [B, Hk, Lk, D], [B, Hk, Lk, Dv] with Hq a multiple of Hk");
   TORCH_CHECK(s.D <= kMaxHead && s.Dv <= kMaxHead, "dmfx::", op,
               ": the fused CUDA attention takes head dims up to ", kMaxHead, ", got D = ", s.D, " and Dv = ", s.Dv,
               " (dmfx.cuda_ops.attention runs the unfused form for larger heads)");
-  s.groups = s.Hq / s.Hk;
   return s;
-}
-
-inline void check_out(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef shape,
-                      const at::Tensor& like) {
-  TORCH_CHECK(t.sizes() == shape && t.scalar_type() == like.scalar_type() && t.device() == like.device(),
-              "dmfx::", op, ": ", name, " must be a ", like.scalar_type(), " tensor of shape ", shape, " on ",
-              like.device(), ", got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
-  TORCH_CHECK(t.size(3) <= 1 || t.stride(3) == 1, "dmfx::", op, ": ", name, " needs a unit last-dim stride");
-}
-
-inline SoftmaxArgs row_args(const Shapes& s, double scale, bool causal, int64_t seed, int64_t offset, double p) {
-  TORCH_CHECK(std::isfinite(scale), "dmfx::attention: scale must be finite, got ", scale);
-  softmax_impl::check_p_range("attention", p);
-  SoftmaxArgs a;
-  a.Sk = s.Lk;
-  a.Sq = s.Lq;
-  a.rows = s.B * s.Hq * s.Lq;
-  a.scale = scale;
-  a.causal = causal;
-  a.dropout = make_dropout_params(p, seed, offset);
-  a.keep_scale = a.dropout.scale;
-  return a;
-}
-
-// The mask as the softmax kernels read it, broadcast to the [B, Hq, Lq, Lk] scores.
-inline MaskView mask_view(const char* op, const c10::optional<at::Tensor>& mask, const Shapes& s,
-                          const at::Tensor& q) {
-  return softmax_impl::prepare_mask(op, mask, at::empty({1}, q.options()).expand({s.B, s.Hq, s.Lq, s.Lk}));
 }
 
 // 4-wide loads of `cols` columns: every row of t starts on a 4-element boundary.
@@ -760,21 +720,7 @@ void flash_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& q, const at::T
                     const c10::optional<at::Tensor>& bias_part) {
   using namespace attention_impl;
   const Shapes s = check("flash_bwd", q, k, v);
-  check_out("flash_bwd", "grad_out", grad_out, {s.B, s.Hq, s.Lq, s.Dv}, q);
-  check_out("flash_bwd", "dq", dq, q.sizes(), q);
-  check_out("flash_bwd", "dk", dk, k.sizes(), q);
-  check_out("flash_bwd", "dv", dv, v.sizes(), q);
-  TORCH_CHECK(stats.sizes() == at::IntArrayRef({2, s.B, s.Hq, s.Lq}) && stats.is_contiguous() &&
-                  stats.scalar_type() == at::kFloat && stats.device() == q.device(),
-              "dmfx::flash_bwd: stats must be the forward's contiguous float32 [2, B, Hq, Lq] row statistics on ",
-              q.device(), ", got ", stats.scalar_type(), " ", stats.sizes(), " on ", stats.device());
-  if (bias_part) {
-    TORCH_CHECK(s.groups == 1, "dmfx::flash_bwd: bias gradients need as many key/value heads as query heads");
-    const auto& bp = *bias_part;
-    TORCH_CHECK(bp.sizes() == at::IntArrayRef({3, s.B, s.Hq, s.D}) && bp.is_contiguous() &&
-                    bp.scalar_type() == q.scalar_type() && bp.device() == q.device() && s.D == s.Dv,
-                "dmfx::flash_bwd: bias_part must be a contiguous [3, B, H, D] tensor of q's dtype, got ", bp.sizes());
-  }
+  check_backward(s, grad_out, q, k, v, stats, at::kFloat, dq, dk, dv, bias_part);  // (stats float32)
   const SoftmaxArgs a = row_args(s, scale, causal, seed, offset, p);
   const c10::cuda::CUDAGuard device_guard(q.device());
   if (s.B * s.Hk == 0) return;

@@ -9,7 +9,7 @@ c10::cuda pieces the host code uses) on the CPU and runs each block's threads as
 The source is taken verbatim except for these edits, made by text below:
 
 * ``#include`` lines go (the prelude and the shared headers are included once, up front; the
-  headers kernel_api.h, softmax_api.h and pointwise_api.h go through these edits too);
+  headers kernel_api.h, softmax_api.h, attention_api.h and pointwise_api.h go through these edits too);
 * ``at::empty`` / ``at::empty_like`` become ``emu::empty_poisoned`` / ``emu::empty_like_poisoned``:
   every output and workspace the host code allocates starts as NaN (255 for bytes), so an element a
   kernel fails to write, or a workspace entry read before it is written, shows as NaN;
@@ -121,7 +121,7 @@ def source(family: str = "attention") -> str:
         "#include <vector>",
         '#include "prelude.h"',
         '#include "dmfx_common.h"',
-        *(translate((CSRC / h).read_text(), h) for h in ("kernel_api.h", "softmax_api.h", "pointwise_api.h")),
+        *(translate((CSRC / h).read_text(), h) for h in ("kernel_api.h", "softmax_api.h", "attention_api.h", "pointwise_api.h")),
         *parts,
         bind,
         "void set_order(int m) { emu::order_mode = m; }",

@@ -1,0 +1,99 @@
+// Host-side argument checking shared by the CPU (attention_cpu.cpp) and CUDA (attention_cuda.cu)
+// fused ("flash") attention kernels: q [B, Hq, Lq, D], k [B, Hk, Lk, D], v [B, Hk, Lk, Dv] (Hq a
+// multiple of Hk), each with a unit stride in the head dim; the softmax arguments and the mask as the
+// softmax kernels read them (softmax_api.h). What differs per device (the device itself, the dtypes,
+// the head dims) each file checks on top.
+#pragma once
+#include <torch/extension.h>
+
+#include <cmath>
+
+#include "dmfx_common.h"
+#include "softmax_api.h"
+
+namespace dmfx {
+namespace attention_impl {
+
+struct Shapes {
+  int64_t B, Hq, Hk, Lq, Lk, D, Dv, groups;
+  int64_t block = 1;  // the CPU kernel's query rows per block
+};
+
+// The checks and shapes both kernels need; `device` ("CPU" / "CUDA") names the kernel in the error
+// about an input on another device, `on_device` tests it.
+template <typename OnDevice>
+inline Shapes check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const char* device, OnDevice&& on_device) {
+  for (const auto* t : {&q, &k, &v}) {
+    TORCH_CHECK(on_device(*t), "dmfx::", op, ": this is the ", device, " kernel but an input is on ", t->device());
+    TORCH_CHECK(t->device() == q.device(), "dmfx::", op, ": q, k and v must be on one device, got ", q.device(),
+                " and ", t->device());
+    TORCH_CHECK(t->dim() == 4, "dmfx::", op, ": q, k and v must be 4-D [B, H, L, D], got shape ", t->sizes());
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "dmfx::", op, ": q, k and v must have one dtype");
+    TORCH_CHECK(t->size(3) <= 1 || t->stride(3) == 1, "dmfx::", op,
+                ": q, k and v need a unit stride in the head dim, got strides ", t->strides());
+  }
+  Shapes s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3), 1};
+  TORCH_CHECK(k.size(0) == s.B && v.size(0) == s.B && v.size(1) == s.Hk && v.size(2) == s.Lk &&
+                  k.size(3) == s.D && s.Hk > 0 && s.Hq % s.Hk == 0,
+              "dmfx::", op, ": q ", q.sizes(), ", k ", k.sizes(), " and v ", v.sizes(),
+              " do not fit [B, Hq, Lq, D], [B, Hk, Lk, D], [B, Hk, Lk, Dv] with Hq a multiple of Hk");
+  s.groups = s.Hq / s.Hk;
+  return s;
+}
+
+inline void check_out(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef shape,
+                      const at::Tensor& like) {
+  TORCH_CHECK(t.sizes() == shape && t.scalar_type() == like.scalar_type() && t.device() == like.device(),
+              "dmfx::", op, ": ", name, " must be a ", like.scalar_type(), " tensor of shape ", shape, " on ",
+              like.device(), ", got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
+  TORCH_CHECK(t.size(3) <= 1 || t.stride(3) == 1, "dmfx::", op, ": ", name, " needs a unit last-dim stride");
+}
+
+// The backward's gradient buffers, the forward's row statistics (of dtype `stats_dtype`) and the
+// optional bias_part ([3, B, H, D] per-(batch, head) column sums of dq, dk, dv).
+inline void check_backward(const Shapes& s, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                           const at::Tensor& v, const at::Tensor& stats, at::ScalarType stats_dtype,
+                           const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
+                           const c10::optional<at::Tensor>& bias_part) {
+  check_out("flash_bwd", "grad_out", grad_out, {s.B, s.Hq, s.Lq, s.Dv}, q);
+  check_out("flash_bwd", "dq", dq, q.sizes(), q);
+  check_out("flash_bwd", "dk", dk, k.sizes(), q);
+  check_out("flash_bwd", "dv", dv, v.sizes(), q);
+  TORCH_CHECK(stats.sizes() == at::IntArrayRef({2, s.B, s.Hq, s.Lq}) && stats.is_contiguous() &&
+                  stats.scalar_type() == stats_dtype && stats.device() == q.device(),
+              "dmfx::flash_bwd: stats must be the forward's contiguous ", stats_dtype,
+              " [2, B, Hq, Lq] row statistics on ", q.device(), ", got ", stats.scalar_type(), " ", stats.sizes(),
+              " on ", stats.device());
+  if (bias_part) {
+    TORCH_CHECK(s.groups == 1, "dmfx::flash_bwd: bias gradients need as many key/value heads as query heads");
+    const auto& bp = *bias_part;
+    TORCH_CHECK(bp.sizes() == at::IntArrayRef({3, s.B, s.Hq, s.D}) && bp.is_contiguous() &&
+                    bp.scalar_type() == q.scalar_type() && bp.device() == q.device() && s.D == s.Dv,
+                "dmfx::flash_bwd: bias_part must be a contiguous [3, B, H, D] tensor of q's dtype, got ", bp.sizes());
+  }
+}
+
+inline softmax_impl::SoftmaxArgs row_args(const Shapes& s, double scale, bool causal, int64_t seed, int64_t offset,
+                                          double p) {
+  TORCH_CHECK(std::isfinite(scale), "dmfx::attention: scale must be finite, got ", scale);
+  softmax_impl::check_p_range("attention", p);
+  softmax_impl::SoftmaxArgs a;
+  a.Sk = s.Lk;
+  a.Sq = s.Lq;
+  a.rows = s.B * s.Hq * s.Lq;
+  a.scale = scale;
+  a.causal = causal;
+  a.dropout = make_dropout_params(p, seed, offset);
+  a.keep_scale = a.dropout.scale;
+  return a;
+}
+
+// The mask as the softmax kernels read it, broadcast to the [B, Hq, Lq, Lk] scores.
+inline softmax_impl::MaskView mask_view(const char* op, const c10::optional<at::Tensor>& mask, const Shapes& s,
+                                        const at::Tensor& q) {
+  return softmax_impl::prepare_mask(op, mask, at::empty({1}, q.options()).expand({s.B, s.Hq, s.Lq, s.Lk}));
+}
+
+}  // namespace attention_impl
+}  // namespace dmfx
