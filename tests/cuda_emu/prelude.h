@@ -194,27 +194,29 @@ inline void launch_bounds(long max_threads, long = 0) {
 }
 }  // namespace emu
 
+namespace emu {
+// One warp shuffle: every lane publishes `v` and waits for its warp, then reads the value of lane
+// src(its own lane) of the same warp.
+template <typename T, typename Src>
+inline T shuffle(unsigned mask, T v, Src src) {
+  if (mask != 0xffffffffu) throw std::runtime_error("emu: only full-mask shuffles are emulated");
+  const int t = current;
+  shfl_buf[t] = static_cast<double>(v);
+  yield(kShflW);
+  const T r = static_cast<T>(shfl_buf[(t & ~31) | (src(t & 31) & 31)]);
+  yield(kShflR);
+  return r;
+}
+}  // namespace emu
+
 template <typename T>
 inline T __shfl_xor_sync(unsigned mask, T v, int m) {
-  if (mask != 0xffffffffu) throw std::runtime_error("emu: only full-mask shuffles are emulated");
-  const int t = emu::current;
-  emu::shfl_buf[t] = static_cast<double>(v);
-  emu::yield(emu::kShflW);
-  const int src = (t & ~31) | ((t & 31) ^ m);
-  const T r = static_cast<T>(emu::shfl_buf[src]);
-  emu::yield(emu::kShflR);
-  return r;
+  return emu::shuffle(mask, v, [m](int lane) { return lane ^ m; });
 }
 
 template <typename T>
 inline T __shfl_sync(unsigned mask, T v, int lane) {
-  if (mask != 0xffffffffu) throw std::runtime_error("emu: only full-mask shuffles are emulated");
-  const int t = emu::current;
-  emu::shfl_buf[t] = static_cast<double>(v);
-  emu::yield(emu::kShflW);
-  const T r = static_cast<T>(emu::shfl_buf[(t & ~31) | (lane & 31)]);
-  emu::yield(emu::kShflR);
-  return r;
+  return emu::shuffle(mask, v, [lane](int) { return lane; });
 }
 
 // __syncwarp: a warp-level barrier (all 32 lanes), emulated as a shuffle of nothing.
