@@ -5,10 +5,13 @@ csrc/pointwise_cuda.cu, per-element math shared in csrc/pointwise_api.h)
 --------------------------------------------------------------------------------------------------
 ``dmfx::bias_act_dropout(x, bias?, act, seed?, p) -> out``: the paper's BRD,
     ``out = dropout(act(x + bias), p)`` over x [..., N] with bias [N]; ``seed`` None requires p == 0.
-``dmfx::bias_act_dropout_backward(grad_out, x, bias?, act, seed?, p, output_mask) -> (dx, dbias)``:
-    the paper's BDRB: recomputes ``act'(x + bias)`` and the dropout mask from x and the seed, and sums
-    the bias gradient in the same pass. Outputs not requested are empty [0]. Without a bias, dbias is
-    still the column sum of dx when asked for (the bias may sit in the GEMM before: passes/aten_backward.py).
+``dmfx::bias_act_dropout_backward(grad_out, x, bias?, act, seed?, p, output_mask, mask?=None,
+    mask_scale=1.0) -> (dx, dbias)``: the paper's BDRB: recomputes ``act'(x + bias)`` and the dropout
+    mask from x and the seed, and sums the bias gradient in the same pass. Outputs not requested are
+    empty [0]. Without a bias, dbias is still the column sum of dx when asked for (the bias may sit in
+    the GEMM before: passes/aten_backward.py). ``mask`` is a dropout mask a forward that was not
+    dmfx's stored (``native_dropout``'s bool mask, x's shape): the gradient is then multiplied by
+    ``mask * mask_scale`` (``native_dropout_backward``) instead of a regenerated mask, and p must be 0.
 ``dmfx::glu(gate, up, act) -> out``: ``act(gate) * up`` (SwiGLU with "silu", GeGLU with "gelu").
 ``dmfx::glu_backward(grad_out, gate, up, act, output_mask) -> (dgate, dup)``.
 ``dmfx::rope(q, k, cos, sin, inverse) -> (q_out, k_out)``: HF LLaMA's apply_rotary_pos_emb on q and k
@@ -35,7 +38,7 @@ _lib = torch.library.Library("dmfx", "FRAGMENT")  # noqa: TOR901 (kept alive for
 _lib.define("bias_act_dropout(Tensor x, Tensor? bias, str act, Tensor? seed, float p) -> Tensor")
 _lib.define(
     "bias_act_dropout_backward(Tensor grad_out, Tensor x, Tensor? bias, str act, Tensor? seed, float p, "
-    "bool[] output_mask) -> (Tensor dx, Tensor dbias)"
+    "bool[] output_mask, Tensor? mask=None, float mask_scale=1.0) -> (Tensor dx, Tensor dbias)"
 )
 _lib.define("glu(Tensor gate, Tensor up, str act) -> Tensor")
 _lib.define(
@@ -74,6 +77,19 @@ def _check_mask(output_mask, op: str, names: str) -> list[bool]:
     return m
 
 
+def _check_stored_mask(mask: Tensor | None, x: Tensor, p: float, op: str) -> None:
+    """A stored dropout mask: bool, x's shape, and no second (Philox) mask with it. Checked before the
+    kernels are reached so that the fake (meta) path raises the same errors."""
+    if mask is None:
+        return
+    if mask.dtype != torch.bool:
+        raise ValueError(f"dmfx::{op}: mask must be a bool tensor (the mask native_dropout returns), got {mask.dtype}")
+    if tuple(mask.shape) != tuple(x.shape):
+        raise ValueError(f"dmfx::{op}: mask must have the shape of x {list(x.shape)}, got {list(mask.shape)}")
+    if p != 0.0:
+        raise ValueError(f"dmfx::{op}: a stored mask and p = {p} > 0 would be two dropout masks; pass p = 0 with a mask")
+
+
 # ----------------------------------------------------------------------------------------- kernels
 
 
@@ -85,13 +101,14 @@ def _bias_act_dropout_kernel(x, bias, act, seed, p):
     return kernels_for(x.device).bias_act_fwd(x, bias, code, s, o, p)
 
 
-def _bias_act_dropout_backward_kernel(grad_out, x, bias, act, seed, p, output_mask):
+def _bias_act_dropout_backward_kernel(grad_out, x, bias, act, seed, p, output_mask, mask=None, mask_scale=1.0):
     op = "bias_act_dropout_backward"
     code = _act_code(act, op)
     _check_dropout(seed, p, op)
     m = _check_mask(output_mask, op, "[dx, dbias]")
+    _check_stored_mask(mask, x, p, op)
     s, o = _seed_values(seed, op)
-    return tuple(kernels_for(x.device).bias_act_bwd(grad_out, x, bias, code, s, o, p, m))
+    return tuple(kernels_for(x.device).bias_act_bwd(grad_out, x, bias, code, s, o, p, m, mask, mask_scale))
 
 
 def _glu_kernel(gate, up, act):
@@ -168,9 +185,10 @@ def _bias_act_dropout_fake(x, bias, act, seed, p):
 
 
 @torch.library.register_fake("dmfx::bias_act_dropout_backward")
-def _bias_act_dropout_backward_fake(grad_out, x, bias, act, seed, p, output_mask):
+def _bias_act_dropout_backward_fake(grad_out, x, bias, act, seed, p, output_mask, mask=None, mask_scale=1.0):
     _act_code(act, "bias_act_dropout_backward")
     m = _check_mask(output_mask, "bias_act_dropout_backward", "[dx, dbias]")
+    _check_stored_mask(mask, x, p, "bias_act_dropout_backward")
     dx = _like(x) if m[0] else _nothing(x)
     dbias = x.new_empty((x.shape[-1],)) if m[1] else _nothing(x)
     return dx, dbias

@@ -270,8 +270,8 @@ def op_cost(func: Any, args: Sequence[Any], kwargs: dict | None, out: Any) -> Op
     if _base_name(func) in _GATHERS and args and isinstance(args[0], torch.Tensor):
         # a lookup reads the rows it returns, not the whole table
         read = min(tensor_bytes(args[0]), written) + sum(tensor_bytes(t) for t in _tensors((args[1:], kwargs)))
-    else:
-        read = sum(tensor_bytes(t) for t in _tensors((args, kwargs)))
+    else:  # a tensor passed twice is read once (dmfx's identity backward takes the gradient as x too)
+        read = sum(tensor_bytes(t) for t in {id(t): t for t in _tensors((args, kwargs))}.values())
     cost = _attention_cost(_base_name(func), args) if cls == FUSED else None
     if cost is not None:  # attention: its GEMMs' flop; the unfused form's scores go through memory inside the op
         flop, inside = cost

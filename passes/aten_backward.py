@@ -15,14 +15,19 @@ replaces those with dmfx's backward kernels, so the later folds (``fold_gradient
     becomes the kernel's second output, summed while the rows are in cache.
 ``_softmax_backward_data(g, y, -1, dtype)`` -> ``dmfx::softmax_backward`` (p = 0), with a following
     multiplication or division by a constant (the attention's 1/sqrt(d)) folded into its scale.
+``native_dropout_backward(g, mask, scale)`` (the mask an unrewritten forward's ``native_dropout``
+    stored) -> folded into the activation backward that reads it (the kernel multiplies by the stored
+    mask instead of regenerating one: the paper's BDRB with a saved mask); one that no activation
+    backward reads becomes ``dmfx::bias_act_dropout_backward`` with the identity and the stored mask,
+    with the bias-gradient ``sum`` after it folded in the same way.
 
 Left alone, with the reason in the log at DEBUG and in the record's ``missed``: a layer norm over more
 than the last dim or with statistics in another dtype than dmfx's (bf16 on the CPU: ATen keeps them in
 bf16), a threshold other than 0, a softmax over another dim or with a cast (``input_dtype`` differs),
 and operands of other dtypes or devices than the kernels take. ``tanh_backward`` is not matched: it
-reads tanh's output, and dmfx's kernel recomputes the activation from its input. Dropout masks that an
-unrewritten forward stored (``native_dropout_backward``) stay PyTorch's: dmfx's kernels regenerate
-their masks from a seed instead of reading one.
+reads tanh's output, and dmfx's kernel recomputes the activation from its input. A stored dropout mask
+before a softmax backward (attention-probability dropout) becomes its own identity kernel rather than
+part of ``dmfx::softmax_backward``, whose kernels regenerate their masks from a seed and read none.
 """
 
 from __future__ import annotations
@@ -108,6 +113,20 @@ def _activation(n: Node) -> tuple[str, Node, Node] | None:
     return None
 
 
+def _stored_dropout(grad: Node, reader: Node) -> tuple[Node, Node, float] | None:
+    """(incoming gradient, mask, scale) when `grad` is a ``native_dropout_backward`` that only `reader`
+    reads, with a bool mask of the gradient's shape and device; else None."""
+    if not is_op(grad, aten.native_dropout_backward.default) or set(grad.users) != {reader}:
+        return None
+    src, mask, scale = grad.args[:3]
+    sv, mv = tensor_meta(src), tensor_meta(mask)
+    if sv is None or mv is None or not isinstance(scale, (int, float)):
+        return None
+    if mv.dtype != torch.bool or tuple(mv.shape) != tuple(sv.shape) or mv.device != sv.device:
+        return None
+    return src, mask, float(scale)
+
+
 def _activation_backward(g, ctx: PassContext, n: Node, act: str, grad: Node, x: Node) -> None:
     gv, xv = tensor_meta(grad), tensor_meta(x)
     if gv is None or xv is None or not kernel_friendly(xv) or xv.dim() < 1:
@@ -115,22 +134,51 @@ def _activation_backward(g, ctx: PassContext, n: Node, act: str, grad: Node, x: 
     if gv.dtype != xv.dtype or tuple(gv.shape) != tuple(xv.shape) or gv.device != xv.device:
         ctx.miss("aten_backward", n, "the gradient's dtype, shape or device differs from the activation's input")
         return
+    dropout = _stored_dropout(grad, n)
+    if dropout is None:
+        _bias_act_backward(g, ctx, n, act, grad, x, None, absorbed=1)
+        return
+    _bias_act_backward(g, ctx, n, act, dropout[0], x, dropout[1:], absorbed=2)
+    g.erase_node(grad)
+
+
+def _dropout_backward(g, ctx: PassContext, n: Node) -> None:
+    """A ``native_dropout_backward`` that no activation backward absorbed: the identity kernel with the
+    stored mask (and the bias-gradient sum after it, when there is one)."""
+    src, mask, scale = n.args[:3]
+    sv, mv = tensor_meta(src), tensor_meta(mask)
+    if sv is None or mv is None or not kernel_friendly(sv) or sv.dim() < 1:
+        return
+    if mv.dtype != torch.bool or tuple(mv.shape) != tuple(sv.shape) or mv.device != sv.device:
+        ctx.miss("aten_backward", n, "a dropout mask that is not a bool tensor of the gradient's shape and device")
+        return
+    if not isinstance(scale, (int, float)):
+        ctx.miss("aten_backward", n, "a symbolic dropout scale")
+        return
+    # (the identity reads no x: the gradient stands in for it, for the shape)
+    _bias_act_backward(g, ctx, n, "identity", src, src, (mask, float(scale)), absorbed=1)
+
+
+def _bias_act_backward(g, ctx: PassContext, n: Node, act: str, grad: Node, x: Node,
+                       stored: tuple[Node, float] | None, absorbed: int) -> None:
+    """Replace `n` (an activation backward, or a dropout backward with act "identity"), which absorbed
+    `absorbed` ATen ops, by ``dmfx::bias_act_dropout_backward`` reading the `stored` (mask, scale), with
+    the bias-gradient ``sum`` after `n` as its second output."""
     bias_sum = row_sum_of(n)
     if bias_sum is not None and not all(isinstance(d, int) for d in val(bias_sum).shape):
         bias_sum = None  # (a symbolic feature count would need its SymInt from the graph)
     with g.inserting_before(n):
         new = insert_call(g, ctx, torch.ops.dmfx.bias_act_dropout_backward.default,
-                          (grad, x, None, act, None, 0.0, [True, bias_sum is not None]))
+                          (grad, x, None, act, None, 0.0, [True, bias_sum is not None], *(stored or ())))
         dx, db = insert_getitems(g, new, 2)
     n.replace_all_uses_with(dx)
     g.erase_node(n)
-    absorbed = 1
     if bias_sum is not None:
         with g.inserting_before(bias_sum):
             out = insert_call(g, ctx, aten.view.default, (db, list(val(bias_sum).shape)))
         bias_sum.replace_all_uses_with(out)
         g.erase_node(bias_sum)
-        absorbed = 2
+        absorbed += 1
     ctx.record("aten_backward", absorbed, new)
 
 
@@ -157,7 +205,8 @@ def _softmax_backward(g, ctx: PassContext, n: Node) -> None:
         ctx.miss("aten_backward", n, "a cast around the softmax, or a gradient of another dtype or shape")
         return
     if is_op(grad, aten.native_dropout_backward.default):
-        ctx.miss("aten_backward", grad, "a dropout mask stored by the unrewritten forward (dmfx's kernels regenerate theirs)")
+        ctx.miss("aten_backward", grad, "a stored dropout mask before a softmax backward: its own kernel, since "
+                 "dmfx's softmax kernels regenerate their masks and read none")
     scale, target = 1.0, n
     if len(n.users) == 1:  # the attention's 1/sqrt(d): folded into the kernel's scale
         user = next(iter(n.users))
@@ -185,3 +234,7 @@ def fuse_aten_backward(gm: GraphModule, ctx: PassContext) -> None:
             _softmax_backward(g, ctx, n)
         elif (found := _activation(n)) is not None:
             _activation_backward(g, ctx, n, *found)
+    # dropout backwards that no activation backward absorbed above
+    for n in list(g.nodes):
+        if n.op == "call_function" and is_op(n, aten.native_dropout_backward.default):
+            _dropout_backward(g, ctx, n)

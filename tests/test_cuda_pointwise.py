@@ -177,6 +177,29 @@ def test_bias_grad_without_bias(cpu_ext, cuda_ext, p):
     assert_close(db, dx.sum(0), (1e-4, 1e-4), "dbias = column sums of dx")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("layout", ["contiguous", "permuted", "unaligned"])
+def test_bias_act_bwd_with_a_stored_mask(cpu_ext, cuda_ext, dtype, layout):
+    """native_dropout's bool mask instead of Philox, as on the CPU (tests/test_emulated_cuda_pointwise.py
+    runs the same case on the emulation)."""
+    gen = torch.Generator().manual_seed(9)
+    x = activation(12, 264, dtype, layout, gen, "cpu")
+    g = activation(12, 264, dtype, layout, gen, "cpu")
+    b = torch.randn(264, generator=gen).to(dtype)
+    if layout == "permuted":
+        mask = (torch.rand(2, 6, 264, generator=gen) >= 0.35).transpose(0, 1)
+    else:
+        mask = torch.rand(12, 264, generator=gen) >= 0.35
+    for act in ("gelu", "identity"):
+        code = ACT_CODES[act]
+        dx_c, db_c = cpu_ext.bias_act_bwd(g, x, b, code, 0, 0, 0.0, [True, True], mask, 1 / 0.65)
+        dx, db = cuda_ext.bias_act_bwd(g.to(DEVICE), x.to(DEVICE), b.to(DEVICE), code, 0, 0, 0.0, [True, True],
+                                       mask.to(DEVICE), 1 / 0.65)
+        assert_close(dx.cpu(), dx_c, TOL[dtype], f"dx {act}")
+        assert_close(db.cpu(), db_c, TOL[dtype] if dtype in LOW else (1e-4, 1e-4), f"dbias {act}")
+        assert not dx.cpu()[~mask].any()
+
+
 # ------------------------------------------------------------------------------------------------
 # gated activations
 # ------------------------------------------------------------------------------------------------

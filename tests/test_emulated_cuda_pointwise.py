@@ -183,6 +183,28 @@ def test_bias_grad_without_bias(cpu, emu, p):
     assert_close(db, dx.sum(0), (1e-4, 1e-4), "dbias = column sums of dx")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("layout", ["contiguous", "permuted", "unaligned"])
+def test_bias_act_bwd_with_a_stored_mask(cpu, emu, dtype, layout):
+    """native_dropout's bool mask instead of Philox (the forward was PyTorch's): the vector and scalar
+    paths, a mask with permuted leading dims, bit-identical zeros where the mask drops."""
+    gen = torch.Generator().manual_seed(9)
+    x = activation(12, 264, dtype, layout, gen)
+    g = activation(12, 264, dtype, layout, gen)
+    b = torch.randn(264, generator=gen).to(dtype)
+    if layout == "permuted":  # x is [6, 2, 264] with its leading dims swapped in memory; so is the mask
+        mask = (torch.rand(2, 6, 264, generator=gen) >= 0.35).transpose(0, 1)
+    else:
+        mask = torch.rand(12, 264, generator=gen) >= 0.35
+    for act in ("gelu", "identity"):
+        code = ACT_CODES[act]
+        dx_c, db_c = cpu.bias_act_bwd(g, x, b, code, 0, 0, 0.0, [True, True], mask, 1 / 0.65)
+        dx, db = emu.bias_act_bwd(g, x, b, code, 0, 0, 0.0, [True, True], mask, 1 / 0.65)
+        assert_close(dx, dx_c, TOL[dtype], f"dx {act}")
+        assert_close(db, db_c, TOL[dtype] if dtype in LOW else (1e-4, 1e-4), f"dbias {act}")
+        assert not dx[~mask].any()
+
+
 def test_grid_does_not_change_results(cpu, emu):
     """Other emulated devices give other grids (plan_launch sizes the y grid by the SM count)."""
     gen = torch.Generator().manual_seed(8)

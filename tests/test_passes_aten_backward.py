@@ -5,7 +5,9 @@ a chain, become dmfx's backward kernels.
   ``silu_backward``, ``threshold_backward(., ., 0)`` with the bias-gradient ``sum`` after them, and
   ``_softmax_backward_data`` with the scale after it each become one dmfx op with the same values;
   near-misses (a norm over two dims, a threshold other than 0, a softmax over another dim or with a
-  cast, bf16 statistics) are left alone and named in the record's misses.
+  cast, bf16 statistics) are left alone and named in the record's misses. ``native_dropout_backward``
+  (a mask the forward stored) folds into the activation backward after it, or becomes the identity
+  kernel reading the mask, with the bias sum.
 * End to end: a BertLayer compiled with the forward fusions skipped has none of PyTorch's backward
   ops left, its gradients equal eager's, and the folds of passes/backward.py apply to the new ops.
 """
@@ -151,6 +153,84 @@ def test_activation_backward_near_misses():
     assert ctx.fired == {"aten_backward": 1}
 
 
+# ------------------------------------------------------------------ stored dropout masks
+
+
+def _dropout_mask(shape, p=0.3):
+    return torch.rand(shape) >= p
+
+
+@pytest.mark.parametrize("act", list(ACTS))
+def test_stored_dropout_mask_folds_into_the_activation_backward(act):
+    """native_dropout_backward(g, mask, s) read only by gelu_backward (the forward's dropout after the
+    activation, stored by PyTorch), with the bias sum: dropout, activation and sum in one kernel."""
+    torch.manual_seed(0)
+    h, g, mask = torch.randn(2, 6, 24), torch.randn(2, 6, 24), _dropout_mask((2, 6, 24))
+
+    def f(g, mask, h):
+        dx = ACTS[act](aten.native_dropout_backward(g, mask, 1 / 0.7), h)
+        flat = dx.view(-1, 24)
+        return flat, flat.sum([0])
+
+    want, got, gm, ctx = _run(f, g, mask, h)
+    assert ctx.fired == {"aten_backward": 1} and ctx.replaced == {"aten_backward": 3}
+    ts = _targets(gm)
+    assert aten.native_dropout_backward.default not in ts and aten.sum.dim_IntList not in ts
+    assert ts.count(torch.ops.dmfx.bias_act_dropout_backward.default) == 1
+    _close(got, want)
+
+
+def test_stored_dropout_mask_alone_becomes_the_identity_kernel_with_its_bias_sum():
+    """A dropout backward no activation reads (dropout after a linear: BERT's hidden dropout) and the
+    bias gradient after it: one identity kernel with the stored mask."""
+    torch.manual_seed(0)
+    g, mask = torch.randn(3, 5, 16), _dropout_mask((3, 5, 16))
+
+    def f(g, mask):
+        d = aten.native_dropout_backward(g, mask, 2.0)
+        return d, d.sum([0, 1])
+
+    want, got, gm, ctx = _run(f, g, mask)
+    assert ctx.replaced == {"aten_backward": 2}
+    (node,) = [n for n in gm.graph.nodes if n.target is torch.ops.dmfx.bias_act_dropout_backward.default]
+    assert node.args[3] == "identity" and node.args[7].name.startswith("mask") and node.args[8] == 2.0
+    _close(got, want)
+
+
+def test_stored_dropout_mask_near_misses():
+    torch.manual_seed(0)
+    h, g, mask = torch.randn(4, 8), torch.randn(4, 8), _dropout_mask((4, 8))
+
+    def two_readers(g, mask, h):  # the dropout's gradient is read twice: not folded into the GELU
+        d = aten.native_dropout_backward(g, mask, 1.25)
+        return aten.gelu_backward(d, h), d * 3
+
+    want, got, gm, ctx = _run(two_readers, g, mask, h)
+    assert ctx.fired == {"aten_backward": 2}  # GELU and the dropout, each its own kernel
+    assert aten.native_dropout_backward.default not in _targets(gm)
+    _close(got, want)
+
+    def byte_mask(g, mask, h):  # a mask that is not native_dropout's bool mask
+        return aten.native_dropout_backward(g, mask.to(torch.uint8), 1.25)
+
+    want, got, gm, ctx = _run(byte_mask, g, mask, h)
+    assert aten.native_dropout_backward.default in _targets(gm) and not ctx.fired
+    assert any("not a bool tensor" in m for m in ctx.missed), ctx.missed
+
+    y = torch.softmax(torch.randn(2, 3, 8, 8), -1)
+    gs, ms = torch.randn(2, 3, 8, 8), _dropout_mask((2, 3, 8, 8))
+
+    def softmax_dropout(g, mask, y):  # attention-probability dropout: its own identity kernel
+        return aten._softmax_backward_data(aten.native_dropout_backward(g, mask, 1.25), y, -1, torch.float32)
+
+    want, got, gm, ctx = _run(softmax_dropout, gs, ms, y)
+    ts = _targets(gm)
+    assert ctx.fired == {"aten_backward": 2} and aten.native_dropout_backward.default not in ts
+    assert torch.ops.dmfx.softmax_backward.default in ts
+    assert any("before a softmax backward" in m for m in ctx.missed), ctx.missed
+    _close([got], [want])
+
+
 # ------------------------------------------------------------------ softmax
 
 
@@ -214,6 +294,36 @@ def test_bert_layer_with_unfused_forward_gets_dmfx_backward_kernels():
     # norm backward (dbias), the bias sum after GELU out of the activation backward
     assert rec.fired.get("fold_bias_grads") == 2
     assert bw.count(aten.sum.dim_IntList) == 3  # Q, K, V's (the attention was left unfused)
+
+
+def test_bert_layer_with_dropout_and_unfused_forward_reads_pytorchs_stored_masks():
+    """Dropout on, forward fusions skipped: the forward's native_dropout masks are read by dmfx's
+    backward kernels (none of PyTorch's dropout backwards is left), and the gradients equal those of the
+    same compiled forward with PyTorch's backward ops (same seed, so the same masks)."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                                  hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.2)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    layer = transformers.models.bert.modeling_bert.BertLayer(cfg).train()
+    grads, recs = [], []
+    for extra in ([], ["aten_backward"]):
+        m = copy.deepcopy(layer)
+        f = torch.compile(m, backend="dmfx", options={"fallback": False, "skip": [*FORWARD_FUSIONS, *extra]})
+        torch.manual_seed(1)
+        x = torch.randn(2, 9, 32, requires_grad=True)
+        (f(x)[0] * torch.randn(2, 9, 32)).sum().backward()
+        grads.append([x.grad] + [p.grad for p in m.parameters()])
+        recs.append(dmfx.records()[-1])
+    bw = _targets(recs[0].backward_graph)
+    assert aten.native_dropout_backward.default not in bw
+    assert _targets(recs[1].backward_graph).count(aten.native_dropout_backward.default) == 3
+    assert recs[0].fired.get("aten_backward") == 7  # + the three dropouts (attention's on its own)
+    for name, a, b in zip(["x"] + [n for n, _ in layer.named_parameters()], *grads):
+        floor = 1e-6 if name.endswith("key.bias") else 0.0  # zero up to rounding (softmax's shift invariance)
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max() + floor, name
 
 
 def test_skipping_aten_backward_keeps_pytorchs_ops():

@@ -174,6 +174,49 @@ def test_bias_act_dropout_opcheck(p):
             test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64])
+@pytest.mark.parametrize("act", ["gelu", "relu", "identity"])
+def test_bias_act_dropout_backward_with_a_stored_mask(act, dtype):
+    """A mask PyTorch's native_dropout stored (the forward was not dmfx's): the backward multiplies by
+    mask * mask_scale, as native_dropout_backward does, then by act'(x + b), and sums dbias."""
+    for lead, N, layout in _cases():
+        x = _activation(lead, N, dtype, layout)
+        b = torch.randn(N, dtype=dtype)
+        g = torch.randn(*lead, N, dtype=dtype)
+        mask = torch.rand(*lead, N) >= 0.4  # (native_dropout's mask: bool, kept where True)
+        if layout == "permuted":  # a mask with permuted leading dims, read in place
+            mask = mask.transpose(0, 1).contiguous().transpose(0, 1)
+        scale = 1 / 0.6
+        dx, db = torch.ops.dmfx.bias_act_dropout_backward(g, x, b, act, None, 0.0, [True, True], mask, scale)
+        (rdx,) = _ref_grads(lambda v: P.reference_act(v + b.to(v.dtype), act), [x], g.to(torch.float64) * mask * scale)
+        assert dx.dtype == dtype and dx.shape == x.shape
+        assert rel_err(dx, rdx) < TOL[dtype], (lead, N, layout)
+        assert rel_err(db, rdx.reshape(-1, N).sum(0)) < TOL[dtype] * 4, (lead, N, layout)
+        assert not dx[~mask].any()  # dropped elements are exact zeros
+
+
+def test_bias_act_dropout_backward_stored_mask_checks_and_opcheck():
+    x, g = torch.randn(4, 8), torch.randn(4, 8)
+    mask = torch.rand(4, 8) > 0.5
+    opcheck(torch.ops.dmfx.bias_act_dropout_backward.default,
+            (g, x, None, "silu", None, 0.0, [True, True], mask, 2.0), test_utils=("test_schema", "test_faketensor"))
+    dx, db = torch.ops.dmfx.bias_act_dropout_backward(g, g, None, "identity", None, 0.0, [True, True], mask, 2.0)
+    assert torch.equal(dx, g * mask * 2.0) and torch.allclose(db, (g * mask * 2.0).sum(0), atol=1e-6)
+    with pytest.raises(ValueError, match="mask must be a bool tensor"):
+        torch.ops.dmfx.bias_act_dropout_backward(g, x, None, "gelu", None, 0.0, [True, True], mask.float(), 2.0)
+    with pytest.raises(ValueError, match=r"mask must have the shape of x \[4, 8\], got \[8, 4\]"):
+        torch.ops.dmfx.bias_act_dropout_backward(g, x, None, "gelu", None, 0.0, [True, True], mask.t(), 2.0)
+    with pytest.raises(ValueError, match="a stored mask and p = 0.1 > 0 would be two dropout masks"):
+        torch.ops.dmfx.bias_act_dropout_backward(g, x, None, "gelu", new_seed(), 0.1, [True, True], mask, 2.0)
+    from dmfx.cuda_ops.build import load
+
+    K = load("cpu")  # the kernel's own checks, for callers that bypass the op
+    with pytest.raises(RuntimeError, match="mask must be a bool tensor"):
+        K.bias_act_bwd(g, x, None, 2, 0, 0, 0.0, [True, True], mask.float(), 2.0)
+    with pytest.raises(RuntimeError, match="mask_scale must be finite"):
+        K.bias_act_bwd(g, x, None, 2, 0, 0, 0.0, [True, True], mask, float("inf"))
+
+
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_dropout_statistics_and_mask(p):
     x = (torch.rand(300, 257) + 0.5).to(torch.float32)  # positive: zero <=> dropped

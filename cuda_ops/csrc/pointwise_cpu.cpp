@@ -97,6 +97,26 @@ void fill_mult(const DropoutParams& d, uint64_t first, int64_t n, acc_t scale, a
   for (int64_t k = 0; k < n; ++k) m[k] = w[k] >= t ? scale : acc_t(0);
 }
 
+// The same multipliers from a stored mask row (PyTorch's native_dropout mask): keep ? scale : 0.
+template <typename acc_t>
+void fill_mult(const bool* keep, int64_t n, acc_t scale, acc_t* m) {
+  for (int64_t k = 0; k < n; ++k) m[k] = keep[k] ? scale : acc_t(0);
+}
+
+// A stored mask seen as [rows, N] (null data: none).
+struct MaskRows {
+  const bool* data = nullptr;
+  RowIndexer idx;
+  MaskRows() = default;
+  explicit MaskRows(const c10::optional<at::Tensor>& t) {
+    if (present(t)) {
+      data = t->data_ptr<bool>();
+      idx = RowIndexer::of(*t);
+    }
+  }
+  const bool* row(int64_t r) const { return data + idx.offset(r); }
+};
+
 // ------------------------------------------------------------------------------------------------
 // Row cores: float (vectorized) and double (scalar). Null pointers mean "absent".
 // ------------------------------------------------------------------------------------------------
@@ -288,13 +308,17 @@ void bias_act_fwd_impl(const at::Tensor& x, const c10::optional<at::Tensor>& bia
 template <typename scalar_t, int ACT>
 void bias_act_bwd_impl(const at::Tensor& grad_out, const at::Tensor& x,
                        const c10::optional<at::Tensor>& bias, const DropoutParams& d, double p,
-                       at::Tensor& dx, at::Tensor& dbias) {
+                       const c10::optional<at::Tensor>& mask, double mask_scale, at::Tensor& dx,
+                       at::Tensor& dbias) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t N = x.size(-1), rows = num_rows(x);
   const Rows<scalar_t> gr(grad_out), xr(x);
   const std::vector<acc_t> bvec = to_acc_vector<acc_t, scalar_t>(bias);
   const acc_t* b = bvec.empty() ? nullptr : bvec.data();
   const acc_t scale = static_cast<acc_t>(d.scale);
+  const MaskRows mr(mask);
+  const bool masked = d.active || mr.data != nullptr;  // a multiplier per element (Philox or stored)
+  const acc_t mscale = static_cast<acc_t>(mask_scale);
   scalar_t* dxp = dx.defined() ? dx.data_ptr<scalar_t>() : nullptr;
   const bool need_db = dbias.defined();
   // The bias gradient: every thread sums its rows into its own partial row, then one reduction.
@@ -303,7 +327,7 @@ void bias_act_bwd_impl(const at::Tensor& grad_out, const at::Tensor& x,
   at::parallel_for(0, rows, grain_for(N), [&](int64_t begin, int64_t end) {
     acc_t* acc = need_db ? partial.data() + at::get_thread_num() * N : nullptr;
     const int64_t B = kRowBlock;
-    std::vector<acc_t> mult(d.active ? B * N : 0), gbuf(B * N), xbuf(B * N), dbuf(B * N);
+    std::vector<acc_t> mult(masked ? B * N : 0), gbuf(B * N), xbuf(B * N), dbuf(B * N);
     for (int64_t r0 = begin; r0 < end; r0 += B) {
       const int nr = static_cast<int>(std::min(B, end - r0));
       const acc_t* gp[kRowBlock];
@@ -314,13 +338,14 @@ void bias_act_bwd_impl(const at::Tensor& grad_out, const at::Tensor& x,
       for (int i = 0; i < nr; ++i) {
         const int64_t r = r0 + i;
         if (d.active) fill_mult(d, static_cast<uint64_t>(r) * N, N, scale, mult.data() + i * N);
+        else if (mr.data) fill_mult(mr.row(r), N, mscale, mult.data() + i * N);
         mp[i] = mult.data() + i * N;
         gp[i] = gr.get(r, N, gbuf.data() + i * N);
         xp[i] = xr.get(r, N, xbuf.data() + i * N);
         drow[i] = OutRow<scalar_t>{dxp ? dxp + r * N : nullptr, dbuf.data() + i * N};
         dp[i] = drow[i].ptr();
       }
-      bias_act_bwd_rows<ACT>(gp, xp, b, d.active ? mp : nullptr, dp, acc, nr, N);
+      bias_act_bwd_rows<ACT>(gp, xp, b, masked ? mp : nullptr, dp, acc, nr, N);
       for (int i = 0; i < nr; ++i) drow[i].store(N);
     }
   });
@@ -454,13 +479,16 @@ at::Tensor bias_act_fwd_cpu(const at::Tensor& x_in, const c10::optional<at::Tens
 std::vector<at::Tensor> bias_act_bwd_cpu(const at::Tensor& grad_out_in, const at::Tensor& x_in,
                                          const c10::optional<at::Tensor>& bias_in, int64_t act,
                                          int64_t seed, int64_t offset, double p,
-                                         std::vector<bool> output_mask) {
+                                         std::vector<bool> output_mask,
+                                         const c10::optional<at::Tensor>& mask_in, double mask_scale) {
   using namespace pointwise_impl;
   const char* op = "bias_act_bwd";
   const DropoutParams d = check_bias_act(op, x_in, bias_in, act, seed, offset, p, at::kCPU);
   check_same_shape(op, "grad_out", grad_out_in, "x", x_in);
   check_mask(op, output_mask, "[dx, dbias]");
+  check_stored_mask(op, mask_in, x_in, p, mask_scale);
   const at::Tensor x = rowable(x_in), grad_out = rowable(grad_out_in);
+  const auto mask = rowable(mask_in);
   const auto bias = contiguous(bias_in);
   const at::Tensor empty = at::empty({0}, x.options());
   at::Tensor dx = output_mask[0] ? at::empty(x.sizes(), x.options()) : at::Tensor();
@@ -468,7 +496,7 @@ std::vector<at::Tensor> bias_act_bwd_cpu(const at::Tensor& grad_out_in, const at
   if (num_rows(x) > 0 && (dx.defined() || dbias.defined())) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dmfx_bias_act_bwd", [&] {
       dispatch_act(static_cast<int>(act), [&](auto a) {
-        bias_act_bwd_impl<scalar_t, decltype(a)::value>(grad_out, x, bias, d, p, dx, dbias);
+        bias_act_bwd_impl<scalar_t, decltype(a)::value>(grad_out, x, bias, d, p, mask, mask_scale, dx, dbias);
       });
     });
   } else if (dbias.defined()) {
@@ -528,7 +556,11 @@ std::vector<at::Tensor> rope_cpu(const at::Tensor& q, const at::Tensor& k, const
 void bind_pointwise(pybind11::module_& m) {
   m.def("bias_act_fwd", &bias_act_fwd_cpu, "fused bias + activation + dropout forward (CPU)");
   m.def("bias_act_bwd", &bias_act_bwd_cpu,
-        "fused bias + activation + dropout backward with the bias gradient (CPU)");
+        "fused bias + activation + dropout backward with the bias gradient (CPU); a stored bool mask "
+        "(native_dropout's) replaces the Philox one",
+        pybind11::arg("grad_out"), pybind11::arg("x"), pybind11::arg("bias"), pybind11::arg("act"),
+        pybind11::arg("seed"), pybind11::arg("offset"), pybind11::arg("p"), pybind11::arg("output_mask"),
+        pybind11::arg("mask") = pybind11::none(), pybind11::arg("mask_scale") = 1.0);
   m.def("glu_fwd", &glu_fwd_cpu, "gated activation act(gate) * up (CPU)");
   m.def("glu_bwd", &glu_bwd_cpu, "gated activation backward [dgate, dup] (CPU)");
   m.def("rope", &rope_cpu, "rotary position embedding of q and k; inverse=True is its backward (CPU)");

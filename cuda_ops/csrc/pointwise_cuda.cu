@@ -132,6 +132,9 @@ struct BiasActArgs {
   const scalar_t* bias;  // [N] contiguous or null
   scalar_t* out;         // forward: out; backward: dx (or null)
   acc_t* partial;        // backward: [Y, N] bias-gradient partials (or null)
+  const bool* mask;      // backward: a stored dropout mask (native_dropout's), or null
+  RowIndexer mi;
+  acc_t mask_scale;
   int64_t rows, N, nchunks;
   DropoutParams d;
   acc_t scale;
@@ -177,11 +180,17 @@ __global__ void bias_act_bwd_kernel(const BiasActArgs<scalar_t> a) {
     acc_t m[VEC];
     load_vec<VEC>(a.x + a.xi.offset(r) + j0, xv);
     load_vec<VEC>(a.grad + a.gi.offset(r) + j0, gv);
-    dropout_mults<VEC, acc_t>(a.d, a.scale, static_cast<uint64_t>(r * a.N + j0), m);
+    if (a.mask) {
+      const bool* keep = a.mask + a.mi.offset(r) + j0;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) m[k] = keep[k] ? a.mask_scale : acc_t(0);
+    } else {
+      dropout_mults<VEC, acc_t>(a.d, a.scale, static_cast<uint64_t>(r * a.N + j0), m);
+    }
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
       acc_t g = static_cast<acc_t>(gv[k]);
-      if (a.d.active) g *= m[k];
+      if (a.d.active || a.mask) g *= m[k];
       const acc_t dx = g * act_grad<ACT, acc_t>(static_cast<acc_t>(xv[k]) + b[k]);
       sum[k] += dx;
       dv[k] = static_cast<scalar_t>(dx);
@@ -450,14 +459,17 @@ at::Tensor bias_act_fwd_cuda(const at::Tensor& x_in, const c10::optional<at::Ten
 std::vector<at::Tensor> bias_act_bwd_cuda(const at::Tensor& grad_out_in, const at::Tensor& x_in,
                                           const c10::optional<at::Tensor>& bias_in, int64_t act,
                                           int64_t seed, int64_t offset, double p,
-                                          std::vector<bool> output_mask) {
+                                          std::vector<bool> output_mask,
+                                          const c10::optional<at::Tensor>& mask_in, double mask_scale) {
   using namespace pointwise_impl;
   const char* op = "bias_act_bwd";
   const DropoutParams d = check_bias_act(op, x_in, bias_in, act, seed, offset, p, at::kCUDA);
   check_same_shape(op, "grad_out", grad_out_in, "x", x_in);
   check_mask(op, output_mask, "[dx, dbias]");
+  check_stored_mask(op, mask_in, x_in, p, mask_scale);
   const c10::cuda::CUDAGuard device_guard(x_in.device());
   const at::Tensor x = rowable(x_in), grad_out = rowable(grad_out_in);
+  const auto mask = rowable(mask_in);
   const auto bias = contiguous(bias_in);
   const at::Tensor empty = at::empty({0}, x.options());
   at::Tensor dx = output_mask[0] ? at::empty(x.sizes(), x.options()) : at::Tensor();
@@ -472,6 +484,11 @@ std::vector<at::Tensor> bias_act_bwd_cuda(const at::Tensor& grad_out_in, const a
       a.gi = RowIndexer::of(grad_out);
       a.bias = ptr_of<scalar_t>(bias);
       a.out = dx.defined() ? dx.data_ptr<scalar_t>() : nullptr;
+      if (mask) {
+        a.mask = mask->data_ptr<bool>();
+        a.mi = RowIndexer::of(*mask);
+        a.mask_scale = static_cast<acc_t>(mask_scale);
+      }
       a.rows = num_rows(x);
       a.N = x.size(-1);
       a.d = d;

@@ -12,7 +12,8 @@ at::Tensor bias_act_fwd_cuda(const at::Tensor& x, const c10::optional<at::Tensor
 std::vector<at::Tensor> bias_act_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& x,
                                           const c10::optional<at::Tensor>& bias, int64_t act,
                                           int64_t seed, int64_t offset, double p,
-                                          std::vector<bool> output_mask);
+                                          std::vector<bool> output_mask,
+                                          const c10::optional<at::Tensor>& mask, double mask_scale);
 
 at::Tensor glu_fwd_cuda(const at::Tensor& gate, const at::Tensor& up, int64_t act);
 
@@ -25,7 +26,11 @@ std::vector<at::Tensor> rope_cuda(const at::Tensor& q, const at::Tensor& k, cons
 void bind_pointwise(pybind11::module_& m) {
   m.def("bias_act_fwd", &bias_act_fwd_cuda, "fused bias + activation + dropout forward (CUDA)");
   m.def("bias_act_bwd", &bias_act_bwd_cuda,
-        "fused bias + activation + dropout backward with the bias gradient (CUDA)");
+        "fused bias + activation + dropout backward with the bias gradient (CUDA); a stored bool mask "
+        "(native_dropout's) replaces the Philox one",
+        pybind11::arg("grad_out"), pybind11::arg("x"), pybind11::arg("bias"), pybind11::arg("act"),
+        pybind11::arg("seed"), pybind11::arg("offset"), pybind11::arg("p"), pybind11::arg("output_mask"),
+        pybind11::arg("mask") = pybind11::none(), pybind11::arg("mask_scale") = 1.0);
   m.def("glu_fwd", &glu_fwd_cuda, "gated activation act(gate) * up (CUDA)");
   m.def("glu_bwd", &glu_bwd_cuda, "gated activation backward [dgate, dup] (CUDA)");
   m.def("rope", &rope_cuda, "rotary position embedding of q and k; inverse=True is its backward (CUDA)");
