@@ -70,6 +70,20 @@ def _seed_values(seed: Tensor | None, op: str) -> tuple[int, int]:
     return int(s), int(o)
 
 
+def _check_stored_mask(op: str, mask: Tensor | None, ref_name: str, ref: Tensor, p: float) -> None:
+    """A backward kernel's stored dropout mask (``native_dropout``'s, when the forward was PyTorch's):
+    bool, `ref`'s shape, and no Philox mask with it (p == 0). Checked in Python so that the fake (meta)
+    implementations raise the same errors as the kernels."""
+    if mask is None:
+        return
+    if mask.dtype != torch.bool:
+        raise ValueError(f"dmfx::{op}: mask must be a bool tensor (the mask native_dropout returns), got {mask.dtype}")
+    if tuple(mask.shape) != tuple(ref.shape):
+        raise ValueError(f"dmfx::{op}: mask must have the shape of {ref_name} {list(ref.shape)}, got {list(mask.shape)}")
+    if p != 0.0:
+        raise ValueError(f"dmfx::{op}: a stored mask and p = {p} > 0 would be two dropout masks; pass p = 0 with a mask")
+
+
 def _check_tensor(op: str, name: str, t: object) -> None:
     if not isinstance(t, Tensor):
         raise TypeError(f"dmfx::{op}: {name} must be a Tensor, got {type(t).__name__}")

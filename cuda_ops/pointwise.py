@@ -31,7 +31,7 @@ from torch import Tensor
 
 from . import reference as R
 from .build import kernels_for
-from .ops import _check_tensor, _seed_values, new_seed
+from .ops import _check_stored_mask, _check_tensor, _seed_values, new_seed
 
 _lib = torch.library.Library("dmfx", "FRAGMENT")  # noqa: TOR901 (kept alive for the process)
 
@@ -77,19 +77,6 @@ def _check_mask(output_mask, op: str, names: str) -> list[bool]:
     return m
 
 
-def _check_stored_mask(mask: Tensor | None, x: Tensor, p: float, op: str) -> None:
-    """A stored dropout mask: bool, x's shape, and no second (Philox) mask with it. Checked before the
-    kernels are reached so that the fake (meta) path raises the same errors."""
-    if mask is None:
-        return
-    if mask.dtype != torch.bool:
-        raise ValueError(f"dmfx::{op}: mask must be a bool tensor (the mask native_dropout returns), got {mask.dtype}")
-    if tuple(mask.shape) != tuple(x.shape):
-        raise ValueError(f"dmfx::{op}: mask must have the shape of x {list(x.shape)}, got {list(mask.shape)}")
-    if p != 0.0:
-        raise ValueError(f"dmfx::{op}: a stored mask and p = {p} > 0 would be two dropout masks; pass p = 0 with a mask")
-
-
 # ----------------------------------------------------------------------------------------- kernels
 
 
@@ -106,7 +93,7 @@ def _bias_act_dropout_backward_kernel(grad_out, x, bias, act, seed, p, output_ma
     code = _act_code(act, op)
     _check_dropout(seed, p, op)
     m = _check_mask(output_mask, op, "[dx, dbias]")
-    _check_stored_mask(mask, x, p, op)
+    _check_stored_mask(op, mask, "x", x, p)
     s, o = _seed_values(seed, op)
     return tuple(kernels_for(x.device).bias_act_bwd(grad_out, x, bias, code, s, o, p, m, mask, mask_scale))
 
@@ -188,7 +175,7 @@ def _bias_act_dropout_fake(x, bias, act, seed, p):
 def _bias_act_dropout_backward_fake(grad_out, x, bias, act, seed, p, output_mask, mask=None, mask_scale=1.0):
     _act_code(act, "bias_act_dropout_backward")
     m = _check_mask(output_mask, "bias_act_dropout_backward", "[dx, dbias]")
-    _check_stored_mask(mask, x, p, "bias_act_dropout_backward")
+    _check_stored_mask("bias_act_dropout_backward", mask, "x", x, p)
     dx = _like(x) if m[0] else _nothing(x)
     dbias = x.new_empty((x.shape[-1],)) if m[1] else _nothing(x)
     return dx, dbias

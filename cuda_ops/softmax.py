@@ -13,9 +13,12 @@ Ops
     (fully masked rows give zeros, never NaN); ``out = dropout(probs, p)`` with the Philox mask of
     ``seed`` (element index = row-major index in scores' shape). When ``p == 0`` (``seed`` may then be
     None) ``out`` holds the probabilities and ``probs`` is empty (shape ``[0]``).
-``dmfx::softmax_backward(Tensor grad_out, Tensor probs, Tensor? seed, float p, float scale) -> Tensor``
+``dmfx::softmax_backward(Tensor grad_out, Tensor probs, Tensor? seed, float p, float scale,
+    Tensor? mask=None, float mask_scale=1.0) -> Tensor``
     ``g = dropout(grad_out)`` (same mask), ``scale * probs * (g - sum(g * probs, -1))``; ``probs`` is
-    the forward's ``probs``, or its ``out`` when ``p == 0``.
+    the forward's ``probs``, or its ``out`` when ``p == 0``. ``mask``: a dropout mask PyTorch's
+    ``native_dropout`` stored (bool, probs' shape; p must be 0), applied as ``g = grad_out * mask *
+    mask_scale`` (``native_dropout_backward``) instead of a regenerated one.
 
 The autograd formula of ``dmfx::softmax`` calls ``dmfx::softmax_backward`` for the scores and, when a
 float mask requires grad (e.g. T5's learned position bias), for the mask (``scale=1``, reduced to the
@@ -30,7 +33,7 @@ from torch import Tensor
 
 from . import reference as _reference
 from .build import kernels_for
-from .ops import _seed_values, new_seed
+from .ops import _check_stored_mask, _seed_values, new_seed
 
 _lib = torch.library.Library("dmfx", "FRAGMENT")  # noqa: TOR901 (kept alive for the process)
 
@@ -38,7 +41,10 @@ _lib.define(
     "softmax(Tensor scores, Tensor? mask, float scale, bool causal, Tensor? seed, float p) "
     "-> (Tensor out, Tensor probs)"
 )
-_lib.define("softmax_backward(Tensor grad_out, Tensor probs, Tensor? seed, float p, float scale) -> Tensor")
+_lib.define(
+    "softmax_backward(Tensor grad_out, Tensor probs, Tensor? seed, float p, float scale, Tensor? mask=None, "
+    "float mask_scale=1.0) -> Tensor"
+)
 
 OPS = ("softmax", "softmax_backward")
 
@@ -95,10 +101,11 @@ def _softmax_kernel(scores, mask, scale, causal, seed, p):
     return out, probs
 
 
-def _softmax_backward_kernel(grad_out, probs, seed, p, scale):
+def _softmax_backward_kernel(grad_out, probs, seed, p, scale, mask=None, mask_scale=1.0):
     _check_p("softmax_backward", p, seed)
+    _check_stored_mask("softmax_backward", mask, "probs", probs, p)
     s, o = _seed_values(seed, "softmax_backward")
-    return kernels_for(probs.device).softmax_bwd(grad_out, probs, s, o, p, scale)
+    return kernels_for(probs.device).softmax_bwd(grad_out, probs, s, o, p, scale, mask, mask_scale)
 
 
 for _dev in ("CPU", "CUDA"):
@@ -118,8 +125,9 @@ def _softmax_fake(scores, mask, scale, causal, seed, p):
 
 
 @torch.library.register_fake("dmfx::softmax_backward")
-def _softmax_backward_fake(grad_out, probs, seed, p, scale):
+def _softmax_backward_fake(grad_out, probs, seed, p, scale, mask=None, mask_scale=1.0):
     _check_p("softmax_backward", p, seed)
+    _check_stored_mask("softmax_backward", mask, "probs", probs, p)
     if grad_out.shape != probs.shape:
         raise ValueError(
             f"dmfx::softmax_backward: grad_out must have the shape of probs {list(probs.shape)}, got {list(grad_out.shape)}"

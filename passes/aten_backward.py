@@ -16,18 +16,16 @@ replaces those with dmfx's backward kernels, so the later folds (``fold_gradient
 ``_softmax_backward_data(g, y, -1, dtype)`` -> ``dmfx::softmax_backward`` (p = 0), with a following
     multiplication or division by a constant (the attention's 1/sqrt(d)) folded into its scale.
 ``native_dropout_backward(g, mask, scale)`` (the mask an unrewritten forward's ``native_dropout``
-    stored) -> folded into the activation backward that reads it (the kernel multiplies by the stored
-    mask instead of regenerating one: the paper's BDRB with a saved mask); one that no activation
-    backward reads becomes ``dmfx::bias_act_dropout_backward`` with the identity and the stored mask,
-    with the bias-gradient ``sum`` after it folded in the same way.
+    stored) -> folded into the activation or softmax backward that reads it (the kernel multiplies by
+    the stored mask instead of regenerating one: the paper's BDRB and BS with a saved mask); one that
+    no such backward reads becomes ``dmfx::bias_act_dropout_backward`` with the identity and the stored
+    mask, with the bias-gradient ``sum`` after it folded in the same way.
 
 Left alone, with the reason in the log at DEBUG and in the record's ``missed``: a layer norm over more
 than the last dim or with statistics in another dtype than dmfx's (bf16 on the CPU: ATen keeps them in
 bf16), a threshold other than 0, a softmax over another dim or with a cast (``input_dtype`` differs),
 and operands of other dtypes or devices than the kernels take. ``tanh_backward`` is not matched: it
-reads tanh's output, and dmfx's kernel recomputes the activation from its input. A stored dropout mask
-before a softmax backward (attention-probability dropout) becomes its own identity kernel rather than
-part of ``dmfx::softmax_backward``, whose kernels regenerate their masks from a seed and read none.
+reads tanh's output, and dmfx's kernel recomputes the activation from its input.
 """
 
 from __future__ import annotations
@@ -204,9 +202,7 @@ def _softmax_backward(g, ctx: PassContext, n: Node) -> None:
     if input_dtype != yv.dtype or gv.dtype != yv.dtype or tuple(gv.shape) != tuple(yv.shape):
         ctx.miss("aten_backward", n, "a cast around the softmax, or a gradient of another dtype or shape")
         return
-    if is_op(grad, aten.native_dropout_backward.default):
-        ctx.miss("aten_backward", grad, "a stored dropout mask before a softmax backward: its own kernel, since "
-                 "dmfx's softmax kernels regenerate their masks and read none")
+    dropout = _stored_dropout(grad, n)  # attention-probability dropout: the kernel reads its mask
     scale, target = 1.0, n
     if len(n.users) == 1:  # the attention's 1/sqrt(d): folded into the kernel's scale
         user = next(iter(n.users))
@@ -214,13 +210,16 @@ def _softmax_backward(g, ctx: PassContext, n: Node) -> None:
         uv = tensor_meta(user)
         if c is not None and uv is not None and uv.dtype == yv.dtype:
             scale, target = c, user
+    src, stored = (dropout[0], dropout[1:]) if dropout else (grad, ())
     with g.inserting_before(n):
-        new = insert_call(g, ctx, torch.ops.dmfx.softmax_backward.default, (grad, y, None, 0.0, scale))
+        new = insert_call(g, ctx, torch.ops.dmfx.softmax_backward.default, (src, y, None, 0.0, scale, *stored))
     target.replace_all_uses_with(new)
     if target is not n:
         g.erase_node(target)
     g.erase_node(n)
-    ctx.record("aten_backward", 1 + (target is not n), new)
+    if dropout:
+        g.erase_node(grad)
+    ctx.record("aten_backward", 1 + (target is not n) + (dropout is not None), new)
 
 
 def fuse_aten_backward(gm: GraphModule, ctx: PassContext) -> None:

@@ -92,6 +92,21 @@ def test_matches_cpu(cpu_ext, cuda_ext, Sk, dtype):
             _run_both(cpu_ext, cuda_ext, scores, mask, 0.3, causal, p, f"Sk={Sk} {dtype} {kind} causal={causal} p={p}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Sk", [7, 128, 1025])
+def test_backward_with_a_stored_mask(cpu_ext, cuda_ext, Sk, dtype):
+    """native_dropout's bool mask instead of Philox (tests/test_emulated_cuda_softmax.py runs the same
+    case on the emulation)."""
+    gen = torch.Generator().manual_seed(Sk)
+    shape = (2, 3, 5, Sk)
+    probs = torch.softmax(torch.randn(shape, generator=gen), -1).to(dtype)
+    go = torch.randn(shape, generator=gen).to(dtype)
+    mask = (torch.rand(shape[1], shape[0], *shape[2:], generator=gen) >= 0.3).transpose(0, 1)
+    g_c = cpu_ext.softmax_bwd(go, probs, 0, 0, 0.0, 0.7, mask, 1 / 0.7)
+    g_g = cuda_ext.softmax_bwd(go.to(DEV), probs.to(DEV), 0, 0, 0.0, 0.7, mask.to(DEV), 1 / 0.7)
+    _compare(g_g.cpu(), g_c, dtype, f"Sk={Sk} stored mask")
+
+
 @pytest.mark.parametrize("Sk", [8, 128, 1024, 1500])
 def test_strided_and_unaligned(cpu_ext, cuda_ext, Sk):
     gen = torch.Generator().manual_seed(0)

@@ -95,6 +95,20 @@ def test_matches_cpu(cpu, emu, Sk, dtype):
             _run_both(cpu, emu, scores, mask, 0.3, causal, p, f"Sk={Sk} {dtype} {kind} causal={causal} p={p}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("Sk", [7, 128, 1025])
+def test_backward_with_a_stored_mask(cpu, emu, Sk, dtype):
+    """native_dropout's bool mask instead of Philox: warp (vector and scalar) and block kernels."""
+    gen = torch.Generator().manual_seed(Sk)
+    shape = (2, 3, 5, Sk) if Sk <= 1024 else (2, 1, 3, Sk)
+    probs = torch.softmax(torch.randn(shape, generator=gen), -1).to(dtype)
+    go = torch.randn(shape, generator=gen).to(dtype)
+    mask = (torch.rand(shape[1], shape[0], *shape[2:], generator=gen) >= 0.3).transpose(0, 1)
+    g_c = cpu.softmax_bwd(go, probs, 0, 0, 0.0, 0.7, mask, 1 / 0.7)
+    g_g = emu.softmax_bwd(go, probs, 0, 0, 0.0, 0.7, mask, 1 / 0.7)
+    _compare(g_g, g_c, dtype, f"Sk={Sk} stored mask")
+
+
 @pytest.mark.parametrize("Sk", [8, 128, 1024, 1500])
 def test_strided_and_unaligned(cpu, emu, Sk):
     gen = torch.Generator().manual_seed(0)

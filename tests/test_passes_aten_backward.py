@@ -220,14 +220,32 @@ def test_stored_dropout_mask_near_misses():
     y = torch.softmax(torch.randn(2, 3, 8, 8), -1)
     gs, ms = torch.randn(2, 3, 8, 8), _dropout_mask((2, 3, 8, 8))
 
-    def softmax_dropout(g, mask, y):  # attention-probability dropout: its own identity kernel
-        return aten._softmax_backward_data(aten.native_dropout_backward(g, mask, 1.25), y, -1, torch.float32)
+    def softmax_dropout_read_twice(g, mask, y):  # the dropout's gradient is read elsewhere too
+        d = aten.native_dropout_backward(g, mask, 1.25)
+        return aten._softmax_backward_data(d, y, -1, torch.float32), d
 
-    want, got, gm, ctx = _run(softmax_dropout, gs, ms, y)
+    want, got, gm, ctx = _run(softmax_dropout_read_twice, gs, ms, y)
     ts = _targets(gm)
     assert ctx.fired == {"aten_backward": 2} and aten.native_dropout_backward.default not in ts
-    assert torch.ops.dmfx.softmax_backward.default in ts
-    assert any("before a softmax backward" in m for m in ctx.missed), ctx.missed
+    assert torch.ops.dmfx.softmax_backward.default in ts and torch.ops.dmfx.bias_act_dropout_backward.default in ts
+    _close(got, want)
+
+
+@pytest.mark.parametrize("scale", ["div", "none"])
+def test_stored_dropout_mask_folds_into_the_softmax_backward(scale):
+    """Attention-probability dropout stored by PyTorch: dropout backward, softmax backward and the
+    1/sqrt(d) after it in one dmfx::softmax_backward reading the mask."""
+    torch.manual_seed(0)
+    y = torch.softmax(torch.randn(2, 3, 8, 8), -1)
+    g, mask = torch.randn(2, 3, 8, 8), _dropout_mask((2, 3, 8, 8))
+
+    def f(g, mask, y):
+        d = aten._softmax_backward_data(aten.native_dropout_backward(g, mask, 1.25), y, -1, torch.float32)
+        return d / 8.0 if scale == "div" else d
+
+    want, got, gm, ctx = _run(f, g, mask, y)
+    assert ctx.fired == {"aten_backward": 1} and ctx.replaced == {"aten_backward": 3 if scale == "div" else 2}
+    assert _targets(gm) == [torch.ops.dmfx.softmax_backward.default]
     _close([got], [want])
 
 
@@ -320,7 +338,7 @@ def test_bert_layer_with_dropout_and_unfused_forward_reads_pytorchs_stored_masks
     bw = _targets(recs[0].backward_graph)
     assert aten.native_dropout_backward.default not in bw
     assert _targets(recs[1].backward_graph).count(aten.native_dropout_backward.default) == 3
-    assert recs[0].fired.get("aten_backward") == 7  # + the three dropouts (attention's on its own)
+    assert recs[0].fired.get("aten_backward") == 6  # the three dropouts read inside the kernels after them
     for name, a, b in zip(["x"] + [n for n, _ in layer.named_parameters()], *grads):
         floor = 1e-6 if name.endswith("key.bias") else 0.0  # zero up to rounding (softmax's shift invariance)
         assert (a - b).abs().max() <= 1e-5 * b.abs().max() + floor, name

@@ -236,6 +236,41 @@ def test_backward_kernel_matches_formula(shape, dtype, p):
     assert rel_err(op_bwd(g2, probs, seed, p, 0.37), _ref_backward(g2, probs, seed, p, 0.37)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64])
+@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (2, 4, 128), (3, 1023)])
+def test_backward_with_a_stored_mask(shape, dtype):
+    """A dropout mask PyTorch's native_dropout stored (the forward was not dmfx's): the kernel's
+    gradient is aten's _softmax_backward_data(native_dropout_backward(g, mask, s), probs) times scale."""
+    aten = torch.ops.aten
+    probs = torch.softmax(torch.randn(shape, dtype=torch.float64), -1).to(dtype)
+    grad_out = torch.randn(shape).to(dtype)
+    mask = torch.rand(shape) >= 0.3
+    got = op_bwd(grad_out, probs, None, 0.0, 0.37, mask, 1 / 0.7)
+    g64 = aten.native_dropout_backward(grad_out.double(), mask, 1 / 0.7)
+    ref = 0.37 * aten._softmax_backward_data(g64, probs.double(), -1, torch.float64)
+    assert got.shape == probs.shape and got.dtype == dtype
+    assert rel_err(got, ref) < TOL[dtype]
+    # a mask with permuted leading dims is read in place
+    mt = mask.transpose(0, 1).contiguous().transpose(0, 1)
+    assert torch.equal(op_bwd(grad_out, probs, None, 0.0, 0.37, mt, 1 / 0.7), got)
+
+
+def test_backward_stored_mask_errors_and_opcheck():
+    probs = torch.softmax(torch.randn(2, 3, 8), -1)
+    g, mask = torch.randn(2, 3, 8), torch.rand(2, 3, 8) > 0.5
+    opcheck(op_bwd, (g, probs, None, 0.0, 0.5, mask, 2.0))
+    with pytest.raises(ValueError, match="mask must be a bool tensor"):
+        op_bwd(g, probs, None, 0.0, 1.0, mask.half(), 2.0)
+    with pytest.raises(ValueError, match=r"mask must have the shape of probs \[2, 3, 8\], got \[3, 8\]"):
+        op_bwd(g, probs, None, 0.0, 1.0, mask[0], 2.0)
+    with pytest.raises(ValueError, match="two dropout masks"):
+        op_bwd(g, probs, new_seed(), 0.2, 1.0, mask, 2.0)
+    from dmfx.cuda_ops.build import load
+
+    with pytest.raises(RuntimeError, match="mask must have the shape of probs"):
+        load("cpu").softmax_bwd(g, probs, 0, 0, 0.0, 1.0, mask[0], 2.0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_autograd_matches_reference(dtype):
     # no fully masked rows: the reference's own gradient is NaN there

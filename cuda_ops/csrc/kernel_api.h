@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "dmfx_common.h"
@@ -231,6 +232,24 @@ inline void zero_param_grads(NormGrads& g) {
 inline void check_dropout_args(const char* op, const at::Tensor& x, double p, c10::DeviceType device) {
   check_x(op, x, device);
   check_p(op, p);
+}
+
+// A backward kernel's stored dropout mask (the bool mask PyTorch's native_dropout saved, when the
+// forward was not a dmfx kernel: bias_act_bwd, softmax_bwd): x's shape and device, any strides with a
+// unit one along the last dim. The multiplier of element i is then mask[i] ? mask_scale : 0, and p must
+// be 0 (one source of dropout masks per call).
+inline void check_stored_mask(const char* op, const c10::optional<at::Tensor>& mask, const char* xname,
+                              const at::Tensor& x, double p, double mask_scale) {
+  if (!present(mask)) return;
+  TORCH_CHECK(mask->scalar_type() == at::kBool, "dmfx::", op,
+              ": mask must be a bool tensor (the mask native_dropout returns), got ", mask->scalar_type());
+  TORCH_CHECK(mask->device() == x.device(), "dmfx::", op, ": mask is on ", mask->device(), " but ", xname,
+              " is on ", x.device(), " (they must match)");
+  TORCH_CHECK(mask->sizes() == x.sizes(), "dmfx::", op, ": mask must have the shape of ", xname, " ",
+              x.sizes(), ", got ", mask->sizes());
+  TORCH_CHECK(p == 0.0, "dmfx::", op, ": a stored mask and p = ", p,
+              " > 0 would be two dropout masks; pass p = 0 with a mask");
+  TORCH_CHECK(std::isfinite(mask_scale), "dmfx::", op, ": mask_scale must be finite, got ", mask_scale);
 }
 
 }  // namespace dmfx

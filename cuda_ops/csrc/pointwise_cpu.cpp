@@ -486,7 +486,7 @@ std::vector<at::Tensor> bias_act_bwd_cpu(const at::Tensor& grad_out_in, const at
   const DropoutParams d = check_bias_act(op, x_in, bias_in, act, seed, offset, p, at::kCPU);
   check_same_shape(op, "grad_out", grad_out_in, "x", x_in);
   check_mask(op, output_mask, "[dx, dbias]");
-  check_stored_mask(op, mask_in, x_in, p, mask_scale);
+  check_stored_mask(op, mask_in, "x", x_in, p, mask_scale);
   const at::Tensor x = rowable(x_in), grad_out = rowable(grad_out_in);
   const auto mask = rowable(mask_in);
   const auto bias = contiguous(bias_in);

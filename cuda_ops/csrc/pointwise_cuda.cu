@@ -466,7 +466,7 @@ std::vector<at::Tensor> bias_act_bwd_cuda(const at::Tensor& grad_out_in, const a
   const DropoutParams d = check_bias_act(op, x_in, bias_in, act, seed, offset, p, at::kCUDA);
   check_same_shape(op, "grad_out", grad_out_in, "x", x_in);
   check_mask(op, output_mask, "[dx, dbias]");
-  check_stored_mask(op, mask_in, x_in, p, mask_scale);
+  check_stored_mask(op, mask_in, "x", x_in, p, mask_scale);
   const c10::cuda::CUDAGuard device_guard(x_in.device());
   const at::Tensor x = rowable(x_in), grad_out = rowable(grad_out_in);
   const auto mask = rowable(mask_in);

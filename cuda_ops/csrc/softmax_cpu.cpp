@@ -276,14 +276,17 @@ void softmax_fwd_rows(const SoftmaxArgs& a, const FwdPtrs<scalar_t>& P) {
 
 template <typename scalar_t>
 void softmax_bwd_rows(const SoftmaxArgs& a, const scalar_t* go, const RowIndexer& gi,
-                      const scalar_t* pr, const RowIndexer& pi, scalar_t* gz) {
+                      const scalar_t* pr, const RowIndexer& pi, const bool* keep, const RowIndexer& ki,
+                      double mask_scale, scalar_t* gz) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t Sk = a.Sk;
   const acc_t scale = static_cast<acc_t>(a.scale);
   const DropoutParams d = a.dropout;
+  const bool masked = d.active || keep != nullptr;  // Philox multipliers, or a stored mask's
+  const acc_t mscale = static_cast<acc_t>(mask_scale);
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(Sk, 1));
   at::parallel_for(0, a.rows, grain, [&](int64_t begin, int64_t end) {
-    RowScratch<acc_t> s(Sk, d.active);
+    RowScratch<acc_t> s(Sk, masked);
     acc_t* g = s.z.data();
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* grow = go + gi.offset(r);
@@ -291,20 +294,25 @@ void softmax_bwd_rows(const SoftmaxArgs& a, const scalar_t* go, const RowIndexer
       scalar_t* orow = gz + r * Sk;
       acc_t ps[kLanes];
       for (int l = 0; l < kLanes; ++l) ps[l] = acc_t(0);
-      if (d.active) fill_mult(d, a.keep_scale, static_cast<uint64_t>(r) * static_cast<uint64_t>(Sk), Sk, s);
+      if (d.active) {
+        fill_mult(d, a.keep_scale, static_cast<uint64_t>(r) * static_cast<uint64_t>(Sk), Sk, s);
+      } else if (keep) {
+        const bool* krow = keep + ki.offset(r);
+        for (int64_t j = 0; j < Sk; ++j) s.mult[j] = krow[j] ? mscale : acc_t(0);
+      }
       const acc_t* mult = s.mult.data();
       int64_t j = 0;
       for (; j + kLanes <= Sk; j += kLanes) {
         for (int l = 0; l < kLanes; ++l) {
           acc_t gj = to_acc<acc_t>(grow[j + l]);
-          if (d.active) gj *= mult[j + l];
+          if (masked) gj *= mult[j + l];
           g[j + l] = gj;
           ps[l] += gj * to_acc<acc_t>(prow[j + l]);
         }
       }
       for (; j < Sk; ++j) {
         acc_t gj = to_acc<acc_t>(grow[j]);
-        if (d.active) gj *= mult[j];
+        if (masked) gj *= mult[j];
         g[j] = gj;
         ps[0] += gj * to_acc<acc_t>(prow[j]);
       }
@@ -357,16 +365,21 @@ std::vector<at::Tensor> softmax_fwd_cpu(const at::Tensor& scores_in,
 }
 
 at::Tensor softmax_bwd_cpu(const at::Tensor& grad_out_in, const at::Tensor& probs_in, int64_t seed,
-                           int64_t offset, double p, double scale) {
+                           int64_t offset, double p, double scale, const c10::optional<at::Tensor>& mask_in,
+                           double mask_scale) {
   using namespace softmax_impl;
   const SoftmaxArgs a =
       check_bwd_args("softmax_bwd", grad_out_in, probs_in, seed, offset, p, scale, at::kCPU);
+  check_stored_mask("softmax_bwd", mask_in, "probs", probs_in, p, mask_scale);
   at::Tensor grad = at::empty(probs_in.sizes(), probs_in.options());
   if (a.rows == 0) return grad;
   const at::Tensor grad_out = rowable(grad_out_in), probs = rowable(probs_in);
+  const auto mask = rowable(mask_in);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, probs.scalar_type(), "dmfx_softmax_bwd", [&] {
     softmax_bwd_rows<scalar_t>(a, grad_out.data_ptr<scalar_t>(), RowIndexer::of(grad_out),
                                probs.data_ptr<scalar_t>(), RowIndexer::of(probs),
+                               mask ? mask->data_ptr<bool>() : nullptr,
+                               mask ? RowIndexer::of(*mask) : RowIndexer{}, mask_scale,
                                grad.data_ptr<scalar_t>());
   });
   return grad;
@@ -377,9 +390,12 @@ void bind_softmax(pybind11::module_& m) {
         "fused scale + mask + causal + softmax + dropout forward (CPU); returns [out, probs]",
         pybind11::arg("scores"), pybind11::arg("mask"), pybind11::arg("scale"),
         pybind11::arg("causal"), pybind11::arg("seed"), pybind11::arg("offset"), pybind11::arg("p"));
-  m.def("softmax_bwd", &softmax_bwd_cpu, "fused dropout + softmax backward, times scale (CPU)",
+  m.def("softmax_bwd", &softmax_bwd_cpu,
+        "fused dropout + softmax backward, times scale (CPU); a stored bool mask (native_dropout's) "
+        "replaces the Philox one",
         pybind11::arg("grad_out"), pybind11::arg("probs"), pybind11::arg("seed"),
-        pybind11::arg("offset"), pybind11::arg("p"), pybind11::arg("scale"));
+        pybind11::arg("offset"), pybind11::arg("p"), pybind11::arg("scale"),
+        pybind11::arg("mask") = pybind11::none(), pybind11::arg("mask_scale") = 1.0);
 }
 
 }  // namespace dmfx

@@ -175,6 +175,9 @@ struct BwdParams {
   const scalar_t* probs;
   RowIndexer pi;
   scalar_t* grad;  // [rows, Sk] contiguous
+  const bool* keep;  // a stored dropout mask (native_dropout's), or null
+  RowIndexer ki;
+  double mask_scale;
   SoftmaxArgs a;
 };
 
@@ -317,12 +320,14 @@ softmax_bwd_warp_kernel(const BwdParams<scalar_t> P) {
   const int64_t Sk = P.a.Sk;
   const acc_t scale = static_cast<acc_t>(P.a.scale);
   const acc_t keep_scale = static_cast<acc_t>(P.a.keep_scale);
-  const bool dropout = P.a.dropout.active;
+  const bool dropout = P.a.dropout.active || P.keep != nullptr;
+  const acc_t mscale = static_cast<acc_t>(P.mask_scale);
   const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   const int64_t row_step = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
   for (int64_t row = first_row; row < P.a.rows; row += row_step) {
     const scalar_t* grow = P.grad_out + P.gi.offset(row);
     const scalar_t* prow = P.probs + P.pi.offset(row);
+    const bool* krow = P.keep ? P.keep + P.ki.offset(row) : nullptr;
     acc_t g[T][VEC], pr[T][VEC];
     acc_t dot = 0;
 #pragma unroll
@@ -332,7 +337,12 @@ softmax_bwd_warp_kernel(const BwdParams<scalar_t> P) {
         const SmPack<scalar_t, VEC> gv = *reinterpret_cast<const SmPack<scalar_t, VEC>*>(grow + j0);
         const SmPack<scalar_t, VEC> pv = *reinterpret_cast<const SmPack<scalar_t, VEC>*>(prow + j0);
         acc_t mult[VEC];
-        sm_mults<VEC>(P.a.dropout, keep_scale, static_cast<uint64_t>(row * Sk + j0), mult);
+        if (krow) {
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) mult[k] = krow[j0 + k] ? mscale : acc_t(0);
+        } else {
+          sm_mults<VEC>(P.a.dropout, keep_scale, static_cast<uint64_t>(row * Sk + j0), mult);
+        }
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
           g[t][k] = dropout ? static_cast<acc_t>(gv.v[k]) * mult[k] : static_cast<acc_t>(gv.v[k]);
@@ -367,21 +377,25 @@ __global__ void __launch_bounds__(kBlockThreads) softmax_bwd_block_kernel(const 
   const acc_t scale = static_cast<acc_t>(P.a.scale);
   const acc_t keep_scale = static_cast<acc_t>(P.a.keep_scale);
   const bool dropout = P.a.dropout.active;
+  const acc_t mscale = static_cast<acc_t>(P.mask_scale);
   for (int64_t row = blockIdx.x; row < P.a.rows; row += gridDim.x) {
     const scalar_t* grow = P.grad_out + P.gi.offset(row);
     const scalar_t* prow = P.probs + P.pi.offset(row);
+    const bool* krow = P.keep ? P.keep + P.ki.offset(row) : nullptr;
     const uint64_t first = static_cast<uint64_t>(row * Sk);
     acc_t dot = 0;
     for (int64_t j = threadIdx.x; j < Sk; j += blockDim.x) {
       acc_t gj = static_cast<acc_t>(grow[j]);
-      if (dropout) gj *= sm_mult(P.a.dropout, keep_scale, first + j);
+      if (krow) gj = krow[j] ? gj * mscale : acc_t(0);
+      else if (dropout) gj *= sm_mult(P.a.dropout, keep_scale, first + j);
       dot += gj * static_cast<acc_t>(prow[j]);
     }
     dot = sm_block_sum(dot, scratch);
     scalar_t* orow = P.grad + row * Sk;
     for (int64_t j = threadIdx.x; j < Sk; j += blockDim.x) {
       acc_t gj = static_cast<acc_t>(grow[j]);
-      if (dropout) gj *= sm_mult(P.a.dropout, keep_scale, first + j);
+      if (krow) gj = krow[j] ? gj * mscale : acc_t(0);
+      else if (dropout) gj *= sm_mult(P.a.dropout, keep_scale, first + j);
       orow[j] = static_cast<scalar_t>(scale * static_cast<acc_t>(prow[j]) * (gj - dot));
     }
   }
@@ -477,14 +491,17 @@ std::vector<at::Tensor> softmax_fwd_cuda(const at::Tensor& scores_in,
 }
 
 at::Tensor softmax_bwd_cuda(const at::Tensor& grad_out_in, const at::Tensor& probs_in, int64_t seed,
-                            int64_t offset, double p, double scale) {
+                            int64_t offset, double p, double scale, const c10::optional<at::Tensor>& mask_in,
+                            double mask_scale) {
   using namespace softmax_impl;
   const SoftmaxArgs a =
       check_bwd_args("softmax_bwd", grad_out_in, probs_in, seed, offset, p, scale, at::kCUDA);
+  check_stored_mask("softmax_bwd", mask_in, "probs", probs_in, p, mask_scale);
   const c10::cuda::CUDAGuard device_guard(probs_in.device());
   at::Tensor grad = at::empty(probs_in.sizes(), probs_in.options());
   if (a.rows == 0) return grad;
   const at::Tensor grad_out = rowable(grad_out_in), probs = rowable(probs_in);
+  const auto mask = rowable(mask_in);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, probs.scalar_type(), "dmfx_softmax_bwd_cuda", [&] {
     BwdParams<scalar_t> P;
     P.grad_out = grad_out.data_ptr<scalar_t>();
@@ -492,6 +509,9 @@ at::Tensor softmax_bwd_cuda(const at::Tensor& grad_out_in, const at::Tensor& pro
     P.probs = probs.data_ptr<scalar_t>();
     P.pi = RowIndexer::of(probs);
     P.grad = grad.data_ptr<scalar_t>();
+    P.keep = mask ? mask->data_ptr<bool>() : nullptr;
+    P.ki = mask ? RowIndexer::of(*mask) : RowIndexer{};
+    P.mask_scale = mask_scale;
     P.a = a;
     if (a.Sk > kMaxWarpSk) {
       softmax_bwd_block_kernel<scalar_t><<<block_grid(a.rows), kBlockThreads, 0, sm_stream()>>>(P);

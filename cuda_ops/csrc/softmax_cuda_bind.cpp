@@ -10,16 +10,20 @@ std::vector<at::Tensor> softmax_fwd_cuda(const at::Tensor& scores, const c10::op
                                          double scale, bool causal, int64_t seed, int64_t offset, double p);
 
 at::Tensor softmax_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& probs, int64_t seed,
-                            int64_t offset, double p, double scale);
+                            int64_t offset, double p, double scale, const c10::optional<at::Tensor>& mask,
+                            double mask_scale);
 
 void bind_softmax(pybind11::module_& m) {
   m.def("softmax_fwd", &softmax_fwd_cuda,
         "fused scale + mask + causal + softmax + dropout forward (CUDA); returns [out, probs]",
         pybind11::arg("scores"), pybind11::arg("mask"), pybind11::arg("scale"),
         pybind11::arg("causal"), pybind11::arg("seed"), pybind11::arg("offset"), pybind11::arg("p"));
-  m.def("softmax_bwd", &softmax_bwd_cuda, "fused dropout + softmax backward, times scale (CUDA)",
+  m.def("softmax_bwd", &softmax_bwd_cuda,
+        "fused dropout + softmax backward, times scale (CUDA); a stored bool mask (native_dropout's) "
+        "replaces the Philox one",
         pybind11::arg("grad_out"), pybind11::arg("probs"), pybind11::arg("seed"),
-        pybind11::arg("offset"), pybind11::arg("p"), pybind11::arg("scale"));
+        pybind11::arg("offset"), pybind11::arg("p"), pybind11::arg("scale"),
+        pybind11::arg("mask") = pybind11::none(), pybind11::arg("mask_scale") = 1.0);
 }
 
 }  // namespace dmfx
