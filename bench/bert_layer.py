@@ -22,6 +22,9 @@ Method
   the GEMM count printed while recording shows which path ran.
 * After warm-up each compiled candidate's inference output is compared to eager's (eval mode, so no
   dropout) by ||out - ref|| / ||ref||, shown as "rel err".
+* "page faults" is the median number of minor page faults per timed step (``getrusage``): each is a
+  first touch of a fresh 4 KiB page, which the OS zeroes. On these CPUs it is a visible part of a step
+  (about 1-2 us each), and it depends on the allocator's state, which all candidates share.
 
 Usage (from the repository root)::
 
@@ -38,6 +41,10 @@ import argparse
 import copy
 import datetime
 import json
+try:
+    import resource
+except ImportError:  # Windows
+    resource = None
 import statistics
 import sys
 import time
@@ -235,13 +242,24 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def timed(step, reset, device):
+def minor_faults():
+    """Minor page faults of this process so far (first touches of fresh memory pages), or 0 where
+    ``resource`` does not exist (Windows)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource else 0
+
+
+def timed(step, reset, device, faults=None):
+    """Seconds of one step; the step's minor page faults are appended to `faults` when given."""
     reset()
     sync(device)
+    f0 = minor_faults()
     t0 = time.perf_counter()
     step()
     sync(device)
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    if faults is not None:
+        faults.append(minor_faults() - f0)
+    return seconds
 
 
 def warm_up(candidates, skipped, args, mode):
@@ -262,11 +280,13 @@ def warm_up(candidates, skipped, args, mode):
 
 
 def measure(candidates, args):
+    """Per candidate: the step times (ms) and minor page faults of each round."""
     times = {name: [] for name in candidates}
+    faults = {name: [] for name in candidates}
     for _ in range(args.rounds):
         for name, (step, reset, *_) in candidates.items():
-            times[name].append(timed(step, reset, args.device) * 1e3)
-    return times
+            times[name].append(timed(step, reset, args.device, faults[name]) * 1e3)
+    return times, faults
 
 
 def rel_errors(candidates, inputs):
@@ -292,16 +312,18 @@ def header(args, mode):
             f" | {datetime.datetime.now():%Y-%m-%d %H:%M}")
 
 
-def table(times, errors, args):
+def table(times, errors, args, faults=None):
     med = {name: statistics.median(t) for name, t in times.items()}
     ratio = lambda num, den: f"{num / den:.2f}" if num is not None and den is not None else ""
     rows = []
     for name, t in times.items():
         err = errors.get(name)
+        pf = (faults or {}).get(name)
         rows.append([name, f"{med[name]:.2f}", f"{min(t):.2f}", ratio(med[name], med.get("floor")),
                      ratio(med.get("eager"), med[name]), ratio(med.get("inductor"), med[name]),
-                     f"{err:.1e}" if err is not None else ""])
-    cols = ["candidate", "median ms", "min ms", "x floor", "speedup vs eager", "speedup vs inductor", "rel err"]
+                     f"{err:.1e}" if err is not None else "", f"{statistics.median(pf):.0f}" if pf else ""])
+    cols = ["candidate", "median ms", "min ms", "x floor", "speedup vs eager", "speedup vs inductor", "rel err",
+            "page faults"]
     return tabulate(rows, headers=cols, tablefmt="github", disable_numparse=True)
 
 
@@ -315,16 +337,19 @@ def run_mode(base, args, names, mode):
         if err > REL_ERR_LIMIT[args.dtype]:
             print(f"WARNING: {name} {mode} output differs from eager: rel err {err:.2e} > {REL_ERR_LIMIT[args.dtype]:.0e}")
     log(f"[{mode}] timing {args.rounds} interleaved rounds ...")
-    times = measure(candidates, args)
+    times, faults = measure(candidates, args)
     print(header(args, mode))
     for name, reason in skipped.items():
         print(f"(skipped {name}: {reason})")
-    print(table(times, errors, args), flush=True)
+    print(table(times, errors, args, faults), flush=True)
+    print("(page faults: median minor page faults per step, each a first touch of a fresh 4 KiB page that the "
+          "kernel zeroes; they depend on what the allocator kept from earlier steps of every candidate)")
     print()
     floor = candidates.get("floor")
     return {
         "times_ms": times,
         "median_ms": {name: statistics.median(t) for name, t in times.items()},
+        "page_faults": faults,
         "rel_err": errors,
         "skipped": skipped,
         "floor_gemms": [f"{func}({', '.join(map(repr, a))}{''.join(f', {k}={v!r}' for k, v in kw.items())})"

@@ -18,15 +18,18 @@
 namespace dmfx {
 namespace {
 
-// Keep flags of the H elements starting at logical index `first` (Philox words for all their
-// groups at once: philox_cpu.h).
-void fill_keep(const DropoutParams& d, uint64_t first, int64_t H, std::vector<uint8_t>& keep) {
-  keep.resize(H);
-  if (!d.active) { std::fill(keep.begin(), keep.end(), 1); return; }
-  if (d.drop_all) { std::fill(keep.begin(), keep.end(), 0); return; }
-  const uint32_t* w = philox_cpu::words_for(first, H, d.offset, d.seed);
+// Dropout multipliers of the H elements starting at logical index `first`: scale where kept, 0 where
+// dropped (Philox words for all their groups at once: philox_cpu.h). Floats rather than byte flags:
+// byte stores may alias anything, which kept the compiler from vectorizing the loops that read them.
+template <typename acc_t>
+void fill_mult(const DropoutParams& d, acc_t scale, uint64_t first, int64_t H, acc_t* __restrict m) {
+  if (d.drop_all) {
+    for (int64_t j = 0; j < H; ++j) m[j] = acc_t(0);
+    return;
+  }
+  const uint32_t* __restrict w = philox_cpu::words_for(first, H, d.offset, d.seed);
   const uint32_t t = d.threshold;
-  for (int64_t j = 0; j < H; ++j) keep[j] = w[j] >= t;
+  for (int64_t j = 0; j < H; ++j) m[j] = w[j] >= t ? scale : acc_t(0);
 }
 
 template <typename scalar_t>
@@ -52,26 +55,16 @@ const scalar_t* ptr_or_null(const c10::optional<at::Tensor>& t) {
   return (t.has_value() && t->defined()) ? t->data_ptr<scalar_t>() : nullptr;
 }
 
-// Row reductions with kNormLanes independent partial sums: a single running sum is a serial chain
-// of dependent adds that the compiler may not vectorize (no -ffast-math), which made these kernels
-// several times slower than ATen's on cache-resident rows.
+// Row reductions keep kNormLanes independent partial sums: a single running sum is a serial chain of
+// dependent adds that the compiler may not vectorize (no -ffast-math). Each row is handled in as few
+// passes as its data dependencies allow (forward: sum, deviation, output; backward: two), every pass
+// fusing the element-wise steps: one loop per step made these kernels several times slower than ATen's
+// on cache-resident rows.
 constexpr int kNormLanes = 16;
-
-template <typename acc_t>
-inline acc_t norm_lane_sum(const acc_t* v, int64_t n) {
-  acc_t part[kNormLanes] = {};
-  int64_t j = 0;
-  for (; j + kNormLanes <= n; j += kNormLanes)
-    for (int l = 0; l < kNormLanes; ++l) part[l] += v[j + l];
-  acc_t t = 0;
-  for (; j < n; ++j) t += v[j];
-  for (int l = 0; l < kNormLanes; ++l) t += part[l];
-  return t;
-}
 
 // sum_j (v[j] - c)^2
 template <typename acc_t>
-inline acc_t norm_lane_sqdev(const acc_t* v, int64_t n, acc_t c) {
+inline acc_t norm_lane_sqdev(const acc_t* __restrict v, int64_t n, acc_t c) {
   acc_t part[kNormLanes] = {};
   int64_t j = 0;
   for (; j + kNormLanes <= n; j += kNormLanes)
@@ -81,6 +74,36 @@ inline acc_t norm_lane_sqdev(const acc_t* v, int64_t n, acc_t c) {
     }
   acc_t t = 0;
   for (; j < n; ++j) t += (v[j] - c) * (v[j] - c);
+  for (int l = 0; l < kNormLanes; ++l) t += part[l];
+  return t;
+}
+
+// One row's inputs: x, bias, dropout multipliers and residual (null where absent).
+template <typename scalar_t, typename acc_t>
+struct RowIn {
+  const scalar_t* __restrict x;
+  const scalar_t* __restrict bias;
+  const acc_t* __restrict mult;
+  const scalar_t* __restrict res;
+
+  // s[j] = dropout(x + bias) + residual (a dropped element is 0, as on CUDA, even for x = inf)
+  inline acc_t operator()(int64_t j) const {
+    acc_t v = static_cast<acc_t>(x[j]);
+    if (bias) v += static_cast<acc_t>(bias[j]);
+    if (mult) v = mult[j] != acc_t(0) ? v * mult[j] : acc_t(0);
+    if (res) v += static_cast<acc_t>(res[j]);
+    return v;
+  }
+};
+
+template <typename acc_t>
+inline acc_t norm_lane_sum(const acc_t* v, int64_t n) {
+  acc_t part[kNormLanes] = {};
+  int64_t j = 0;
+  for (; j + kNormLanes <= n; j += kNormLanes)
+    for (int l = 0; l < kNormLanes; ++l) part[l] += v[j + l];
+  acc_t t = 0;
+  for (; j < n; ++j) t += v[j];
   for (int l = 0; l < kNormLanes; ++l) t += part[l];
   return t;
 }
@@ -97,27 +120,40 @@ inline acc_t norm_lane_dot(const acc_t* a, const acc_t* b, int64_t n) {
   return t;
 }
 
-// s = dropout(x + bias) + residual for one row, into `s` (accumulation type).
+// The same sum as RowIn, one step per loop (each a simple loop the compiler vectorizes; the backward's
+// other row loops are of this kind too, and fusing them into RowIn-style loops measured slower there).
 template <typename scalar_t, typename acc_t>
-inline void load_row(const NormArgs& a, const RowView<scalar_t>& x, const scalar_t* bias,
-                     const RowView<scalar_t>& res, int64_t r, std::vector<uint8_t>& keep,
-                     acc_t* s) {
-  const int64_t H = a.H;
-  const scalar_t* xr = x.row(r);
-  if (bias) {
-    for (int64_t j = 0; j < H; ++j) s[j] = static_cast<acc_t>(xr[j]) + static_cast<acc_t>(bias[j]);
+inline void load_row(const RowIn<scalar_t, acc_t>& in, int64_t H, acc_t* __restrict s) {
+  if (in.bias) {
+    for (int64_t j = 0; j < H; ++j) s[j] = static_cast<acc_t>(in.x[j]) + static_cast<acc_t>(in.bias[j]);
   } else {
-    for (int64_t j = 0; j < H; ++j) s[j] = static_cast<acc_t>(xr[j]);
+    for (int64_t j = 0; j < H; ++j) s[j] = static_cast<acc_t>(in.x[j]);
   }
-  if (a.dropout.active) {
-    fill_keep(a.dropout, static_cast<uint64_t>(r) * H, H, keep);
-    const acc_t scale = static_cast<acc_t>(a.scale);
-    for (int64_t j = 0; j < H; ++j) s[j] = keep[j] ? s[j] * scale : acc_t(0);
+  if (in.mult)
+    for (int64_t j = 0; j < H; ++j) s[j] = in.mult[j] != acc_t(0) ? s[j] * in.mult[j] : acc_t(0);
+  if (in.res)
+    for (int64_t j = 0; j < H; ++j) s[j] += static_cast<acc_t>(in.res[j]);
+}
+
+// s = the row's sum (RowIn) for one row, into `s`; returns sum_j s[j]. One pass.
+template <typename scalar_t, typename acc_t>
+inline acc_t load_row_sum(const RowIn<scalar_t, acc_t>& in, int64_t H, acc_t* __restrict s) {
+  acc_t part[kNormLanes] = {};
+  int64_t j = 0;
+  for (; j + kNormLanes <= H; j += kNormLanes)
+    for (int l = 0; l < kNormLanes; ++l) {
+      const acc_t v = in(j + l);
+      s[j + l] = v;
+      part[l] += v;
+    }
+  acc_t t = 0;
+  for (; j < H; ++j) {
+    const acc_t v = in(j);
+    s[j] = v;
+    t += v;
   }
-  if (res) {
-    const scalar_t* rr = res.row(r);
-    for (int64_t j = 0; j < H; ++j) s[j] += static_cast<acc_t>(rr[j]);
-  }
+  for (int l = 0; l < kNormLanes; ++l) t += part[l];
+  return t;
 }
 
 template <typename scalar_t>
@@ -136,33 +172,28 @@ void norm_fwd_impl(const NormArgs& a, const at::Tensor& x, const c10::optional<a
   scalar_t* so = sum_out.defined() ? sum_out.data_ptr<scalar_t>() : nullptr;
   acc_t* mp = a.rms ? nullptr : mean.data_ptr<acc_t>();
   acc_t* rp = rstd.data_ptr<acc_t>();
+  const acc_t scale = static_cast<acc_t>(a.scale);
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(H, 1));
   at::parallel_for(0, a.rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> s(H);
-    std::vector<uint8_t> keep;
+    std::vector<acc_t> s(H), mult(a.dropout.active ? H : 0);
     for (int64_t r = begin; r < end; ++r) {
-      load_row<scalar_t, acc_t>(a, xv, b, rv, r, keep, s.data());
-      const acc_t* sr = s.data();
-      const acc_t mu = a.rms ? acc_t(0) : norm_lane_sum(sr, H) / H;
+      if (a.dropout.active) fill_mult(a.dropout, scale, static_cast<uint64_t>(r) * H, H, mult.data());
+      const RowIn<scalar_t, acc_t> in{xv.row(r), b, a.dropout.active ? mult.data() : nullptr, rv ? rv.row(r) : nullptr};
+      acc_t* __restrict sr = s.data();
+      const acc_t total = load_row_sum(in, H, sr);
+      const acc_t mu = a.rms ? acc_t(0) : total / H;
       const acc_t var = norm_lane_sqdev(sr, H, mu) / H;
       const acc_t rs = acc_t(1) / std::sqrt(var + static_cast<acc_t>(a.eps));
       if (mp) mp[r] = mu;
       rp[r] = rs;
-      scalar_t* orow = o + r * H;
-      if (so) {
-        scalar_t* srow = so + r * H;
-        for (int64_t j = 0; j < H; ++j) srow[j] = static_cast<scalar_t>(sr[j]);
-      }
-      // one branch-free loop per affine variant, so each vectorizes
-      if (w && nb) {
-        for (int64_t j = 0; j < H; ++j)
-          orow[j] = static_cast<scalar_t>((sr[j] - mu) * rs * static_cast<acc_t>(w[j]) + static_cast<acc_t>(nb[j]));
-      } else if (w) {
-        for (int64_t j = 0; j < H; ++j) orow[j] = static_cast<scalar_t>((sr[j] - mu) * rs * static_cast<acc_t>(w[j]));
-      } else if (nb) {
-        for (int64_t j = 0; j < H; ++j) orow[j] = static_cast<scalar_t>((sr[j] - mu) * rs + static_cast<acc_t>(nb[j]));
-      } else {
-        for (int64_t j = 0; j < H; ++j) orow[j] = static_cast<scalar_t>((sr[j] - mu) * rs);
+      scalar_t* __restrict orow = o + r * H;
+      scalar_t* __restrict srow = so ? so + r * H : nullptr;
+      for (int64_t j = 0; j < H; ++j) {
+        acc_t v = (sr[j] - mu) * rs;
+        if (w) v *= static_cast<acc_t>(w[j]);
+        if (nb) v += static_cast<acc_t>(nb[j]);
+        orow[j] = static_cast<scalar_t>(v);
+        if (srow) srow[j] = static_cast<scalar_t>(sr[j]);
       }
     }
   });
@@ -189,6 +220,7 @@ void norm_bwd_impl(const NormArgs& a, const at::Tensor& grad_out,
   scalar_t* dres = g.dresidual.defined() ? g.dresidual.data_ptr<scalar_t>() : nullptr;
   const bool need_dw = g.dweight.defined(), need_dnb = g.dnorm_bias.defined(),
              need_db = g.dbias.defined();
+  const acc_t scale = static_cast<acc_t>(a.scale);
   // Column sums (dweight, dnorm_bias, dbias) accumulate per thread, then reduce.
   const int64_t nthreads = at::get_num_threads();
   const int ncols = 3;
@@ -199,10 +231,11 @@ void norm_bwd_impl(const NormArgs& a, const at::Tensor& grad_out,
     acc_t* pw = partial.data() + (tid * ncols + 0) * H;
     acc_t* pnb = partial.data() + (tid * ncols + 1) * H;
     acc_t* pb = partial.data() + (tid * ncols + 2) * H;
-    std::vector<acc_t> s(H), gw(H), dyb(H);
-    std::vector<uint8_t> keep;
+    std::vector<acc_t> s(H), gw(H), dyb(H), mult(a.dropout.active ? H : 0);
     for (int64_t r = begin; r < end; ++r) {
-      load_row<scalar_t, acc_t>(a, xv, b, rv, r, keep, s.data());
+      if (a.dropout.active) fill_mult(a.dropout, scale, static_cast<uint64_t>(r) * H, H, mult.data());
+      const acc_t* __restrict m = a.dropout.active ? mult.data() : nullptr;
+      load_row<scalar_t, acc_t>(RowIn<scalar_t, acc_t>{xv.row(r), b, m, rv ? rv.row(r) : nullptr}, H, s.data());
       const acc_t mu = mp ? mp[r] : acc_t(0), rs = rp[r];
       // dy = grad_out (+ grad_out2), in the accumulation type: the add of two gradients that
       // eager runs as its own kernel happens here, in cache.
@@ -236,10 +269,8 @@ void norm_bwd_impl(const NormArgs& a, const at::Tensor& grad_out,
         scalar_t* drr = dres + r * H;
         for (int64_t j = 0; j < H; ++j) drr[j] = static_cast<scalar_t>(gr[j]);
       }
-      if (a.dropout.active) {
-        const acc_t scale = static_cast<acc_t>(a.scale);
-        for (int64_t j = 0; j < H; ++j) gr[j] = keep[j] ? gr[j] * scale : acc_t(0);
-      }
+      if (m)
+        for (int64_t j = 0; j < H; ++j) gr[j] = m[j] != acc_t(0) ? gr[j] * m[j] : acc_t(0);
       if (dx) {
         scalar_t* dxr = dx + r * H;
         for (int64_t j = 0; j < H; ++j) dxr[j] = static_cast<scalar_t>(gr[j]);
