@@ -40,3 +40,19 @@ def test_bench_smoke(tmp_path):
 def test_bench_rejects_unknown_section():
     p = subprocess.run([sys.executable, "-m", "bench", "--only", "nope"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "unknown section" in p.stderr
+
+
+def test_step_ops_sees_inside_the_compiled_step():
+    """bench/step_ops.py times the ops of the compiled code (dmfx's kernels appear, so Dynamo did not
+    fall back to eager under the dispatch mode) and counts every call of a step."""
+    from bench import step_ops
+
+    args, layer_args = step_ops.parse_args(["--steps", "2", "--hidden", "64", "--heads", "4", "--ffn", "128",
+                                            "--seq", "16", "--batch", "2", "--threads", "1"])
+    timer, wall = step_ops.profile(args, layer_args)
+    names = set(timer.calls)
+    assert {"dmfx.bias_dropout_residual_norm.default", "dmfx.norm_backward.default"} <= names, names
+    assert timer.calls["aten.mm.default"] % args.steps == 0 and wall > 0
+    assert all(v >= 0 for v in timer.faults.values())
+    text = step_ops.table(timer, args.steps, top=5)
+    assert text.count("\n") == 6  # header, rule, five rows
