@@ -111,18 +111,27 @@ def _activation(n: Node) -> tuple[str, Node, Node] | None:
     return None
 
 
+def _dropout_parts(d: Node) -> tuple[Node, Node, float] | str:
+    """(incoming gradient, mask, scale) of the ``native_dropout_backward`` `d` when dmfx's kernels can
+    read its mask (bool, the gradient's shape and device; a constant scale), else why not."""
+    src, mask, scale = d.args[:3]
+    sv, mv = tensor_meta(src), tensor_meta(mask)
+    if sv is None or mv is None or not kernel_friendly(sv) or sv.dim() < 1:
+        return "a gradient the kernels do not take"
+    if mv.dtype != torch.bool or tuple(mv.shape) != tuple(sv.shape) or mv.device != sv.device:
+        return "a dropout mask that is not a bool tensor of the gradient's shape and device"
+    if not isinstance(scale, (int, float)):
+        return "a symbolic dropout scale"
+    return src, mask, float(scale)
+
+
 def _stored_dropout(grad: Node, reader: Node) -> tuple[Node, Node, float] | None:
-    """(incoming gradient, mask, scale) when `grad` is a ``native_dropout_backward`` that only `reader`
-    reads, with a bool mask of the gradient's shape and device; else None."""
+    """`grad`'s (incoming gradient, mask, scale) when it is a ``native_dropout_backward`` that only
+    `reader` reads and whose mask the kernels can read; else None."""
     if not is_op(grad, aten.native_dropout_backward.default) or set(grad.users) != {reader}:
         return None
-    src, mask, scale = grad.args[:3]
-    sv, mv = tensor_meta(src), tensor_meta(mask)
-    if sv is None or mv is None or not isinstance(scale, (int, float)):
-        return None
-    if mv.dtype != torch.bool or tuple(mv.shape) != tuple(sv.shape) or mv.device != sv.device:
-        return None
-    return src, mask, float(scale)
+    parts = _dropout_parts(grad)
+    return None if isinstance(parts, str) else parts
 
 
 def _activation_backward(g, ctx: PassContext, n: Node, act: str, grad: Node, x: Node) -> None:
@@ -141,20 +150,15 @@ def _activation_backward(g, ctx: PassContext, n: Node, act: str, grad: Node, x: 
 
 
 def _dropout_backward(g, ctx: PassContext, n: Node) -> None:
-    """A ``native_dropout_backward`` that no activation backward absorbed: the identity kernel with the
-    stored mask (and the bias-gradient sum after it, when there is one)."""
-    src, mask, scale = n.args[:3]
-    sv, mv = tensor_meta(src), tensor_meta(mask)
-    if sv is None or mv is None or not kernel_friendly(sv) or sv.dim() < 1:
+    """A ``native_dropout_backward`` that no activation or softmax backward absorbed: the identity
+    kernel with the stored mask (and the bias-gradient sum after it, when there is one)."""
+    parts = _dropout_parts(n)
+    if isinstance(parts, str):
+        ctx.miss("aten_backward", n, parts)
         return
-    if mv.dtype != torch.bool or tuple(mv.shape) != tuple(sv.shape) or mv.device != sv.device:
-        ctx.miss("aten_backward", n, "a dropout mask that is not a bool tensor of the gradient's shape and device")
-        return
-    if not isinstance(scale, (int, float)):
-        ctx.miss("aten_backward", n, "a symbolic dropout scale")
-        return
+    src, mask, scale = parts
     # (the identity reads no x: the gradient stands in for it, for the shape)
-    _bias_act_backward(g, ctx, n, "identity", src, src, (mask, float(scale)), absorbed=1)
+    _bias_act_backward(g, ctx, n, "identity", src, src, (mask, scale), absorbed=1)
 
 
 def _bias_act_backward(g, ctx: PassContext, n: Node, act: str, grad: Node, x: Node,
@@ -233,7 +237,7 @@ def fuse_aten_backward(gm: GraphModule, ctx: PassContext) -> None:
             _softmax_backward(g, ctx, n)
         elif (found := _activation(n)) is not None:
             _activation_backward(g, ctx, n, *found)
-    # dropout backwards that no activation backward absorbed above
+    # dropout backwards that no activation or softmax backward absorbed above
     for n in list(g.nodes):
         if n.op == "call_function" and is_op(n, aten.native_dropout_backward.default):
             _dropout_backward(g, ctx, n)

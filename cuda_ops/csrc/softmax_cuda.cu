@@ -386,7 +386,7 @@ __global__ void __launch_bounds__(kBlockThreads) softmax_bwd_block_kernel(const 
     acc_t dot = 0;
     for (int64_t j = threadIdx.x; j < Sk; j += blockDim.x) {
       acc_t gj = static_cast<acc_t>(grow[j]);
-      if (krow) gj = krow[j] ? gj * mscale : acc_t(0);
+      if (krow) gj *= krow[j] ? mscale : acc_t(0);  // (a multiply, as on the CPU: inf * 0 is NaN)
       else if (dropout) gj *= sm_mult(P.a.dropout, keep_scale, first + j);
       dot += gj * static_cast<acc_t>(prow[j]);
     }
@@ -394,7 +394,7 @@ __global__ void __launch_bounds__(kBlockThreads) softmax_bwd_block_kernel(const 
     scalar_t* orow = P.grad + row * Sk;
     for (int64_t j = threadIdx.x; j < Sk; j += blockDim.x) {
       acc_t gj = static_cast<acc_t>(grow[j]);
-      if (krow) gj = krow[j] ? gj * mscale : acc_t(0);
+      if (krow) gj *= krow[j] ? mscale : acc_t(0);  // (a multiply, as on the CPU: inf * 0 is NaN)
       else if (dropout) gj *= sm_mult(P.a.dropout, keep_scale, first + j);
       orow[j] = static_cast<scalar_t>(scale * static_cast<acc_t>(prow[j]) * (gj - dot));
     }
