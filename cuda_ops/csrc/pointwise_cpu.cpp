@@ -75,17 +75,31 @@ inline Vec erf_abs(const Vec& a, const Vec& e) {
 
 // The activation formulas of pointwise_api.h evaluated on whole vectors. exp is ATen's inline
 // exp_u20 (a polynomial, about 20 ulp) rather than Vectorized::exp/erf/tanh, which call SLEEF through
-// libtorch's PLT: an out-of-line call per vector that also spills every vector register. erf is the
-// same Abramowitz-Stegun 7.1.26 formula as ATen's vectorized erf (|error| < 1.5e-7), tanh is
-// sign(x) (1 - 2 / (exp(2|x|) + 1)) (absolute error ~1e-7).
+// libtorch's PLT: an out-of-line call per vector that also spills every vector register. erf is a
+// rational function (below), tanh is sign(x) (1 - 2 / (exp(2|x|) + 1)) (absolute error ~1e-7).
 template <>
 struct PwMath<Vec> {
   static Vec c(double v) { return Vec(static_cast<float>(v)); }
   static Vec exp(const Vec& v) { return v.exp_u20(); }
+  // erf(z) = z P(z^2) / Q(z^2), the rational approximation Eigen and XLA use for float erf: about half
+  // the instructions of the exp-based formula (erf_abs, which the GELU derivative keeps because it needs
+  // that exp anyway). Designed for |z| <= 4, where erf rounds to 1 in float; but it stops short of 1 by
+  // about 1e-8 near 4, which 1 + erf(z) in GELU's tail would multiply by a large negative x. Beyond 4
+  // it rises above 1, so z is clamped to 4.5 and the result to [-1, 1]: exactly +-1 from |z| ~ 3.95 on.
   static Vec erf(const Vec& v) {
-    const Vec a = v.abs();
-    const Vec y = erf_abs(a, (a * a).neg().exp_u20());
-    return Vec::blendv(y, y.neg(), v < Vec(0.0f));
+    const Vec z = at::vec::clamp(v, Vec(-4.5f), Vec(4.5f));
+    const Vec z2 = z * z;
+    Vec p = at::vec::fmadd(z2, Vec(-2.72614225801306e-10f), Vec(2.77068142495902e-08f));
+    p = at::vec::fmadd(z2, p, Vec(-2.10102402082508e-06f));
+    p = at::vec::fmadd(z2, p, Vec(-5.69250639462346e-05f));
+    p = at::vec::fmadd(z2, p, Vec(-7.34990630326855e-04f));
+    p = at::vec::fmadd(z2, p, Vec(-2.95459980854025e-03f));
+    p = at::vec::fmadd(z2, p, Vec(-1.60960333262415e-02f));
+    Vec q = at::vec::fmadd(z2, Vec(-1.45660718464996e-05f), Vec(-2.13374055278905e-04f));
+    q = at::vec::fmadd(z2, q, Vec(-1.68282697438203e-03f));
+    q = at::vec::fmadd(z2, q, Vec(-7.37332916720468e-03f));
+    q = at::vec::fmadd(z2, q, Vec(-1.42647390514189e-02f));
+    return at::vec::clamp(z * p * recip(q), Vec(-1.0f), Vec(1.0f));
   }
   static Vec tanh(const Vec& v) {
     const Vec one(1.0f);
