@@ -56,10 +56,10 @@ const scalar_t* ptr_or_null(const c10::optional<at::Tensor>& t) {
 }
 
 // Row reductions keep kNormLanes independent partial sums: a single running sum is a serial chain of
-// dependent adds that the compiler may not vectorize (no -ffast-math). Each row is handled in as few
-// passes as its data dependencies allow (forward: sum, deviation, output; backward: two), every pass
-// fusing the element-wise steps: one loop per step made these kernels several times slower than ATen's
-// on cache-resident rows.
+// dependent adds that the compiler may not vectorize (no -ffast-math), which made these kernels several
+// times slower than ATen's on cache-resident rows. The forward builds a row's sum and its total in one
+// fused pass (RowIn, load_row_sum), then the deviation, then the output; the backward keeps one simple
+// loop per step (load_row), which measured faster there than fused loops.
 constexpr int kNormLanes = 16;
 
 // sum_j (v[j] - c)^2
