@@ -60,13 +60,14 @@ def softmax_mask(kind: str, shape, dtype: torch.dtype, gen: torch.Generator):
     raise ValueError(kind)
 
 
-def tiny_bert_layer():
-    """An HF BertLayer (hidden 32, 4 heads, eager attention, dropout off) in train mode, and a copy."""
+def tiny_bert_layer(dropout=0.0):
+    """An HF BertLayer (hidden 32, 4 heads, eager attention, dropout off unless asked) in train mode,
+    and a copy."""
     import copy
 
     transformers = pytest.importorskip("transformers")
     cfg = transformers.BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64,
-                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+                                  hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     layer = transformers.models.bert.modeling_bert.BertLayer(cfg).train()

@@ -320,12 +320,7 @@ def test_bert_layer_with_dropout_and_unfused_forward_reads_pytorchs_stored_masks
     same compiled forward with PyTorch's backward ops (same seed, so the same masks)."""
     import copy
 
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64,
-                                  hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.2)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    layer = transformers.models.bert.modeling_bert.BertLayer(cfg).train()
+    layer, _ = tiny_bert_layer(dropout=0.2)
     grads, recs = [], []
     for extra in ([], ["aten_backward"]):
         m = copy.deepcopy(layer)
