@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <limits>
 
 #include "dmfx_common.h"
 #include "softmax_api.h"
@@ -87,6 +88,29 @@ inline softmax_impl::SoftmaxArgs row_args(const Shapes& s, double scale, bool ca
   a.dropout = make_dropout_params(p, seed, offset);
   a.keep_scale = a.dropout.scale;
   return a;
+}
+
+// Inputs with nothing to compute, shared by the CPU and CUDA entry points. Forward: no query rows
+// (true, stats left empty) or no keys (out = 0, stats = (-inf, 0): every row fully masked). Backward:
+// no rows or no keys (every gradient 0). Returns whether the caller is done.
+inline bool flash_fwd_trivial(const Shapes& s, at::Tensor& out, at::Tensor& stats) {
+  if (s.B * s.Hq * s.Lq == 0) return true;
+  if (s.Lk != 0) return false;
+  out.zero_();
+  stats[0].fill_(-std::numeric_limits<double>::infinity());
+  stats[1].zero_();
+  return true;
+}
+
+inline bool flash_bwd_trivial(const Shapes& s, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                              const c10::optional<at::Tensor>& bias_part) {
+  if (s.B * s.Hk == 0) return true;
+  if (s.Lq != 0 && s.Lk != 0) return false;
+  dq.zero_();
+  dk.zero_();
+  dv.zero_();
+  if (bias_part) bias_part->zero_();
+  return true;
 }
 
 // The mask as the softmax kernels read it, broadcast to the [B, Hq, Lq, Lk] scores.

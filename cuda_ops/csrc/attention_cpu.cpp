@@ -375,13 +375,7 @@ at::Tensor flash_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
   check_out("flash_fwd", "out", out, {s.B, s.Hq, s.Lq, s.Dv}, q);
   const SoftmaxArgs a = row_args(s, scale, causal, seed, offset, p);
   at::Tensor stats = at::empty({2, s.B, s.Hq, s.Lq}, q.options());
-  if (s.B * s.Hq * s.Lq == 0) return stats;
-  if (s.Lk == 0) {
-    out.zero_();
-    stats[0].fill_(-std::numeric_limits<double>::infinity());
-    stats[1].zero_();
-    return stats;
-  }
+  if (flash_fwd_trivial(s, out, stats)) return stats;
   const MaskView mv = mask_view("flash_fwd", mask, s, q);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dmfx_flash_fwd", [&] {
     with_mask<scalar_t>(mv, [&](auto tag) { fwd<scalar_t, decltype(tag)>(s, a, mv, q, k, v, out, stats); });
@@ -397,14 +391,7 @@ void flash_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Te
   const Shapes s = check("flash_bwd", q, k, v);
   check_backward(s, grad_out, q, k, v, stats, q.scalar_type(), dq, dk, dv, bias_part);  // (stats in q's dtype)
   const SoftmaxArgs a = row_args(s, scale, causal, seed, offset, p);
-  if (s.B * s.Hk == 0) return;
-  if (s.Lq == 0 || s.Lk == 0) {
-    dq.zero_();
-    dk.zero_();
-    dv.zero_();
-    if (bias_part) bias_part->zero_();
-    return;
-  }
+  if (flash_bwd_trivial(s, dq, dk, dv, bias_part)) return;
   const MaskView mv = mask_view("flash_bwd", mask, s, q);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dmfx_flash_bwd", [&] {
     with_mask<scalar_t>(mv, [&](auto tag) { bwd<scalar_t, decltype(tag)>(s, a, mv, grad_out, q, k, v, stats, dq, dk, dv, bias_part); });

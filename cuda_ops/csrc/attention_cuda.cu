@@ -133,6 +133,17 @@ __device__ __forceinline__ float half_warp_sum(float v) {
   return v;
 }
 
+// One row of a thread's accumulator tile into `row`: the columns tx + 16 n below `cols` (the dQ and
+// dK/dV kernels' output stores).
+template <int NC, typename scalar_t>
+__device__ __forceinline__ void store_row(scalar_t* row, const float (&acc)[NC], int tx, int cols) {
+#pragma unroll
+  for (int n = 0; n < NC; ++n) {
+    const int col = tx + 16 * n;
+    if (col < cols) row[col] = static_cast<scalar_t>(acc[n]);
+  }
+}
+
 // The keys any row of the query block [i0, i0 + rows) of (batch, head) `bh` sees: the causal limit of
 // its last row (all Lk without a causal mask).
 __device__ __forceinline__ int64_t block_key_end(const SoftmaxArgs& a, int64_t Lq, int64_t bh, int64_t i0, int rows) {
@@ -466,12 +477,7 @@ __global__ void __launch_bounds__(kThreads, 2) flash_bwd_dq_kernel(const Params<
     for (int r = 0; r < RM; ++r) {
       const int64_t i = i0 + ty * RM + r;
       if (i >= P.Lq) continue;
-      scalar_t* row = P.dq.at(b, h) + i * P.dq.sl;
-#pragma unroll
-      for (int n = 0; n < NC; ++n) {
-        const int col = tx + 16 * n;
-        if (col < P.D) row[col] = static_cast<scalar_t>(acc[r][n]);
-      }
+      store_row(P.dq.at(b, h) + i * P.dq.sl, acc[r], tx, P.D);
     }
   }
 }
@@ -562,14 +568,8 @@ __global__ void __launch_bounds__(kThreads, 2) flash_bwd_dkdv_kernel(const Param
     for (int r = 0; r < RM; ++r) {
       const int64_t j = j0 + ty * RM + r;
       if (j >= P.Lk) continue;
-      scalar_t* krow = P.dk.at(b, hk) + j * P.dk.sl;
-      scalar_t* vrow = P.dv.at(b, hk) + j * P.dv.sl;
-#pragma unroll
-      for (int n = 0; n < NC; ++n) {
-        const int col = tx + 16 * n;
-        if (col < P.D) krow[col] = static_cast<scalar_t>(dk[r][n]);
-        if (col < P.Dv) vrow[col] = static_cast<scalar_t>(dv[r][n]);
-      }
+      store_row(P.dk.at(b, hk) + j * P.dk.sl, dk[r], tx, P.D);
+      store_row(P.dv.at(b, hk) + j * P.dv.sl, dv[r], tx, P.Dv);
     }
   }
 }
@@ -696,13 +696,7 @@ at::Tensor flash_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
   const SoftmaxArgs a = row_args(s, scale, causal, seed, offset, p);
   const c10::cuda::CUDAGuard device_guard(q.device());
   at::Tensor stats = at::empty({2, s.B, s.Hq, s.Lq}, q.options().dtype(at::kFloat));
-  if (s.B * s.Hq * s.Lq == 0) return stats;
-  if (s.Lk == 0) {
-    out.zero_();
-    stats[0].fill_(-std::numeric_limits<double>::infinity());
-    stats[1].zero_();
-    return stats;
-  }
+  if (flash_fwd_trivial(s, out, stats)) return stats;
   const MaskView mv = mask_view("flash_fwd", mask, s, q);
   with_dtype(q.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -723,14 +717,7 @@ void flash_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& q, const at::T
   check_backward(s, grad_out, q, k, v, stats, at::kFloat, dq, dk, dv, bias_part);  // (stats float32)
   const SoftmaxArgs a = row_args(s, scale, causal, seed, offset, p);
   const c10::cuda::CUDAGuard device_guard(q.device());
-  if (s.B * s.Hk == 0) return;
-  if (s.Lq == 0 || s.Lk == 0) {
-    dq.zero_();
-    dk.zero_();
-    dv.zero_();
-    if (bias_part) bias_part->zero_();
-    return;
-  }
+  if (flash_bwd_trivial(s, dq, dk, dv, bias_part)) return;
   const MaskView mv = mask_view("flash_bwd", mask, s, q);
   at::Tensor delta = at::empty({s.B, s.Hq, s.Lq}, q.options().dtype(at::kFloat));
   with_dtype(q.scalar_type(), [&](auto tag) {

@@ -150,20 +150,6 @@ void fill_mult(const bool* keep, int64_t n, acc_t scale, acc_t* m) {
   for (int64_t k = 0; k < n; ++k) m[k] = keep[k] ? scale : acc_t(0);
 }
 
-// A stored mask seen as [rows, N] (null data: none).
-struct MaskRows {
-  const bool* data = nullptr;
-  RowIndexer idx;
-  MaskRows() = default;
-  explicit MaskRows(const c10::optional<at::Tensor>& t) {
-    if (present(t)) {
-      data = t->data_ptr<bool>();
-      idx = RowIndexer::of(*t);
-    }
-  }
-  const bool* row(int64_t r) const { return data + idx.offset(r); }
-};
-
 // ------------------------------------------------------------------------------------------------
 // Row cores: float (vectorized) and double (scalar). Null pointers mean "absent".
 // ------------------------------------------------------------------------------------------------
@@ -363,7 +349,7 @@ void bias_act_bwd_impl(const at::Tensor& grad_out, const at::Tensor& x,
   const std::vector<acc_t> bvec = to_acc_vector<acc_t, scalar_t>(bias);
   const acc_t* b = bvec.empty() ? nullptr : bvec.data();
   const acc_t scale = static_cast<acc_t>(d.scale);
-  const MaskRows mr(mask);
+  const Rows<bool> mr = present(mask) ? Rows<bool>(*mask) : Rows<bool>();  // a stored mask, or none
   const bool masked = d.active || mr.data != nullptr;  // a multiplier per element (Philox or stored)
   const acc_t mscale = static_cast<acc_t>(mask_scale);
   scalar_t* dxp = dx.defined() ? dx.data_ptr<scalar_t>() : nullptr;
@@ -385,7 +371,7 @@ void bias_act_bwd_impl(const at::Tensor& grad_out, const at::Tensor& x,
       for (int i = 0; i < nr; ++i) {
         const int64_t r = r0 + i;
         if (d.active) fill_mult(d, static_cast<uint64_t>(r) * N, N, scale, mult.data() + i * N);
-        else if (mr.data) fill_mult(mr.row(r), N, mscale, mult.data() + i * N);
+        else if (mr.data) fill_mult(mr.get(r, N, nullptr), N, mscale, mult.data() + i * N);
         mp[i] = mult.data() + i * N;
         gp[i] = gr.get(r, N, gbuf.data() + i * N);
         xp[i] = xr.get(r, N, xbuf.data() + i * N);
