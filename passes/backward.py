@@ -124,6 +124,9 @@ def _alias_of(n: Node) -> Node | None:
     accumulation; None otherwise."""
     if n.op != "call_function" or not n.args or not isinstance(n.args[0], Node):
         return None
+    if n.target is operator.getitem:  # an element of a view op's list (split, unbind, chunk): a view
+        src = n.args[0]
+        return src if src.op == "call_function" and _alias_of(src) is not None else None
     if n.target in (aten._unsafe_view.default, aten.addmm_.default):
         return n.args[0]
     schema = getattr(n.target, "_schema", None)
@@ -185,6 +188,11 @@ def accumulate_into_gemm(gm: GraphModule, ctx: PassContext) -> None:
                 continue
             if not _writable_at(acc, n, order):
                 ctx.miss("accumulate_into_gemm", n, "the other gradient's buffer is read later, or is not this graph's own")
+                continue
+            if _root(acc) in {_root(x) for x in mm.args[:2] if isinstance(x, Node)}:
+                # addmm_(g, g, w): BLAS with its output aliasing an operand is undefined (a residual
+                # around one linear, LN(Linear(x) + x), gives the norm's dresidual as the GEMM's dY)
+                ctx.miss("accumulate_into_gemm", n, "the GEMM reads the buffer it would accumulate into")
                 continue
             v_acc, v_mm = val(acc), val(mm)
             if not (isinstance(v_acc, torch.Tensor) and isinstance(v_mm, torch.Tensor)):

@@ -56,11 +56,15 @@ def test_skip_names_must_be_passes():
         dmfx.Options.from_user({"skip": ["no_such_pass"]})
 
 
-def test_training_matches_eager_and_fuses():
-    m = Block()
-    ref = Block()
+@pytest.mark.parametrize("H, shape", [(32, (2, 5)), (768, (8, 128))])  # (BERT's width: 0.18 off before the fix)
+def test_training_matches_eager_and_fuses(H, shape):
+    """LN(Linear(x) + x): the norm's dresidual is also the linear's upstream gradient, so the
+    backward's ``dres + dres @ W`` must not become ``addmm_(dres, dres, W)`` (an in-place GEMM whose
+    output aliases its operand: 0.1-0.18 off eager on an AVX-512 CPU, issue 15)."""
+    m = Block(H)
+    ref = Block(H)
     ref.load_state_dict(m.state_dict())
-    x = torch.randn(2, 5, 32, requires_grad=True)
+    x = torch.randn(*shape, H, requires_grad=True)
     out = torch.compile(m, backend="dmfx", options={"fallback": False})(x)
     R = torch.randn_like(out)
     (out * R).sum().backward()
@@ -71,8 +75,8 @@ def test_training_matches_eager_and_fuses():
     for p, q in zip(m.parameters(), ref.parameters()):
         assert rel_err(p.grad, q.grad) < 1e-5
     rec = dmfx.records()[-1]
-    # (the backward adds the input's two gradients by accumulating the GEMM into the norm's dresidual)
-    assert rec.fired == {"bias_dropout_residual_norm": 1, "accumulate_into_gemm": 1}
+    assert rec.fired == {"bias_dropout_residual_norm": 1}
+    assert any("accumulate_into_gemm" in m and "reads the buffer it would accumulate into" in m for m in rec.missed)
     assert rec.compiled.keys() == {"forward", "backward"}
     assert "norm_backward" in rec.backward_graph.code
 

@@ -226,6 +226,43 @@ def test_accumulate_into_gemm_leaves_near_misses():
             assert rel_err(o, r) < 1e-5
 
 
+def test_accumulate_into_gemm_never_writes_a_gemm_operand():
+    """Regression (issue 15): a residual around one linear, LN(Linear(x) + x), gives the norm's
+    dresidual as the linear's upstream gradient too: ``dres + dres @ W`` became ``addmm_(dres, dres,
+    W)``, a BLAS call whose output aliases its operand (wrong input gradients on an AVX-512 CPU).
+    Also through views, and through a view op returning a list (split) whose part is read later."""
+
+    def own_operand(g, w):  # add(h, mm(h, w)): h is both the accumulator and the GEMM's left operand
+        h = g * 2
+        return h + h @ w
+
+    def own_operand_viewed(g, w):  # the same through views, as AOTAutograd writes it
+        h = (g * 2).view(2, 3, 16)
+        return h + (h.view(6, 16) @ w).view(2, 3, 16)
+
+    def right_operand(g, a):  # the accumulator is the GEMM's right operand
+        h = g[:, :6].contiguous() * 2  # [6, 6]
+        return h + a @ h
+
+    def split_read_later(g, a, w):  # a part of the buffer (split: a list of views) is read after the add
+        h = g * 2
+        first, _ = h.split(3, 0)
+        s = h + a @ w.t()
+        return s, first * 3
+
+    cases = [(own_operand, (torch.randn(6, 16), torch.randn(16, 16))),
+             (own_operand_viewed, (torch.randn(6, 16), torch.randn(16, 16))),
+             (right_operand, (torch.randn(6, 16), torch.randn(6, 6))),
+             (split_read_later, (torch.randn(6, 16), torch.randn(6, 8), torch.randn(16, 8)))]
+    for fn, args in cases:
+        gm = _trace(fn, *args)
+        ref, got, ctx = _run(gm, accumulate_into_gemm, *args)
+        assert ctx.fired == {}, fn.__name__
+        assert aten.addmm_.default not in _targets(gm), fn.__name__
+        for r, o in zip(ref if isinstance(ref, tuple) else (ref,), got if isinstance(got, tuple) else (got,)):
+            assert rel_err(o, r) < 1e-5
+
+
 def test_backward_pipeline_keeps_values_on_a_traced_backward():
     """run_backward_pipeline on a whole traced graph: same values, graph lints."""
     x, w, mean, rstd = _ln_saved()
