@@ -22,6 +22,14 @@ Ops
 
 Dropout seeds are int64 CPU tensors ``[seed, offset]`` drawn from torch's default generator by
 ``new_seed()``, so ``torch.manual_seed`` reproduces a run.
+
+Determinism (CPU; tests/test_determinism.py checks exactly this): every op here is bit-reproducible
+run to run with the thread count fixed. The forwards, ``dropout`` and the backward's per-row outputs
+(dx, dresidual) do not depend on the thread count either (each row is computed whole by one thread,
+its reductions in a fixed lane order; the dropout mask is Philox of the element index). The
+backward's column sums (dweight, dnorm_bias, dbias) are summed per thread over that thread's fixed
+share of the rows, then across threads in thread order: reproducible for a given count, not across
+counts (they then agree to rounding).
 """
 
 from __future__ import annotations

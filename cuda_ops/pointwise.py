@@ -21,6 +21,12 @@ csrc/pointwise_cuda.cu, per-element math shared in csrc/pointwise_api.h)
 Activations (``act``): "identity", "relu", "gelu" (erf form), "gelu_tanh" (tanh approximation),
 "silu", "tanh" (BERT's pooler). Dropout seeds are int64 CPU tensors ``[seed, offset]`` (``ops.new_seed()``); the mask of
 element i (row-major logical index in x's shape) is the Philox mask of dmfx_common.h.
+
+Determinism (CPU; tests/test_determinism.py): every op is bit-reproducible run to run with the
+thread count fixed; all outputs but ``bias_act_dropout_backward``'s dbias are also independent of
+the thread count (element-wise math, Philox of the element index). That dbias is summed per thread
+over the thread's fixed share of the rows, then across threads in order: reproducible for a given
+count, not across counts.
 """
 
 from __future__ import annotations

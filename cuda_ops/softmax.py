@@ -24,6 +24,10 @@ The autograd formula of ``dmfx::softmax`` calls ``dmfx::softmax_backward`` for t
 float mask requires grad (e.g. T5's learned position bias), for the mask (``scale=1``, reduced to the
 mask's shape). A gradient reaching ``probs`` (the second output) is handled too (as a ``p == 0``
 term). Double backward raises NotImplementedError.
+
+Determinism (CPU; tests/test_determinism.py): forward and backward are bit-reproducible run to run
+and for any thread count (each row is computed whole by one thread; the dropout mask is Philox of
+the element index).
 """
 
 from __future__ import annotations
