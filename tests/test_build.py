@@ -1,12 +1,14 @@
 """The kernel cache: warm loads, concurrent builds, killed builds, corruption, read-only directories."""
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
+import torch
 
 from dmfx.cuda_ops import build
 
@@ -81,3 +83,64 @@ def test_missing_compiler_is_a_clear_build_error(tmp_path, monkeypatch):
     )
     out, err = p.communicate(timeout=300)
     assert "CLEAR dmfx could not build its CPU kernels" in out, err[-2000:]
+
+
+# ------------------------------------------------------------------ the second CPU build (AVX2 baseline)
+
+
+def test_each_cpu_build_has_its_own_module_and_target():
+    native, avx2 = build.FLAVORS["cpu"], build.FLAVORS["cpu_avx2"]
+    assert build.module_name("cpu") != build.module_name("cpu_avx2")
+    assert build.module_name("cpu_avx2").startswith("dmfx_cpu_avx2_")
+    assert "-march=native" in native.cflags
+    assert "-march=x86-64-v3" in avx2.cflags and "-DCPU_CAPABILITY=AVX2" in avx2.cflags
+    assert avx2.cpp_sources == native.cpp_sources and avx2.kind == native.kind == "cpu"
+
+
+def test_using_cpu_build_switches_the_cpu_kernels_for_the_block_only():
+    reason = build.cpu_build_unavailable("cpu_avx2")
+    if reason:
+        pytest.skip(reason)
+    native = build.kernels_for("cpu")
+    with pytest.raises(ZeroDivisionError):
+        with build.using_cpu_build("cpu_avx2") as module:
+            assert build.kernels_for("cpu") is module is build.load("cpu_avx2") is not native
+            assert build.kernels_for(torch.device("cpu")) is module
+            1 / 0
+    assert build.kernels_for("cpu") is native
+
+
+def test_the_avx2_build_has_no_avx512_code():
+    """The AVX2 build's library uses no AVX-512 register (zmm), so it is the code an AVX2-only machine
+    runs; on an AVX-512 machine the native one does use them (the two paths differ)."""
+    objdump = shutil.which("objdump")
+    reason = build.cpu_build_unavailable("cpu_avx2")
+    if objdump is None or reason:
+        pytest.skip(reason or "needs objdump")
+
+    def uses_zmm(flavor):
+        lib = build.load(flavor).__file__
+        out = subprocess.run([objdump, "-d", "--no-show-raw-insn", lib], capture_output=True, text=True, check=True).stdout
+        return "%zmm" in out
+
+    assert not uses_zmm("cpu_avx2")
+    assert uses_zmm("cpu")
+
+
+@pytest.mark.parametrize("machine, flags, expected", [
+    ("aarch64", set(), "targets x86-64 and this machine is aarch64"),
+    ("x86_64", {"avx", "avx2", "fma"}, "lacks bmi1, bmi2, f16c, abm, movbe, xsave"),
+    ("x86_64", set(build._X86_64_V3), "no AVX-512"),
+    ("x86_64", {*build._X86_64_V3, "avx512f"}, None),
+])
+def test_where_the_avx2_build_skips(monkeypatch, machine, flags, expected):
+    monkeypatch.setattr(build.platform, "machine", lambda: machine)
+    monkeypatch.setattr(build, "_cpu_flags", lambda: flags)
+    reason = build.cpu_build_unavailable("cpu_avx2")
+    assert (reason is None) if expected is None else (expected in reason), reason
+    assert build.cpu_build_unavailable("cpu") is None
+    if expected is not None:
+        with pytest.raises(build.KernelBuildError, match="cannot run here"):
+            with build.using_cpu_build("cpu_avx2"):
+                pass
+
