@@ -201,6 +201,46 @@ def using_cpu_build(name: str):
         _cpu_build = before
 
 
+def _visible_gpu_archs() -> list[str]:
+    """The CUDA architectures torch.utils.cpp_extension builds for when TORCH_CUDA_ARCH_LIST is unset:
+    those of the visible GPUs, capped at the newest this torch supports, the newest also as PTX."""
+    newest = max(
+        ((int(a[3:]) // 10, int(a[3:]) % 10) for a in torch.cuda.get_arch_list() if a.startswith("sm_") and a[3:].isdigit()),
+        default=None,
+    )
+    caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+    archs = [f"{major}.{minor}" for major, minor in sorted(min(c, newest) if newest else c for c in caps)]
+    if archs:
+        archs[-1] += "+PTX"
+    return archs
+
+
+def cuda_arch_list() -> str:
+    """The architectures the CUDA build targets, as a TORCH_CUDA_ARCH_LIST value: the environment's
+    (unless unset or "native"), else the visible GPUs' (as torch detects them), else, with no GPU to
+    detect (a compile-only check), Hopper (9.0). Part of the CUDA module's hash, and what the build
+    sets TORCH_CUDA_ARCH_LIST to while it runs."""
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if env and env != "native":
+        return env
+    archs = _visible_gpu_archs() if torch.cuda.is_available() else []
+    return ";".join(archs) or "9.0"
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    """os.environ[name] = value inside the block; the previous value (or its absence) after it."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
 def source_hash(flavor: Flavor) -> str:
     h = hashlib.sha256()
     headers = sorted(p.name for p in CSRC.glob("*.h"))
@@ -215,7 +255,7 @@ def source_hash(flavor: Flavor) -> str:
     if flavor.kind == "cpu":
         h.update(_machine_tag().encode())
     else:
-        h.update(os.environ.get("TORCH_CUDA_ARCH_LIST", "").encode())
+        h.update(cuda_arch_list().encode())
     return h.hexdigest()[:16]
 
 
@@ -277,13 +317,19 @@ def _import(name: str, lib: Path) -> ModuleType:
 
 
 def _compile(flavor: Flavor, name: str, build_dir: Path) -> None:
-    from torch.utils.cpp_extension import load_inline
-
-    if flavor.kind == "cuda" and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
-        # No GPU to detect the architecture from (e.g. a compile-only check): build for Hopper.
-        os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
     if flavor.kind == "cuda":
         _ensure_cuda_home()
+        # the architectures the module's hash names, for this build only (the user's other extension
+        # builds in this process see TORCH_CUDA_ARCH_LIST as it was)
+        with _env("TORCH_CUDA_ARCH_LIST", cuda_arch_list()):
+            _load_inline(flavor, name, build_dir)
+    else:
+        _load_inline(flavor, name, build_dir)
+
+
+def _load_inline(flavor: Flavor, name: str, build_dir: Path) -> None:
+    from torch.utils.cpp_extension import load_inline
+
     load_inline(
         name=name,
         cpp_sources=[_read(n) for n in flavor.cpp_sources],

@@ -144,3 +144,52 @@ def test_where_the_avx2_build_skips(monkeypatch, machine, flags, expected):
             with build.using_cpu_build("cpu_avx2"):
                 pass
 
+
+# ------------------------------------------------------------------ the CUDA build's architectures
+
+
+def _gpus(monkeypatch, *caps, arch_list=("sm_80", "sm_86", "sm_90")):
+    """Pretend these GPUs (compute capabilities) are visible, under a torch built for `arch_list`."""
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: bool(caps))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(caps))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: caps[i])
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: list(arch_list))
+
+
+def test_the_cuda_hash_names_the_architectures_the_build_targets(monkeypatch):
+    names = {}
+    for gpus in [(), ((8, 0),), ((9, 0),), ((9, 0), (8, 0))]:
+        _gpus(monkeypatch, *gpus)
+        names[gpus] = (build.cuda_arch_list(), build.module_name("cuda"))
+    assert [arch for arch, _ in names.values()] == ["9.0", "8.0+PTX", "9.0+PTX", "8.0;9.0+PTX"]
+    assert len({name for _, name in names.values()}) == 4
+    _gpus(monkeypatch, (12, 0))  # a GPU newer than this torch: capped at its newest, as torch does
+    assert build.cuda_arch_list() == "9.0+PTX"
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.6")  # the user's choice wins
+    assert build.cuda_arch_list() == "8.6" and build.module_name("cuda") not in {n for _, n in names.values()}
+
+
+@pytest.mark.parametrize("user_value", [None, "8.6"])
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_cuda_build_sets_the_arch_list_only_while_it_runs(monkeypatch, tmp_path, user_value, fails):
+    import torch.utils.cpp_extension as ext
+
+    _gpus(monkeypatch)
+    if user_value:
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", user_value)
+    seen = []
+
+    def fake_load_inline(**kwargs):
+        seen.append(os.environ.get("TORCH_CUDA_ARCH_LIST"))
+        if fails:
+            raise RuntimeError("nvcc failed")
+
+    monkeypatch.setattr(ext, "load_inline", fake_load_inline)
+    monkeypatch.setattr(build, "_ensure_cuda_home", lambda: None)
+    try:
+        build._compile(build.FLAVORS["cuda"], "dmfx_cuda_test", tmp_path)
+    except RuntimeError:
+        assert fails
+    assert seen == [user_value or "9.0"]
+    assert os.environ.get("TORCH_CUDA_ARCH_LIST") == user_value
