@@ -45,8 +45,9 @@ log = logging.getLogger("dmfx")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 # One group of kernels per file (csrc/<family>_cpu.cpp, <family>_cuda.cu + <family>_cuda_bind.cpp); see
-# csrc/cpu_bindings.cpp. Order matters: each file may use the helpers of the files before it
-# (attention_cpu.cpp / attention_cuda.cu use the softmax family's).
+# csrc/cpu_bindings.cpp. Order matters on the CPU: each file may use the helpers of the files before it
+# (attention_cpu.cpp uses softmax_cpu.cpp's). The CUDA files share device code through headers
+# (softmax_device.cuh), so each compiles on its own.
 FAMILIES = ("norm", "softmax", "pointwise", "attention")
 # Functions of the CPU module without a CUDA twin: flash_use_blas switches the CPU flash kernels' GEMMs.
 CPU_ONLY_FUNCTIONS = ("flash_use_blas",)
@@ -65,6 +66,7 @@ class Flavor:
     cflags: tuple[str, ...]
     cuda_cflags: tuple[str, ...] = ()
     ldflags: tuple[str, ...] = ()
+    headers: tuple[str, ...] = ("*.h",)  # globs of the csrc headers the sources include (hashed)
 
 
 def _cpu_capability_flags() -> tuple[str, ...]:
@@ -103,6 +105,7 @@ FLAVORS = {
         cuda_sources=tuple(f"{f}_cuda.cu" for f in FAMILIES),
         cflags=("-O3",),
         cuda_cflags=("-O3", "-lineinfo"),
+        headers=("*.h", "*.cuh"),
     ),
 }
 # The CPU builds the tests run the op tests against (see using_cpu_build).
@@ -243,7 +246,7 @@ def _env(name: str, value: str):
 
 def source_hash(flavor: Flavor) -> str:
     h = hashlib.sha256()
-    headers = sorted(p.name for p in CSRC.glob("*.h"))
+    headers = sorted({p.name for pattern in flavor.headers for p in CSRC.glob(pattern)})
     for name in (*flavor.cpp_sources, *flavor.cuda_sources, *headers):
         h.update(name.encode())
         h.update(_read(name).encode())
