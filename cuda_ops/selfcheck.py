@@ -104,9 +104,14 @@ def disabled_families(device: torch.device | str) -> set[str]:
         module = kernels_for(dev)
     except KernelBuildError:
         return set()
-    key = (module.__name__, device_key(dev))
+    key = (module.__name__, str(dev))
     if key not in _verdicts:
-        _verdicts[key] = _verdict(module, dev, key[1])
+        try:
+            _verdicts[key] = _verdict(module, dev, device_key(dev))
+        except Exception as e:  # the check itself could not run: nothing is known to be right
+            why = f"the self-check could not run ({type(e).__name__}: {e})"
+            warn("dmfx: %s on %s; dmfx leaves every kernel family's patterns to PyTorch there", why, dev)
+            _verdicts[key] = dict.fromkeys(FAMILIES, why)
     return {family for family, why in _verdicts[key].items() if why}
 
 

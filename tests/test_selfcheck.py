@@ -130,6 +130,17 @@ def test_a_kernel_that_raises_is_switched_off():
     assert verdict["norm"] is None and verdict["attention"] is None
 
 
+def test_a_check_that_cannot_run_switches_every_family_off(monkeypatch, fresh_verdicts, caplog):
+    def broken(*args):
+        raise OSError("no space left on device")
+
+    monkeypatch.setitem(build._loaded, "cpu", stand_in(build.load("cpu"), "dmfx_cpu_uncached"))  # (no disk verdict)
+    monkeypatch.setattr(selfcheck, "check_module", broken)
+    with caplog.at_level("WARNING", logger="dmfx"):
+        assert selfcheck.disabled_families("cpu") == set(FAMILIES)
+    assert "could not run (OSError: no space left on device)" in caplog.text
+
+
 def test_family_passes_name_real_passes():
     assert set(selfcheck.FAMILY_PASSES) == set(FAMILIES)
     for passes in selfcheck.FAMILY_PASSES.values():
