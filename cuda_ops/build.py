@@ -11,15 +11,23 @@ by mistake. Builds land in the torch extensions directory (``TORCH_EXTENSIONS_DI
   build that was killed half-way, or a library that was corrupted later, is detected and rebuilt;
 * a warm load imports the finished library directly (no compiler, no ninja), well under a second;
 * a cache directory that cannot be written falls back to a temporary one, with a warning.
+
+The CPU kernels are built for this machine (``-march=native``), so an AVX-512 machine and an AVX2 one
+run different code. A second CPU build, ``cpu_avx2`` (the x86-64-v3 baseline: AVX2 and FMA, no
+AVX-512), lets the tests run both paths on one machine: inside ``using_cpu_build("cpu_avx2")``,
+``kernels_for("cpu")`` returns it (tests/conftest.py's ``cpu_build`` fixture runs the op tests on each
+of ``CPU_BUILDS``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import logging
 import os
+import platform
 import shlex
 import shutil
 import sys
@@ -37,8 +45,9 @@ log = logging.getLogger("dmfx")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 # One group of kernels per file (csrc/<family>_cpu.cpp, <family>_cuda.cu + <family>_cuda_bind.cpp); see
-# csrc/cpu_bindings.cpp. Order matters: each file may use the helpers of the files before it
-# (attention_cpu.cpp / attention_cuda.cu use the softmax family's).
+# csrc/cpu_bindings.cpp. Order matters on the CPU: each file may use the helpers of the files before it
+# (attention_cpu.cpp uses softmax_cpu.cpp's). The CUDA files share device code through headers
+# (softmax_device.cuh), so each compiles on its own.
 FAMILIES = ("norm", "softmax", "pointwise", "attention")
 # Functions of the CPU module without a CUDA twin: flash_use_blas switches the CPU flash kernels' GEMMs.
 CPU_ONLY_FUNCTIONS = ("flash_use_blas",)
@@ -51,12 +60,13 @@ class KernelBuildError(RuntimeError):
 
 @dataclass(frozen=True)
 class Flavor:
-    kind: str  # "cpu" | "cuda"
+    kind: str  # "cpu" | "cuda": the device the kernels run on
     cpp_sources: tuple[str, ...]  # concatenated, in order, into one C++ translation unit
     cuda_sources: tuple[str, ...]  # concatenated into one CUDA translation unit
     cflags: tuple[str, ...]
     cuda_cflags: tuple[str, ...] = ()
     ldflags: tuple[str, ...] = ()
+    headers: tuple[str, ...] = ("*.h",)  # globs of the csrc headers the sources include (hashed)
 
 
 def _cpu_capability_flags() -> tuple[str, ...]:
@@ -71,12 +81,22 @@ def _cpu_capability_flags() -> tuple[str, ...]:
     return (f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}") if cap else ()
 
 
+_CPU_SOURCES = (*(f"{f}_cpu.cpp" for f in FAMILIES), "cpu_bindings.cpp")
+
 FLAVORS = {
     "cpu": Flavor(
         kind="cpu",
-        cpp_sources=(*(f"{f}_cpu.cpp" for f in FAMILIES), "cpu_bindings.cpp"),
+        cpp_sources=_CPU_SOURCES,
         cuda_sources=(),
         cflags=("-O3", "-march=native", "-fopenmp", *_cpu_capability_flags()),
+        ldflags=("-fopenmp",),
+    ),
+    # The baseline x86-64 target without AVX-512 (what an AVX2-only machine runs), for the tests.
+    "cpu_avx2": Flavor(
+        kind="cpu",
+        cpp_sources=_CPU_SOURCES,
+        cuda_sources=(),
+        cflags=("-O3", "-march=x86-64-v3", "-fopenmp", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"),
         ldflags=("-fopenmp",),
     ),
     "cuda": Flavor(
@@ -85,11 +105,18 @@ FLAVORS = {
         cuda_sources=tuple(f"{f}_cuda.cu" for f in FAMILIES),
         cflags=("-O3",),
         cuda_cflags=("-O3", "-lineinfo"),
+        headers=("*.h", "*.cuh"),
     ),
 }
+# The CPU builds the tests run the op tests against (see using_cpu_build).
+CPU_BUILDS = ("cpu", "cpu_avx2")
+# What -march=x86-64-v3 requires of the CPU, as /proc/cpuinfo names it (abm: lzcnt).
+_X86_64_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")
 
 _loaded: dict[str, ModuleType] = {}
 _failed: dict[str, KernelBuildError] = {}
+_cpu_build = "cpu"  # the CPU build kernels_for("cpu") returns (using_cpu_build); process-wide, as
+# the autograd engine runs backward kernels on threads of its own
 
 
 def warn(msg: str, *args: object) -> None:
@@ -121,19 +148,105 @@ def _read(name: str) -> str:
     return (CSRC / name).read_text()
 
 
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
 def _machine_tag() -> str:
     """What -march=native depends on: the CPU model and its feature flags."""
+    keep = [ln for ln in _cpuinfo() if ln.startswith(("model name", "flags"))][:2]
+    return os.uname().machine + ("|" + "|".join(keep) if keep else "")
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where that cannot be read)."""
+    line = next((ln for ln in _cpuinfo() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def cpu_build_unavailable(name: str) -> str | None:
+    """Why the CPU build `name` (one of CPU_BUILDS) cannot run here, or adds nothing to the native
+    build; None when it can run. The AVX2 build needs an x86-64-v3 CPU, and on one without AVX-512
+    the native build already runs the AVX2 code path."""
+    if name not in CPU_BUILDS:
+        raise ValueError(f"dmfx: unknown CPU build {name!r} (one of {CPU_BUILDS})")
+    if name == "cpu":
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the {name} build targets x86-64 and this machine is {platform.machine()}"
+    flags = _cpu_flags()
+    missing = [f for f in _X86_64_V3 if f not in flags]
+    if missing:
+        return f"the {name} build targets x86-64-v3 and this CPU lacks {', '.join(missing)} (/proc/cpuinfo)"
+    if "avx512f" not in flags:
+        return f"this CPU has no AVX-512, so the native build already runs the AVX2 code path {name} would test"
+    return None
+
+
+@contextlib.contextmanager
+def using_cpu_build(name: str):
+    """Inside the block, ``kernels_for("cpu")`` (every CPU dmfx op) runs the CPU build `name` (one of
+    CPU_BUILDS), built on first use; yields its module. For the tests: a machine then runs both the
+    AVX-512 and the AVX2 code paths. Raises KernelBuildError where the build cannot run here
+    (cpu_build_unavailable)."""
+    global _cpu_build
+    reason = cpu_build_unavailable(name)
+    if reason is not None:
+        raise KernelBuildError(f"dmfx: the {name} kernels cannot run here: {reason}")
+    module = load(name)
+    before, _cpu_build = _cpu_build, name
     try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return os.uname().machine
-    keep = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
-    return os.uname().machine + "|" + "|".join(keep)
+        yield module
+    finally:
+        _cpu_build = before
+
+
+def _visible_gpu_archs() -> list[str]:
+    """The CUDA architectures torch.utils.cpp_extension builds for when TORCH_CUDA_ARCH_LIST is unset:
+    those of the visible GPUs, capped at the newest this torch supports, the newest also as PTX."""
+    newest = max(
+        ((int(a[3:]) // 10, int(a[3:]) % 10) for a in torch.cuda.get_arch_list() if a.startswith("sm_") and a[3:].isdigit()),
+        default=None,
+    )
+    caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+    archs = [f"{major}.{minor}" for major, minor in sorted(min(c, newest) if newest else c for c in caps)]
+    if archs:
+        archs[-1] += "+PTX"
+    return archs
+
+
+def cuda_arch_list() -> str:
+    """The architectures the CUDA build targets, as a TORCH_CUDA_ARCH_LIST value: the environment's
+    (unless unset or "native"), else the visible GPUs' (as torch detects them), else, with no GPU to
+    detect (a compile-only check), Hopper (9.0). Part of the CUDA module's hash, and what the build
+    sets TORCH_CUDA_ARCH_LIST to while it runs."""
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if env and env != "native":
+        return env
+    archs = _visible_gpu_archs() if torch.cuda.is_available() else []
+    return ";".join(archs) or "9.0"
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    """os.environ[name] = value inside the block; the previous value (or its absence) after it."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def source_hash(flavor: Flavor) -> str:
     h = hashlib.sha256()
-    headers = sorted(p.name for p in CSRC.glob("*.h"))
+    headers = sorted({p.name for pattern in flavor.headers for p in CSRC.glob(pattern)})
     for name in (*flavor.cpp_sources, *flavor.cuda_sources, *headers):
         h.update(name.encode())
         h.update(_read(name).encode())
@@ -145,12 +258,13 @@ def source_hash(flavor: Flavor) -> str:
     if flavor.kind == "cpu":
         h.update(_machine_tag().encode())
     else:
-        h.update(os.environ.get("TORCH_CUDA_ARCH_LIST", "").encode())
+        h.update(cuda_arch_list().encode())
     return h.hexdigest()[:16]
 
 
-def module_name(kind: str) -> str:
-    return f"dmfx_{kind}_{source_hash(FLAVORS[kind])}"
+def module_name(flavor: str) -> str:
+    """The module (and build directory) name of FLAVORS[flavor]: its name and source hash."""
+    return f"dmfx_{flavor}_{source_hash(FLAVORS[flavor])}"
 
 
 def cache_root() -> Path:
@@ -206,13 +320,19 @@ def _import(name: str, lib: Path) -> ModuleType:
 
 
 def _compile(flavor: Flavor, name: str, build_dir: Path) -> None:
-    from torch.utils.cpp_extension import load_inline
-
-    if flavor.kind == "cuda" and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
-        # No GPU to detect the architecture from (e.g. a compile-only check): build for Hopper.
-        os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
     if flavor.kind == "cuda":
         _ensure_cuda_home()
+        # the architectures the module's hash names, for this build only (the user's other extension
+        # builds in this process see TORCH_CUDA_ARCH_LIST as it was)
+        with _env("TORCH_CUDA_ARCH_LIST", cuda_arch_list()):
+            _load_inline(flavor, name, build_dir)
+    else:
+        _load_inline(flavor, name, build_dir)
+
+
+def _load_inline(flavor: Flavor, name: str, build_dir: Path) -> None:
+    from torch.utils.cpp_extension import load_inline
+
     load_inline(
         name=name,
         cpp_sources=[_read(n) for n in flavor.cpp_sources],
@@ -256,25 +376,28 @@ def _ensure_cuda_home() -> None:
             return
 
 
-def load(kind: str) -> ModuleType:
-    """The extension module of `kind` ("cpu" or "cuda"), built on first use and cached on disk.
+def load(flavor: str) -> ModuleType:
+    """The extension module of `flavor` (a FLAVORS key: "cpu", "cuda", "cpu_avx2"), built on first use
+    and cached on disk.
 
-    Raises KernelBuildError (once per process and kind; later calls re-raise it quickly).
+    Raises KernelBuildError (once per process and flavor; later calls re-raise it quickly).
     """
-    if kind in _loaded:
-        return _loaded[kind]
-    if kind in _failed:
-        raise _failed[kind]
+    if flavor in _loaded:
+        return _loaded[flavor]
+    if flavor in _failed:
+        raise _failed[flavor]
+    if flavor not in FLAVORS:
+        raise KernelBuildError(f"dmfx has no kernel build {flavor!r} (builds: {', '.join(FLAVORS)})")
     try:
-        module = _build_or_load(kind)
+        module = _build_or_load(flavor)
     except KernelBuildError as e:
-        _failed[kind] = e
+        _failed[flavor] = e
         raise
     except Exception as e:  # compiler missing, compile error, import error, ...
-        err = KernelBuildError(f"dmfx could not build its {kind.upper()} kernels: {_summarize(e)}")
-        _failed[kind] = err
+        err = KernelBuildError(f"dmfx could not build its {flavor.upper()} kernels: {_summarize(e)}")
+        _failed[flavor] = err
         raise err from e
-    _loaded[kind] = module
+    _loaded[flavor] = module
     return module
 
 
@@ -283,17 +406,17 @@ def _summarize(e: BaseException, limit: int = 1500) -> str:
     return text if len(text) <= limit else text[:300] + " ... " + text[-(limit - 300):]
 
 
-def _build_or_load(kind: str) -> ModuleType:
-    flavor = FLAVORS[kind]
-    name = module_name(kind)
+def _build_or_load(key: str) -> ModuleType:
+    flavor = FLAVORS[key]
+    name = module_name(key)
     root = cache_root()
     build_dir = root / name
     start = time.perf_counter()
     if _is_valid(build_dir, name):
         module = _import(name, _library_path(build_dir, name))
-        log.info("dmfx: loaded %s kernels %s from cache in %.2fs", kind.upper(), name, time.perf_counter() - start)
+        log.info("dmfx: loaded %s kernels %s from cache in %.2fs", key.upper(), name, time.perf_counter() - start)
         return module
-    _check_compiler(kind)
+    _check_compiler(flavor.kind)
     with FileLock(str(root / f"{name}.lock")):
         if not _is_valid(build_dir, name):  # nobody built it while we waited
             if build_dir.exists():
@@ -301,7 +424,7 @@ def _build_or_load(kind: str) -> ModuleType:
                 shutil.rmtree(build_dir, ignore_errors=True)
             build_dir.mkdir(parents=True)
             print(
-                f"dmfx: building {kind.upper()} kernels {name} (happens once per machine and version; "
+                f"dmfx: building {key.upper()} kernels {name} (happens once per machine and version; "
                 f"cached in {build_dir})",
                 file=sys.stderr,
                 flush=True,
@@ -312,16 +435,17 @@ def _build_or_load(kind: str) -> ModuleType:
                 raise KernelBuildError(f"the build of {name} produced no library at {lib}")
             (build_dir / MARKER).write_text(json.dumps({"sha256": _sha256(lib), "torch": torch.__version__}))
             module = sys.modules.get(name) or _import(name, lib)
-            log.info("dmfx: built %s kernels %s in %.1fs", kind.upper(), name, time.perf_counter() - start)
+            log.info("dmfx: built %s kernels %s in %.1fs", key.upper(), name, time.perf_counter() - start)
             return module
     module = _import(name, _library_path(build_dir, name))
-    log.info("dmfx: loaded %s kernels %s (built by another process) in %.2fs", kind.upper(), name, time.perf_counter() - start)
+    log.info("dmfx: loaded %s kernels %s (built by another process) in %.2fs", key.upper(), name, time.perf_counter() - start)
     return module
 
 
 def kernels_for(device: torch.device | str) -> ModuleType:
-    """The extension holding the kernels for tensors on `device`."""
+    """The extension holding the kernels for tensors on `device` (for the CPU: the build
+    using_cpu_build selected, the native one by default)."""
     dev = torch.device(device)
-    if dev.type not in FLAVORS:
+    if dev.type not in ("cpu", "cuda"):
         raise KernelBuildError(f"dmfx has no kernels for device type {dev.type!r} (only cpu and cuda)")
-    return load(dev.type)
+    return load(_cpu_build if dev.type == "cpu" else dev.type)

@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+from dmfx.cuda_ops import build
+
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
@@ -12,6 +14,19 @@ def _fresh_dynamo():
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(params=build.CPU_BUILDS)
+def cpu_build(request):
+    """Runs the test once on each CPU build of the kernels (build.CPU_BUILDS: the native -march build
+    and the AVX2 baseline), so a bug in either code path shows on any AVX-512 machine. Where a build
+    cannot run, or adds nothing (no AVX-512: the native build is the AVX2 path), that run skips with
+    the reason. The op-test files use it through ``pytestmark = pytest.mark.usefixtures("cpu_build")``."""
+    reason = build.cpu_build_unavailable(request.param)
+    if reason is not None:
+        pytest.skip(reason)
+    with build.using_cpu_build(request.param):
+        yield request.param
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None) -> float:

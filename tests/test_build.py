@@ -1,12 +1,14 @@
 """The kernel cache: warm loads, concurrent builds, killed builds, corruption, read-only directories."""
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
+import torch
 
 from dmfx.cuda_ops import build
 
@@ -81,3 +83,113 @@ def test_missing_compiler_is_a_clear_build_error(tmp_path, monkeypatch):
     )
     out, err = p.communicate(timeout=300)
     assert "CLEAR dmfx could not build its CPU kernels" in out, err[-2000:]
+
+
+# ------------------------------------------------------------------ the second CPU build (AVX2 baseline)
+
+
+def test_each_cpu_build_has_its_own_module_and_target():
+    native, avx2 = build.FLAVORS["cpu"], build.FLAVORS["cpu_avx2"]
+    assert build.module_name("cpu") != build.module_name("cpu_avx2")
+    assert build.module_name("cpu_avx2").startswith("dmfx_cpu_avx2_")
+    assert "-march=native" in native.cflags
+    assert "-march=x86-64-v3" in avx2.cflags and "-DCPU_CAPABILITY=AVX2" in avx2.cflags
+    assert avx2.cpp_sources == native.cpp_sources and avx2.kind == native.kind == "cpu"
+
+
+def test_using_cpu_build_switches_the_cpu_kernels_for_the_block_only():
+    reason = build.cpu_build_unavailable("cpu_avx2")
+    if reason:
+        pytest.skip(reason)
+    native = build.kernels_for("cpu")
+    with pytest.raises(ZeroDivisionError):
+        with build.using_cpu_build("cpu_avx2") as module:
+            assert build.kernels_for("cpu") is module is build.load("cpu_avx2") is not native
+            assert build.kernels_for(torch.device("cpu")) is module
+            1 / 0
+    assert build.kernels_for("cpu") is native
+
+
+def test_the_avx2_build_has_no_avx512_code():
+    """The AVX2 build's library uses no AVX-512 register (zmm), so it is the code an AVX2-only machine
+    runs; on an AVX-512 machine the native one does use them (the two paths differ)."""
+    objdump = shutil.which("objdump")
+    reason = build.cpu_build_unavailable("cpu_avx2")
+    if objdump is None or reason:
+        pytest.skip(reason or "needs objdump")
+
+    def uses_zmm(flavor):
+        lib = build.load(flavor).__file__
+        out = subprocess.run([objdump, "-d", "--no-show-raw-insn", lib], capture_output=True, text=True, check=True).stdout
+        return "%zmm" in out
+
+    assert not uses_zmm("cpu_avx2")
+    assert uses_zmm("cpu")
+
+
+@pytest.mark.parametrize("machine, flags, expected", [
+    ("aarch64", set(), "targets x86-64 and this machine is aarch64"),
+    ("x86_64", {"avx", "avx2", "fma"}, "lacks bmi1, bmi2, f16c, abm, movbe, xsave"),
+    ("x86_64", set(build._X86_64_V3), "no AVX-512"),
+    ("x86_64", {*build._X86_64_V3, "avx512f"}, None),
+])
+def test_where_the_avx2_build_skips(monkeypatch, machine, flags, expected):
+    monkeypatch.setattr(build.platform, "machine", lambda: machine)
+    monkeypatch.setattr(build, "_cpu_flags", lambda: flags)
+    reason = build.cpu_build_unavailable("cpu_avx2")
+    assert (reason is None) if expected is None else (expected in reason), reason
+    assert build.cpu_build_unavailable("cpu") is None
+    if expected is not None:
+        with pytest.raises(build.KernelBuildError, match="cannot run here"):
+            with build.using_cpu_build("cpu_avx2"):
+                pass
+
+
+# ------------------------------------------------------------------ the CUDA build's architectures
+
+
+def _gpus(monkeypatch, *caps, arch_list=("sm_80", "sm_86", "sm_90")):
+    """Pretend these GPUs (compute capabilities) are visible, under a torch built for `arch_list`."""
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: bool(caps))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(caps))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: caps[i])
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: list(arch_list))
+
+
+def test_the_cuda_hash_names_the_architectures_the_build_targets(monkeypatch):
+    names = {}
+    for gpus in [(), ((8, 0),), ((9, 0),), ((9, 0), (8, 0))]:
+        _gpus(monkeypatch, *gpus)
+        names[gpus] = (build.cuda_arch_list(), build.module_name("cuda"))
+    assert [arch for arch, _ in names.values()] == ["9.0", "8.0+PTX", "9.0+PTX", "8.0;9.0+PTX"]
+    assert len({name for _, name in names.values()}) == 4
+    _gpus(monkeypatch, (12, 0))  # a GPU newer than this torch: capped at its newest, as torch does
+    assert build.cuda_arch_list() == "9.0+PTX"
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.6")  # the user's choice wins
+    assert build.cuda_arch_list() == "8.6" and build.module_name("cuda") not in {n for _, n in names.values()}
+
+
+@pytest.mark.parametrize("user_value", [None, "8.6"])
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_cuda_build_sets_the_arch_list_only_while_it_runs(monkeypatch, tmp_path, user_value, fails):
+    import torch.utils.cpp_extension as ext
+
+    _gpus(monkeypatch)
+    if user_value:
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", user_value)
+    seen = []
+
+    def fake_load_inline(**kwargs):
+        seen.append(os.environ.get("TORCH_CUDA_ARCH_LIST"))
+        if fails:
+            raise RuntimeError("nvcc failed")
+
+    monkeypatch.setattr(ext, "load_inline", fake_load_inline)
+    monkeypatch.setattr(build, "_ensure_cuda_home", lambda: None)
+    try:
+        build._compile(build.FLAVORS["cuda"], "dmfx_cuda_test", tmp_path)
+    except RuntimeError:
+        assert fails
+    assert seen == [user_value or "9.0"]
+    assert os.environ.get("TORCH_CUDA_ARCH_LIST") == user_value

@@ -24,6 +24,7 @@ from dmfx.passes.backward import accumulate_into_gemm, fold_gradient_adds, run_b
 
 aten = torch.ops.aten
 nb = torch.ops.dmfx.norm_backward
+on_both_cpu_builds = pytest.mark.usefixtures("cpu_build")  # the op-level tests: conftest.cpu_build
 
 
 def rel_err(a, b):
@@ -45,6 +46,7 @@ def _norm_case(rms, dropout, residual, dtype=torch.float64):
     return x, bias, res, w, (None if rms else mean), rstd, seed, p
 
 
+@on_both_cpu_builds
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("dropout", [False, True])
 @pytest.mark.parametrize("residual", [False, True])
@@ -60,6 +62,7 @@ def test_grad_out2_equals_the_sum(rms, dropout, residual):
             assert rel_err(a, b) < 1e-12, name
 
 
+@on_both_cpu_builds
 @pytest.mark.parametrize("dropout", [False, True])
 def test_dbias_without_bias_is_the_column_sum_of_dx(dropout):
     """The bias gradient is asked for although the bias stayed in the GEMM before the norm."""
@@ -69,6 +72,7 @@ def test_dbias_without_bias_is_the_column_sum_of_dx(dropout):
     assert db.shape == (24,) and rel_err(db, dx.sum((0, 1))) < 1e-12
 
 
+@on_both_cpu_builds
 def test_grad_out2_strided():
     """A non-contiguous second gradient (a transposed view) is read through its strides."""
     x, bias, res, w, mean, rstd, seed, p = _norm_case(False, False, True)
@@ -82,6 +86,7 @@ def test_grad_out2_strided():
             assert rel_err(a, b) < 1e-12
 
 
+@on_both_cpu_builds
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_grad_out2_low_precision(dtype):
     """In bf16/fp16 the kernel adds the two gradients in float32 (eager rounds their sum to the low
@@ -97,6 +102,7 @@ def test_grad_out2_low_precision(dtype):
             assert rel_err(a.float(), b.float()) < 3e-2
 
 
+@on_both_cpu_builds
 def test_grad_out2_opcheck():
     x, bias, res, w, mean, rstd, seed, p = _norm_case(False, True, True, torch.float32)
     g1, g2 = torch.randn_like(x), torch.randn_like(x)
@@ -104,6 +110,7 @@ def test_grad_out2_opcheck():
                           {"grad_out2": g2})
 
 
+@on_both_cpu_builds
 def test_grad_out2_bad_shape_is_named():
     x, bias, res, w, mean, rstd, seed, p = _norm_case(False, False, False)
     with pytest.raises(RuntimeError, match=r"norm_bwd: grad_out2 must have the shape of x"):
@@ -418,6 +425,7 @@ def test_fold_bias_grads_fires_and_leaves_partial_sums():
     assert ctx.fired == {} and aten.sum.dim_IntList in _targets(gm)
 
 
+@on_both_cpu_builds
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gqa", [False, True])
 def test_flash_backward_head_bias_gradients(dtype, gqa):

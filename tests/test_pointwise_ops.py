@@ -19,6 +19,9 @@ from dmfx.cuda_ops.ops import new_seed
 
 from conftest import rel_err
 
+# Every test here runs on each CPU build of the kernels (conftest.cpu_build: native and AVX2).
+pytestmark = pytest.mark.usefixtures("cpu_build")
+
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ACTS = list(P.ACTS)

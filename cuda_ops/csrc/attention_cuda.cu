@@ -5,8 +5,8 @@
 // mask of the [B, Hq, Lq, Lk] probabilities, element (b, h, i, j) = logical index
 // ((b * Hq + h) * Lq + i) * Lk + j, so the keep/drop bits equal the CPU kernels' and the softmax
 // kernels' bit for bit; stats [2, B, Hq, Lq] = row max of the logits and 1 / sum of their exps, float32).
-// This file is concatenated after softmax_cuda.cu (cuda_ops/build.py), whose device helpers it uses
-// (mask reads, Philox multipliers, NaN-propagating max, exp).
+// The device helpers it shares with the softmax kernels (mask reads, Philox multipliers,
+// NaN-propagating max, exp, the launch stream) are in softmax_device.cuh.
 //
 // Design (FlashAttention-2's decomposition on CUDA cores, fp32 math for every input dtype)
 // ------
@@ -53,6 +53,7 @@
 #include "kernel_api.h"
 #include "softmax_api.h"
 #include "attention_api.h"
+#include "softmax_device.cuh"
 
 namespace dmfx {
 namespace attention_impl {

@@ -1,8 +1,8 @@
 // The Python module of dmfx's CUDA kernels. load_inline concatenates the binding sources listed in
 // build.py (norm_cuda_bind.cpp, softmax_cuda_bind.cpp, pointwise_cuda_bind.cpp, attention_cuda_bind.cpp,
-// then this file) into one C++ translation unit, and the *_cuda.cu kernel files into one CUDA unit (in
-// the same order: attention_cuda.cu uses softmax_cuda.cu's device helpers); each family file defines
-// dmfx::bind_<family>(m), which adds its functions to the module.
+// then this file) into one C++ translation unit, and the *_cuda.cu kernel files into one CUDA unit
+// (each .cu is self-contained: device code they share lives in headers, softmax_device.cuh); each
+// family file defines dmfx::bind_<family>(m), which adds its functions to the module.
 // Family internals live in named namespaces (dmfx::<family>_impl) so the files never collide.
 #include <torch/extension.h>
 

@@ -20,8 +20,10 @@ The source is taken verbatim except for these edits, made by text below:
   body (more threads per block than that fails, as the launch would on a GPU);
 * a block-scope ``__shared__ T name[dims];`` becomes function-static storage (shared by the block's
   threads) that is NaN-filled at the start of each block, with a canary after it;
-* the attention family's ``launch`` runs ``emu::launch`` (grid capped by ``set_grid``), and the
-  attention module also holds softmax_cuda.cu, whose device helpers the attention kernels use.
+* the attention family's ``launch`` runs ``emu::launch`` (grid capped by ``set_grid``);
+* the CUDA-only headers a .cu file includes (``#include "<name>.cuh"``, e.g. softmax_device.cuh, whose
+  device helpers the softmax and attention kernels share) are put, translated, before it: each
+  family's module holds its own .cu file only, as each compiles on its own with nvcc.
 
 Every module also has ``set_order`` (0 threads in order, 1 reversed, 2 shuffled each round; 3, 4, 5
 warp-serial: each warp runs through its shuffles to its next __syncthreads before the next one starts,
@@ -45,10 +47,11 @@ from dmfx.cuda_ops.build import CSRC, cache_root
 
 HERE = Path(__file__).resolve().parent
 # DMFX_EMU_CSRC: another source directory to emulate (e.g. a copy with a deliberately injected bug,
-# to check that the tests catch it).
+# to check that the tests catch it); load(family, csrc=...) does the same for one module.
 if os.environ.get("DMFX_EMU_CSRC"):
     CSRC = Path(os.environ["DMFX_EMU_CSRC"])
 FAMILIES = ("norm", "softmax", "pointwise", "attention")
+_CUDA_HEADER = re.compile(r'^#include "(\w+\.cuh)"', re.M)
 
 _LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^<>;(){}]*>)?)\s*<<<(.*?)>>>\s*\(", re.S)
 _LAUNCH_BOUNDS = re.compile(r"__launch_bounds__\(((?:[^()]|\([^()]*\))*)\)([^{;]*?)\{", re.S)
@@ -98,17 +101,17 @@ def _attention(text: str) -> str:
                        "const Arg& P) {\n  if (items == 0) return;\n  emu::launch(kernel, items, floats, P);\n}\n") + text[e:]
 
 
-def source(family: str = "attention") -> str:
+def source(family: str = "attention", csrc: Path | None = None) -> str:
+    """The C++ text of the emulated module of `family`, from the sources in `csrc` (default CSRC)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown kernel family {family!r} (one of {FAMILIES})")
-    files = ["softmax", "attention"] if family == "attention" else [family]
-    parts = []
-    for f in files:
-        cu = translate((CSRC / f"{f}_cuda.cu").read_text(), f"{f}_cuda.cu")
-        if f == "attention":
-            cu = _attention(cu)
-        parts.append(cu)
-    bind = translate((CSRC / f"{family}_cuda_bind.cpp").read_text(), f"{family}_cuda_bind.cpp")
+    csrc = csrc or CSRC
+    raw = (csrc / f"{family}_cuda.cu").read_text()
+    cu = translate(raw, f"{family}_cuda.cu")
+    if family == "attention":
+        cu = _attention(cu)
+    cuda_headers = [translate((csrc / h).read_text(), h) for h in _CUDA_HEADER.findall(raw)]
+    bind = translate((csrc / f"{family}_cuda_bind.cpp").read_text(), f"{family}_cuda_bind.cpp")
     return "\n".join([
         "#include <torch/extension.h>",
         "#include <ATen/Dispatch.h>",
@@ -121,8 +124,9 @@ def source(family: str = "attention") -> str:
         "#include <vector>",
         '#include "prelude.h"',
         '#include "dmfx_common.h"',
-        *(translate((CSRC / h).read_text(), h) for h in ("kernel_api.h", "softmax_api.h", "attention_api.h", "pointwise_api.h")),
-        *parts,
+        *(translate((csrc / h).read_text(), h) for h in ("kernel_api.h", "softmax_api.h", "attention_api.h", "pointwise_api.h")),
+        *cuda_headers,
+        cu,
         bind,
         "void set_order(int m) { emu::order_mode = m; }",
         "void set_grid(int g) { emu::grid_cap = g; }",
@@ -140,14 +144,16 @@ def source(family: str = "attention") -> str:
 _modules: dict = {}
 
 
-def load(family: str = "attention"):
+def load(family: str = "attention", csrc: Path | None = None):
     """The emulated module of `family` (built once per source version, in dmfx's kernel cache
-    directory): the CUDA bindings' functions with their signatures, on CPU tensors."""
-    if family not in _modules:
+    directory): the CUDA bindings' functions with their signatures, on CPU tensors. `csrc`: another
+    source directory to emulate (default CSRC), e.g. a copy with a planted bug."""
+    csrc = Path(csrc or CSRC)
+    if (family, csrc) not in _modules:
         from torch.utils.cpp_extension import load_inline
 
-        src = source(family)
-        headers = "".join(p.read_text() for p in sorted(CSRC.glob("*.h")))
+        src = source(family, csrc)
+        headers = "".join(p.read_text() for p in sorted(csrc.glob("*.h")))
         prelude = (HERE / "prelude.h").read_text()
         import torch
         from filelock import FileLock
@@ -162,7 +168,7 @@ def load(family: str = "attention"):
         # does), so a `lock` file found while holding it is such a leftover.
         with FileLock(str(build) + ".lock", timeout=600):
             (build / "lock").unlink(missing_ok=True)
-            _modules[family] = load_inline(name=name, cpp_sources=[src], extra_include_paths=[str(CSRC), str(HERE)],
-                                           extra_cflags=["-O2", "-Wno-unknown-pragmas"], build_directory=str(build),
-                                           verbose=False)
-    return _modules[family]
+            _modules[family, csrc] = load_inline(name=name, cpp_sources=[src], extra_include_paths=[str(csrc), str(HERE)],
+                                                 extra_cflags=["-O2", "-Wno-unknown-pragmas"], build_directory=str(build),
+                                                 verbose=False)
+    return _modules[family, csrc]

@@ -1,0 +1,279 @@
+"""The kernels' self-check (cuda_ops/selfcheck.py): the real kernels pass it on both CPU builds; a
+planted wrong kernel (a wrapper whose function perturbs its results, or CUDA source with an injected
+bug run through tests/cuda_emu) switches its family off and only its family, with one warning naming
+it; a compiled model then runs without that family's passes and matches eager; the verdict is cached
+next to the build marker, and a corrupt cache is redone."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import shutil
+import sys
+import types
+
+import pytest
+import torch
+
+import dmfx
+from conftest import compiled_step_matches_eager, tiny_bert_layer
+from dmfx.cuda_ops import build, selfcheck
+from dmfx.passes import ALL_PASSES
+
+FAMILIES = build.FAMILIES
+
+
+def _scaled(t, factor=1.05):
+    return t * factor if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+
+def _scale_results(result, args):
+    return [_scaled(t) for t in result] if isinstance(result, (list, tuple)) else _scaled(result)
+
+
+def _scale_out_arg(result, args):
+    args[9].mul_(1.05)  # flash_fwd(q, k, v, mask, scale, causal, seed, offset, p, out): out written in place
+    return result
+
+
+# family -> (function, how it is made wrong): functions a BERT layer's compiled step calls, each off by 5%
+PLANTS = {
+    "norm": ("norm_bwd", _scale_results),
+    "softmax": ("softmax_bwd", _scale_results),
+    "pointwise": ("bias_act_bwd", _scale_results),
+    "attention": ("flash_fwd", _scale_out_arg),
+}
+
+# the dmfx ops that run each family's kernels (softmax: the GEMM form's, and the flash ops' unfused path)
+FLASH_OPS = {"flash_attention", "flash_attention_backward", "qkv_flash_attention", "qkv_flash_attention_backward"}
+FAMILY_OPS = {
+    "norm": {"layer_norm", "rms_norm", "bias_dropout_residual_norm", "norm_backward", "dropout"},
+    "softmax": {"softmax", "softmax_backward", "attention", "attention_backward", "qkv_attention",
+                "qkv_attention_backward", *FLASH_OPS},
+    "pointwise": {"bias_act_dropout", "bias_act_dropout_backward", "glu", "glu_backward", "rope"},
+    "attention": FLASH_OPS,
+}
+
+
+def stand_in(module, name: str, **replaced):
+    """A module named `name` with `module`'s functions, some `replaced`."""
+    fake = types.ModuleType(name)
+    for f in dir(module):
+        if not f.startswith("_"):
+            setattr(fake, f, replaced.get(f, getattr(module, f)))
+    return fake
+
+
+def planted(module, family: str):
+    """A stand-in for `module` whose PLANTS[family] function returns wrong results."""
+    name, wrong = PLANTS[family]
+    real = getattr(module, name)
+    return stand_in(module, f"{module.__name__}_planted_{family}", **{name: lambda *args: wrong(real(*args), args)})
+
+
+@pytest.fixture
+def fresh_verdicts():
+    selfcheck.forget()
+    yield
+    selfcheck.forget()
+
+
+@pytest.fixture
+def planted_cpu(monkeypatch, fresh_verdicts, request):
+    """kernels_for("cpu") returns the native module with `request.param`'s family planted wrong."""
+    family = request.param
+    monkeypatch.setitem(build._loaded, "cpu", planted(build.load("cpu"), family))
+    return family
+
+
+def _dmfx_ops(gm) -> set[str]:
+    return {n.target._overloadpacket.__name__ for n in gm.graph.nodes
+            if n.op == "call_function" and getattr(n.target, "namespace", None) == "dmfx"}
+
+
+# ----------------------------------------------------------------------------------------- verdicts
+
+
+@pytest.mark.usefixtures("cpu_build")
+def test_the_real_kernels_pass_and_leave_the_random_state_alone():
+    state = torch.get_rng_state()
+    assert selfcheck.check_module(build.kernels_for("cpu"), "cpu", "cpu") == dict.fromkeys(FAMILIES)
+    assert torch.equal(torch.get_rng_state(), state)  # (torch.manual_seed still reproduces a run)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_planted_wrong_kernel_switches_off_its_family_only(family):
+    verdict = selfcheck.check_module(planted(build.load("cpu"), family), "cpu", "cpu")
+    assert {f for f, why in verdict.items() if why} == {family}
+    assert PLANTS[family][0] in verdict[family] and "relative error" in verdict[family]
+
+
+@pytest.mark.parametrize("planted_cpu", ["softmax"], indirect=True)
+def test_one_warning_per_family_and_device(planted_cpu, caplog):
+    with caplog.at_level("WARNING", logger="dmfx"):
+        assert selfcheck.disabled_families("cpu") == {"softmax"}
+        assert selfcheck.disabled_families(torch.device("cpu")) == {"softmax"}
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    text = warnings[0]
+    assert "softmax kernels" in text and "the CPU" in text and "softmax_bwd" in text and "float32" in text
+    assert "max abs error" in text and "patterns to PyTorch" in text
+    assert selfcheck.passes_to_skip(["cpu"]) == set(selfcheck.FAMILY_PASSES["softmax"])
+
+
+def test_a_kernel_that_raises_is_switched_off():
+    def boom(*args):
+        raise RuntimeError("an illegal memory access was encountered")
+
+    verdict = selfcheck.check_module(stand_in(build.load("cpu"), "raises", glu_fwd=boom), "cpu", "cpu")
+    assert "illegal memory access" in verdict["pointwise"]
+    assert verdict["norm"] is None and verdict["attention"] is None
+
+
+def test_a_check_that_cannot_run_switches_every_family_off(monkeypatch, fresh_verdicts, caplog):
+    def broken(*args):
+        raise OSError("no space left on device")
+
+    monkeypatch.setitem(build._loaded, "cpu", stand_in(build.load("cpu"), "dmfx_cpu_uncached"))  # (no disk verdict)
+    monkeypatch.setattr(selfcheck, "check_module", broken)
+    with caplog.at_level("WARNING", logger="dmfx"):
+        assert selfcheck.disabled_families("cpu") == set(FAMILIES)
+    assert "could not run (OSError: no space left on device)" in caplog.text
+
+
+def test_family_passes_name_real_passes():
+    assert set(selfcheck.FAMILY_PASSES) == set(FAMILIES)
+    for passes in selfcheck.FAMILY_PASSES.values():
+        assert set(passes) <= set(ALL_PASSES)
+
+
+def test_disabled_by_the_environment(monkeypatch, fresh_verdicts):
+    monkeypatch.setitem(build._loaded, "cpu", planted(build.load("cpu"), "norm"))
+    monkeypatch.setenv("DMFX_SELFCHECK", "0")
+    assert selfcheck.disabled_families("cpu") == set() and selfcheck.passes_to_skip(["cpu"]) == set()
+    monkeypatch.setenv("DMFX_SELFCHECK", "1")
+    assert selfcheck.disabled_families("cpu") == {"norm"}
+
+
+def test_devices_without_kernels_add_nothing(fresh_verdicts):
+    assert selfcheck.passes_to_skip(["meta"]) == set()
+
+
+# ----------------------------------------------------------------------------------------- the cache
+
+
+@pytest.fixture
+def built_cpu(tmp_path, monkeypatch, fresh_verdicts):
+    """kernels_for("cpu") returns a stand-in for the native module that lives in a build directory of
+    its own under tmp_path (its library path and build marker there): where its verdict is cached."""
+    build_dir = tmp_path / "dmfx_cpu_standin"
+    build_dir.mkdir()
+    (build_dir / build.MARKER).write_text("{}")
+    module = stand_in(build.load("cpu"), build_dir.name)
+    module.__file__ = str(build_dir / f"{build_dir.name}.so")
+    monkeypatch.setitem(build._loaded, "cpu", module)
+    return build_dir / selfcheck.VERDICT_FILE
+
+
+def _off_in_a_new_process() -> set[str]:
+    selfcheck.forget()  # (what a new process holds: the disk cache only)
+    return selfcheck.disabled_families("cpu")
+
+
+def test_the_verdict_is_cached_next_to_the_build_marker(built_cpu, monkeypatch):
+    assert _off_in_a_new_process() == set()
+    data = json.loads(built_cpu.read_text())
+    (key, entry), = data.items()
+    assert key == selfcheck.device_key(torch.device("cpu")) and key.startswith("cpu|")
+    assert entry["families"] == dict.fromkeys(FAMILIES) and entry["seconds"] >= 0
+    # a cached verdict is used as it is, without a check: one saying "off" switches the family off
+    entry["families"]["pointwise"] = "planted in the cache"
+    built_cpu.write_text(json.dumps(data))
+    with monkeypatch.context() as m:
+        m.setattr(selfcheck, "check_module", None)  # (a check would raise)
+        assert _off_in_a_new_process() == {"pointwise"}
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "other checks", "another device"])
+def test_a_corrupt_or_stale_verdict_is_redone(built_cpu, damage):
+    _off_in_a_new_process()
+    data = json.loads(built_cpu.read_text())
+    key = next(iter(data))
+    if damage == "corrupt":
+        built_cpu.write_text('{"cpu|')
+    elif damage == "other checks":
+        data[key].update(check="older checks", families={**data[key]["families"], "norm": "stale"})
+        built_cpu.write_text(json.dumps(data))
+    else:  # another machine's verdict is kept next to this one's
+        built_cpu.write_text(json.dumps({"cpu|elsewhere": {**data[key], "families": {f: "no" for f in FAMILIES}}}))
+    assert _off_in_a_new_process() == set()
+    redone = json.loads(built_cpu.read_text())
+    assert redone[key]["families"] == dict.fromkeys(FAMILIES)
+    assert ("cpu|elsewhere" in redone) == (damage == "another device")
+
+
+# ----------------------------------------------------------------------------------------- end to end
+
+
+def _compile_options(family: str) -> dict:
+    # the GEMM form runs the softmax kernels, the fused form the attention kernels
+    return {"fallback": False, "attention": "gemm" if family == "softmax" else "flash"}
+
+
+@pytest.mark.parametrize("planted_cpu", FAMILIES, indirect=True)
+def test_a_compiled_model_runs_without_the_family_switched_off(planted_cpu, monkeypatch):
+    family = planted_cpu
+    skip = selfcheck.passes_to_skip(["cpu"])
+    assert skip == set(selfcheck.FAMILY_PASSES[family])
+    layer, ref = tiny_bert_layer()
+    compiled_step_matches_eager(layer, ref, {**_compile_options(family), "skip": sorted(skip)})
+    record = dmfx.records()[-1]
+    used = _dmfx_ops(record.forward_graph) | _dmfx_ops(record.backward_graph)
+    assert used and not used & FAMILY_OPS[family], used
+    # (the planted kernel is wrong where it runs: the same step with the family's passes, the check
+    # off, is not eager's)
+    torch._dynamo.reset()
+    monkeypatch.setenv("DMFX_SELFCHECK", "0")
+    layer, ref = tiny_bert_layer()
+    with pytest.raises(AssertionError):
+        compiled_step_matches_eager(layer, ref, _compile_options(family))
+
+
+def _backend_consults_the_selfcheck() -> bool:
+    import dmfx.backend
+
+    return "passes_to_skip" in inspect.getsource(dmfx.backend)
+
+
+@pytest.mark.parametrize("planted_cpu", ["norm", "attention"], indirect=True)
+def test_the_backend_skips_the_passes_of_a_family_switched_off(planted_cpu):
+    if not _backend_consults_the_selfcheck():
+        pytest.skip("dmfx/backend.py does not call selfcheck.passes_to_skip yet")
+    layer, ref = tiny_bert_layer()
+    compiled_step_matches_eager(layer, ref, _compile_options(planted_cpu))
+    record = dmfx.records()[-1]
+    assert not (_dmfx_ops(record.forward_graph) | _dmfx_ops(record.backward_graph)) & FAMILY_OPS[planted_cpu]
+
+
+# ----------------------------------------------------------------------------------------- CUDA emulation
+
+# A realistic CUDA bug: the softmax backward's warp reduction stops at 16 lanes (xor 8, 4, 2, 1), so
+# each half-warp subtracts its own partial sum.
+EMU_BUG = ("softmax_cuda.cu", "    dot = sm_warp_sum(dot);",
+           "    for (int m = 8; m > 0; m >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, m);")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CUDA emulation needs Linux")
+def test_the_emulated_cuda_kernels_pass_and_a_planted_bug_is_caught(tmp_path):
+    from cuda_emu import CSRC, load
+
+    clean = {family: selfcheck.check_module(load(family), "cuda", "cpu") for family in FAMILIES}
+    assert clean == {family: {family: None} for family in FAMILIES}
+    csrc = tmp_path / "csrc"
+    shutil.copytree(CSRC, csrc)
+    file, line, bug = EMU_BUG
+    text = (csrc / file).read_text()
+    assert text.count(line) == 1, f"the planted bug's line moved in {file}; update EMU_BUG"
+    (csrc / file).write_text(text.replace(line, bug))
+    verdict = selfcheck.check_module(load("softmax", csrc=csrc), "cuda", "cpu")
+    assert "softmax_bwd" in verdict["softmax"], verdict
