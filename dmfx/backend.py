@@ -241,16 +241,19 @@ def rewrite_joint(joint: GraphModule, joint_inputs: Sequence[Any], opts: Options
 
 def _run_on_copy(gm: GraphModule, example_inputs: Sequence[Any], opts: Options, record: GraphRecord, training: bool,
                  run: Callable, graph: str) -> GraphModule | None:
-    """``run(copy, ctx, opts.skip)`` on a copy of `gm`, and what it did added to `record` (`graph`:
-    "" for the forward pipeline, "backward" for the backward one, "joint" for the joint graph's layout
-    search). On failure with opts.fallback:
-    one warning and None (the caller keeps `gm`; a failed forward pipeline marks the record)."""
+    """``run(copy, ctx, opts.skip, verify=opts.verify)`` on a copy of `gm`, and what it did added to
+    `record` (`graph`: "" for the forward pipeline, "backward" for the backward one, "joint" for the
+    joint graph's layout search). On failure with opts.fallback: one warning and None (the caller
+    keeps `gm`; a failed forward pipeline marks the record). A graph verifier's violation under
+    ``verify="strict"`` (or DMFX_VERIFY=strict, the test suite's setting) raises even then."""
+    from .passes.verify import GraphVerificationError
+
     ctx = pass_context(example_inputs, opts, training)
     work = _copy(gm)
     try:
-        run(work, ctx, opts.skip)
+        run(work, ctx, opts.skip, verify=opts.verify)
     except Exception as e:
-        if not opts.fallback:
+        if not opts.fallback or isinstance(e, GraphVerificationError) and e.strict:
             raise
         name, kind = ctx.current, type(e).__name__
         then = {"": "the graph runs unrewritten", "backward": "the backward runs as AOTAutograd derived it",

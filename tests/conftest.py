@@ -1,5 +1,11 @@
+import os
+
 import pytest
 import torch
+
+# The graph verifier (passes/verify.py) checks the graph after every pass in every test, and a
+# violation fails the test (strict: it raises even under fallback=True). DMFX_VERIFY=0 runs without.
+os.environ.setdefault("DMFX_VERIFY", "strict")
 
 
 @pytest.fixture(autouse=True)
