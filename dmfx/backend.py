@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -34,6 +36,15 @@ log = logging.getLogger("dmfx")
 
 _graph_ids = itertools.count()
 _records: list["GraphRecord"] = []
+
+#: How many GraphRecords dmfx.records() keeps: the most recent ones (a process that compiles for days
+#: must not grow without end). Env DMFX_MAX_RECORDS when dmfx is imported, or set this at run time.
+MAX_RECORDS = int(os.environ.get("DMFX_MAX_RECORDS", "") or 256)
+#: How many of the most recent records hold their GraphModules (forward, backward, inference graph)
+#: themselves; older records keep their counts and text but only weak references to their graphs,
+#: which then live as long as the compiled code that runs them (torch._dynamo.reset(), or the model
+#: going away, frees them). Env DMFX_RECORD_GRAPHS when dmfx is imported, or set this at run time.
+GRAPHS_KEPT = int(os.environ.get("DMFX_RECORD_GRAPHS", "") or 8)
 _warned: set[str] = set()
 
 
@@ -56,9 +67,27 @@ class GraphRecord:
     compiled: dict[str, int] = field(default_factory=dict)  # "forward"/"backward"/"inference" -> node count
     fallback: str | None = None
     seconds: float = 0.0
-    forward_graph: GraphModule | None = field(default=None, repr=False)
-    backward_graph: GraphModule | None = field(default=None, repr=False)
-    inference_graph: GraphModule | None = field(default=None, repr=False)
+    # "forward"/"backward"/"inference" -> its GraphModule, or a weak reference to it once the record
+    # is no longer among the GRAPHS_KEPT most recent (read them as forward_graph, ...)
+    _graphs: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    _holds_graphs: bool = field(default=True, repr=False, compare=False)
+
+    def _graph(self, kind: str) -> GraphModule | None:
+        gm = self._graphs.get(kind)
+        return gm() if isinstance(gm, weakref.ref) else gm
+
+    def _set_graph(self, kind: str, gm: GraphModule | None) -> None:
+        self._graphs[kind] = weakref.ref(gm) if gm is not None and not self._holds_graphs else gm
+
+    def release_graphs(self) -> None:
+        """Hold the graphs only weakly from now on (see GRAPHS_KEPT)."""
+        self._holds_graphs = False
+        for kind in list(self._graphs):
+            self._set_graph(kind, self._graph(kind))
+
+    forward_graph = property(lambda self: self._graph("forward"), lambda self, gm: self._set_graph("forward", gm))
+    backward_graph = property(lambda self: self._graph("backward"), lambda self, gm: self._set_graph("backward", gm))
+    inference_graph = property(lambda self: self._graph("inference"), lambda self, gm: self._set_graph("inference", gm))
 
     def summary(self) -> str:
         if self.fallback:
@@ -72,8 +101,19 @@ class GraphRecord:
 
 
 def records() -> list[GraphRecord]:
-    """Records of every graph dmfx compiled in this process (oldest first)."""
+    """Records of the graphs dmfx compiled in this process, oldest first: the MAX_RECORDS most recent,
+    the GRAPHS_KEPT most recent of them with their GraphModules (older ones: while still alive)."""
     return list(_records)
+
+
+def _keep(record: GraphRecord) -> None:
+    """Append `record` to the records, dropping the oldest beyond MAX_RECORDS and releasing the graphs
+    of those beyond GRAPHS_KEPT."""
+    _records.append(record)
+    del _records[:max(0, len(_records) - MAX_RECORDS)]
+    for old in _records[:max(0, len(_records) - GRAPHS_KEPT)]:
+        if old._holds_graphs:
+            old.release_graphs()
 
 
 def reset() -> None:
@@ -339,7 +379,7 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
     record = GraphRecord(graph_id=next(_graph_ids), devices=_devices(example_inputs))
     record.training = torch.is_grad_enabled() and any(input_requires_grad(example_inputs))
     if opts.record:
-        _records.append(record)
+        _keep(record)
     if opts.disable:
         record.fallback = "rewriting disabled (option 'disable' or DMFX_DISABLE)"
         emit(record)

@@ -1,4 +1,4 @@
-"""The graph verifier (passes/verify.py).
+"""The graph verifier (passes/verify.py) and the bounded records (dmfx.records()).
 
 * Each invariant is caught on a hand-built graph: an in-place op writing the storage of its own
   operand (issue 15's ``addmm_(view(g), view(g), W)``), a written buffer read later through a view,
@@ -10,13 +10,17 @@
   pipeline or the joint graph's layout search is caught, warns and falls back (outputs and gradients
   equal eager) with fallback=True, and raises with fallback=False or under "strict"; clean BertLayer
   and LLaMA training steps pass, with the verifier run after every pass.
+* dmfx.records() keeps at most MAX_RECORDS records, and only the GRAPHS_KEPT most recent hold their
+  GraphModules: older ones are released with the compiled code.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import re
+import weakref
 
 import pytest
 import torch
@@ -24,7 +28,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import dmfx
 from conftest import compiled_step_matches_eager, rel_err, tiny_bert_layer
-from dmfx import passes
+from dmfx import backend, passes
 from dmfx.passes import PassContext
 from dmfx.passes.backward import BACKWARD_PIPELINE, accumulate_into_gemm
 from dmfx.passes.graph_utils import insert_call, run_passes, val
@@ -476,3 +480,44 @@ def test_clean_llama_step_passes(monkeypatch):
 def test_verify_option_is_checked():
     with pytest.raises(ValueError, match=r"option 'verify' must be False, True or 'strict'"):
         dmfx.Options.from_user({"verify": "yes"})
+
+
+# ---------------------------------------------------------------------------- records
+
+
+def test_records_are_bounded_and_old_graphs_released(monkeypatch):
+    monkeypatch.setattr(backend, "MAX_RECORDS", 3)
+    monkeypatch.setattr(backend, "GRAPHS_KEPT", 1)
+    compiled, first_graph = [], None
+    for k in range(5):
+        m = torch.nn.Sequential(torch.nn.Linear(8 + k, 8), torch.nn.LayerNorm(8))
+        f = torch.compile(m, backend="dmfx")
+        with torch.no_grad():
+            f(torch.randn(2, 8 + k))
+        compiled.append(f)
+        if k == 0:
+            first_graph = weakref.ref(dmfx.records()[-1].inference_graph)
+    recs = dmfx.records()
+    assert len(recs) == 3 and [r.graph_id for r in recs] == sorted(r.graph_id for r in recs)
+    assert all(r.fired for r in recs)  # (older records keep their counts)
+    # older records' graphs live while their compiled code does (weak references)
+    assert all(r.inference_graph is not None for r in recs)
+    assert not recs[0]._holds_graphs and recs[-1]._holds_graphs
+    del compiled, f, m
+    torch._dynamo.reset()
+    gc.collect()
+    assert first_graph() is None  # dropped from the records and released
+    assert recs[0].inference_graph is None and recs[1].inference_graph is None
+    assert recs[-1].inference_graph is not None  # the most recent keeps its graph
+    assert "graph" in recs[0].summary()
+
+
+def test_explain_reads_its_graphs_from_bounded_records(monkeypatch):
+    """explain finds the record of what it compiled in a full list, and reads the graphs of a record
+    that no longer holds them (its compiled code does)."""
+    monkeypatch.setattr(backend, "MAX_RECORDS", 1)
+    monkeypatch.setattr(backend, "GRAPHS_KEPT", 0)
+    torch.compile(torch.nn.Linear(4, 4), backend="dmfx")(torch.randn(2, 4))  # (the list is full)
+    layer, _ = tiny_bert_layer()
+    report = dmfx.explain(layer, torch.randn(2, 5, 32))
+    assert report.coverage.fused > 0, report
