@@ -24,15 +24,18 @@ storage even where they do not overlap: conservative.) What a node reads through
 read of data (views only describe it); the view's result carries the version on to its readers.
 
 Fake values are re-derived (in the graph's fake mode, guards suppressed: the verifier never adds a
-guard to the compiled program) for every node that is new since the last check or whose target,
-arguments, or inputs' fake values changed, i.e. for every node whose stored value could have gone
-stale; an unchanged node with unchanged inputs gives the same value again. The graph given to the
-pipeline is the reference: its values are taken as AOTAutograd made them. Strides of size-1 and
-empty tensors' dimensions are not compared (they address nothing). Under dynamic shapes sizes and
-strides are SymInts, compared symbolically; a comparison the shape environment cannot decide
-without a guard is counted in ``undecided`` (and logged at DEBUG), not failed; nodes whose value has
-unbacked symbols (data-dependent sizes: re-running would make new ones), or whose op the fake mode
-cannot run (higher-order ops, data-dependent outputs), are counted in ``unchecked``.
+guard to the compiled program) for every node that is new since the last check, was rewired (other
+target or arguments), holds another value than the last check verified, or reads a node whose value
+changed; any other node would give the value it was verified with again, so checking only these is
+exact and keeps the cost at a few percent of a compile. The graph given to the pipeline is the
+reference: its values are taken as AOTAutograd made them. (run_passes refreshes the values of the
+nodes a pass rewired before the check, graph_utils.refresh_rewired; what is left to find is what
+the pass set itself, or what could not be refreshed.) Strides of size-1 dimensions and of empty
+tensors are not compared (they address nothing). Under dynamic shapes sizes and strides are
+SymInts, compared symbolically; a comparison the shape environment cannot decide without a guard is
+listed in ``undecided`` (and logged at DEBUG), not failed; nodes whose value has unbacked symbols
+(data-dependent sizes: re-running would make new ones), or whose op the fake mode cannot run
+(higher-order ops, data-dependent outputs), are counted in ``unchecked`` (logged at DEBUG).
 
 Switched on by the option ``verify`` (``True`` or ``"strict"``) or ``DMFX_VERIFY=1`` / ``strict``;
 run_passes (passes/graph_utils.py) checks after each pass. A violation raises
