@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -34,6 +36,15 @@ log = logging.getLogger("dmfx")
 
 _graph_ids = itertools.count()
 _records: list["GraphRecord"] = []
+
+#: How many GraphRecords dmfx.records() keeps: the most recent ones (a process that compiles for days
+#: must not grow without end). Env DMFX_MAX_RECORDS when dmfx is imported, or set this at run time.
+MAX_RECORDS = int(os.environ.get("DMFX_MAX_RECORDS", "") or 256)
+#: How many of the most recent records hold their GraphModules (forward, backward, inference graph)
+#: themselves; older records keep their counts and text but only weak references to their graphs,
+#: which then live as long as the compiled code that runs them (torch._dynamo.reset(), or the model
+#: going away, frees them). Env DMFX_RECORD_GRAPHS when dmfx is imported, or set this at run time.
+GRAPHS_KEPT = int(os.environ.get("DMFX_RECORD_GRAPHS", "") or 8)
 _warned: set[str] = set()
 
 
@@ -56,9 +67,27 @@ class GraphRecord:
     compiled: dict[str, int] = field(default_factory=dict)  # "forward"/"backward"/"inference" -> node count
     fallback: str | None = None
     seconds: float = 0.0
-    forward_graph: GraphModule | None = field(default=None, repr=False)
-    backward_graph: GraphModule | None = field(default=None, repr=False)
-    inference_graph: GraphModule | None = field(default=None, repr=False)
+    # "forward"/"backward"/"inference" -> its GraphModule, or a weak reference to it once the record
+    # is no longer among the GRAPHS_KEPT most recent (read them as forward_graph, ...)
+    _graphs: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    _holds_graphs: bool = field(default=True, repr=False, compare=False)
+
+    def _graph(self, kind: str) -> GraphModule | None:
+        gm = self._graphs.get(kind)
+        return gm() if isinstance(gm, weakref.ref) else gm
+
+    def _set_graph(self, kind: str, gm: GraphModule | None) -> None:
+        self._graphs[kind] = weakref.ref(gm) if gm is not None and not self._holds_graphs else gm
+
+    def release_graphs(self) -> None:
+        """Hold the graphs only weakly from now on (see GRAPHS_KEPT)."""
+        self._holds_graphs = False
+        for kind in list(self._graphs):
+            self._set_graph(kind, self._graph(kind))
+
+    forward_graph = property(lambda self: self._graph("forward"), lambda self, gm: self._set_graph("forward", gm))
+    backward_graph = property(lambda self: self._graph("backward"), lambda self, gm: self._set_graph("backward", gm))
+    inference_graph = property(lambda self: self._graph("inference"), lambda self, gm: self._set_graph("inference", gm))
 
     def summary(self) -> str:
         if self.fallback:
@@ -72,8 +101,19 @@ class GraphRecord:
 
 
 def records() -> list[GraphRecord]:
-    """Records of every graph dmfx compiled in this process (oldest first)."""
+    """Records of the graphs dmfx compiled in this process, oldest first: the MAX_RECORDS most recent,
+    the GRAPHS_KEPT most recent of them with their GraphModules (older ones: while still alive)."""
     return list(_records)
+
+
+def _keep(record: GraphRecord) -> None:
+    """Append `record` to the records, dropping the oldest beyond MAX_RECORDS and releasing the graphs
+    of those beyond GRAPHS_KEPT."""
+    _records.append(record)
+    del _records[:max(0, len(_records) - MAX_RECORDS)]
+    for old in _records[:max(0, len(_records) - GRAPHS_KEPT)]:
+        if old._holds_graphs:
+            old.release_graphs()
 
 
 def reset() -> None:
@@ -241,16 +281,19 @@ def rewrite_joint(joint: GraphModule, joint_inputs: Sequence[Any], opts: Options
 
 def _run_on_copy(gm: GraphModule, example_inputs: Sequence[Any], opts: Options, record: GraphRecord, training: bool,
                  run: Callable, graph: str) -> GraphModule | None:
-    """``run(copy, ctx, opts.skip)`` on a copy of `gm`, and what it did added to `record` (`graph`:
-    "" for the forward pipeline, "backward" for the backward one, "joint" for the joint graph's layout
-    search). On failure with opts.fallback:
-    one warning and None (the caller keeps `gm`; a failed forward pipeline marks the record)."""
+    """``run(copy, ctx, opts.skip, verify=opts.verify)`` on a copy of `gm`, and what it did added to
+    `record` (`graph`: "" for the forward pipeline, "backward" for the backward one, "joint" for the
+    joint graph's layout search). On failure with opts.fallback: one warning and None (the caller
+    keeps `gm`; a failed forward pipeline marks the record). A graph verifier's violation under
+    ``verify="strict"`` (or DMFX_VERIFY=strict, the test suite's setting) raises even then."""
+    from .passes.verify import GraphVerificationError
+
     ctx = pass_context(example_inputs, opts, training)
     work = _copy(gm)
     try:
-        run(work, ctx, opts.skip)
+        run(work, ctx, opts.skip, verify=opts.verify)
     except Exception as e:
-        if not opts.fallback:
+        if not opts.fallback or isinstance(e, GraphVerificationError) and e.strict:
             raise
         name, kind = ctx.current, type(e).__name__
         then = {"": "the graph runs unrewritten", "backward": "the backward runs as AOTAutograd derived it",
@@ -336,7 +379,7 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
     record = GraphRecord(graph_id=next(_graph_ids), devices=_devices(example_inputs))
     record.training = torch.is_grad_enabled() and any(input_requires_grad(example_inputs))
     if opts.record:
-        _records.append(record)
+        _keep(record)
     if opts.disable:
         record.fallback = "rewriting disabled (option 'disable' or DMFX_DISABLE)"
         emit(record)
@@ -355,6 +398,12 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
         emit(record)
         return gm.forward
     record.aten_ops_before = _count_ops(aten_gm)
+    from .cuda_ops.selfcheck import passes_to_skip  # kernel families that failed their self-check here
+
+    off = passes_to_skip(t.device for t in example_inputs if isinstance(t, torch.Tensor)) - set(opts.skip)
+    if off:
+        opts = replace(opts, skip=(*opts.skip, *sorted(off)))
+        record.missed.append(f"kernel self-check: a kernel family failed on this device, so its passes are skipped: {', '.join(sorted(off))}")
     rewritten = rewrite(aten_gm, example_inputs, opts, record)
     record.aten_ops_after = _count_ops(rewritten)
 

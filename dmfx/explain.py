@@ -735,9 +735,9 @@ def _capturing_backend(options: dict, captured: list[_Captured]) -> Callable:
 
     def compile_fn(gm, example_inputs):
         cap = _Captured(dynamo_graph=gm, example_inputs=list(example_inputs), options=options)
-        n_before = len(_backend._records)
+        last = _backend._records[-1] if _backend._records else None  # (the list is bounded: compare, not count)
         compiled = _backend.dmfx_backend(gm, example_inputs, options={**options, "record": True})
-        if len(_backend._records) > n_before:
+        if _backend._records and _backend._records[-1] is not last:
             cap.record = _backend._records[-1]
         captured.append(cap)
 

@@ -33,6 +33,10 @@ class Options:
     tune: bool = False
     #: Collected per-graph records (dmfx.records()) are kept; set False to keep nothing.
     record: bool = True
+    #: Check the graph after every pass (passes/verify.py: in-place writes into storage still needed,
+    #: stale or missing fake values, lint): True warns and falls back like a failing pass (raises with
+    #: fallback=False), "strict" always raises. Also env DMFX_VERIFY=1 / strict (the stronger wins).
+    verify: bool | str = False
     extra: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -63,11 +67,24 @@ class Options:
             raise ValueError(
                 f"dmfx: option 'attention' must be 'auto', 'flash', 'gemm' or 'sdpa', got {options['attention']!r}"
             )
+        if options.get("verify", False) not in (False, True, "strict"):
+            raise ValueError(f"dmfx: option 'verify' must be False, True or 'strict', got {options['verify']!r}")
         opts = cls(**options)
         if env_disabled():
             opts = cls(**{**options, "disable": True})
         return opts
 
 
+_OFF = ("", "0", "false", "no", "off")
+
+
 def env_disabled() -> bool:
-    return os.environ.get("DMFX_DISABLE", "").strip().lower() not in ("", "0", "false", "no", "off")
+    return os.environ.get("DMFX_DISABLE", "").strip().lower() not in _OFF
+
+
+def strongest_verify(option: bool | str | None) -> bool | str:
+    """The graph verifier's level from the option `verify` (None: not given) and env DMFX_VERIFY,
+    the stronger of the two: False (off), True (on) or "strict"."""
+    env = os.environ.get("DMFX_VERIFY", "").strip().lower()
+    levels = [option or False, "strict" if env == "strict" else env not in _OFF]
+    return "strict" if "strict" in levels else any(levels)

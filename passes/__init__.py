@@ -49,23 +49,27 @@ PIPELINE: dict[str, Pass] = {
 ALL_PASSES: tuple[str, ...] = (*PIPELINE, *BACKWARD_PIPELINE)
 
 
-def run_pipeline(gm: GraphModule, ctx: PassContext, skip: tuple[str, ...] = ()) -> GraphModule:
+def run_pipeline(gm: GraphModule, ctx: PassContext, skip: tuple[str, ...] = (), verify: bool | str | None = None) -> GraphModule:
     """Run every pass not in `skip`, removing dead code after each (a later pass must not see what an
-    earlier one replaced). Exceptions propagate with the failing pass's name in ctx.current."""
-    run_passes(gm, ctx, PIPELINE, skip)
-    # fused ops may lay out their outputs differently from the ops they replaced
-    views_to_reshapes(n for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", None) == "dmfx")
+    earlier one replaced), then `reshape_fused_views`. Exceptions propagate with the failing pass's
+    name in ctx.current. `verify`: the graph verifier after each pass (run_passes)."""
+    run_passes(gm, ctx, {**PIPELINE, "reshape_fused_views": reshape_fused_views}, skip, verify=verify)
     return finish(gm)
 
 
-def run_joint_layout(joint: GraphModule, ctx: PassContext, skip: tuple[str, ...] = ()) -> GraphModule:
+def reshape_fused_views(gm: GraphModule, ctx: PassContext) -> None:
+    """The pipeline's last step: views downstream of fused ops become reshapes (fused ops may lay out
+    their outputs differently from the ops they replaced; graph_utils.views_to_reshapes)."""
+    views_to_reshapes(n for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", None) == "dmfx")
+
+
+def run_joint_layout(joint: GraphModule, ctx: PassContext, skip: tuple[str, ...] = (),
+                     verify: bool | str | None = None) -> GraphModule:
     """The ``layout`` pass on AOTAutograd's joint graph (the backend's partition function runs it in
     training, before the partitioner splits forward from backward). No dead-code elimination: the
-    search erases what it replaces, and the partitioner owns the joint graph's liveness."""
-    if "layout" not in skip:
-        ctx.current = "layout"
-        choose_joint_layouts(joint, ctx)
-        ctx.current = None
+    search erases what it replaces, and the partitioner owns the joint graph's liveness. `verify`:
+    the graph verifier after it (run_passes)."""
+    run_passes(joint, ctx, {"layout": choose_joint_layouts}, skip, dce=False, verify=verify)
     joint.graph.lint()
     joint.recompile()
     return joint

@@ -411,8 +411,10 @@ BACKWARD_PIPELINE: dict[str, BackwardPass] = {
 }
 
 
-def run_backward_pipeline(gm: GraphModule, ctx: PassContext, skip: tuple[str, ...] = ()) -> GraphModule:
-    run_passes(gm, ctx, BACKWARD_PIPELINE, skip)
+def run_backward_pipeline(gm: GraphModule, ctx: PassContext, skip: tuple[str, ...] = (),
+                          verify: bool | str | None = None) -> GraphModule:
+    """Run the backward passes not in `skip` (run_passes; `verify`: the graph verifier after each)."""
+    run_passes(gm, ctx, BACKWARD_PIPELINE, skip, verify=verify)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -242,16 +242,77 @@ def broadcasts_to(small: torch.Size, full: torch.Size) -> bool:
         return False
 
 
-def run_passes(gm: GraphModule, ctx: PassContext, passes: dict[str, Callable], skip: tuple[str, ...] = ()) -> None:
-    """Run each pass of `passes` not in `skip`, in order, removing dead code after each (a later pass
-    must not see what an earlier one replaced). Exceptions propagate; ctx.current names the pass."""
+def run_passes(gm: GraphModule, ctx: PassContext, passes: dict[str, Callable], skip: tuple[str, ...] = (), *,
+               dce: bool = True, verify: bool | str | None = None) -> None:
+    """Run each pass of `passes` not in `skip`, in order, removing dead code after each unless `dce`
+    is False (a later pass must not see what an earlier one replaced), then refreshing the fake
+    values of the nodes it rewired (refresh_rewired). Exceptions propagate; ctx.current names the
+    pass. With `verify` (Options.verify; None: not given) or DMFX_VERIFY, the graph verifier
+    (passes/verify.py) checks the graph after each pass and raises GraphVerificationError naming the
+    pass, the node and the broken invariant."""
+    from .verify import verifier_for
+
+    verifier = verifier_for(gm, ctx, verify)
     for name, fn in passes.items():
         if name in skip:
             continue
         ctx.current = name
+        before = _inputs_and_values(gm.graph)
         fn(gm, ctx)
-        dead_code_elimination(gm)
+        if dce:
+            dead_code_elimination(gm)
+        refresh_rewired(gm, ctx, before)
+        if verifier is not None:
+            verifier.check(gm, name)
     ctx.current = None
+
+
+def _inputs_and_values(graph: Graph) -> dict[Node, tuple]:
+    """Per call node: its target, args, kwargs and fake value (objects, compared by identity: FX
+    makes new args tuples whenever a node's inputs are replaced)."""
+    return {n: (n.target, n.args, n.kwargs, n.meta.get("val")) for n in graph.nodes if n.op == "call_function"}
+
+
+def refresh_rewired(gm: GraphModule, ctx: PassContext, before: dict[Node, tuple]) -> None:
+    """Fresh fake values, in graph order, for the nodes a pass rewired (target or inputs changed:
+    ``replace_all_uses_with`` hands a node's readers a fused op whose output may have other strides)
+    and for those whose inputs' values changed, so that later passes and the layout search reason on
+    the tensors that will exist. `before`: _inputs_and_values of the graph before the pass.
+
+    A pass sets the values of the nodes it makes or re-values itself (insert_call, refresh_val):
+    those are left as they are (the graph verifier checks them); nodes it made are refreshed only
+    where an input's value changed here. Best effort: a node whose value cannot be recomputed keeps
+    its own (the graph verifier, passes/verify.py, reports it)."""
+    from .verify import same_fake_value
+
+    changed: set[Node] = set()  # nodes whose value is not what it was before the pass
+    refreshed: set[Node] = set()  # ... changed here
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or "val" not in n.meta:
+            continue
+        old = before.get(n)
+        value = n.meta["val"]
+        if old is not None and old[3] is not value:  # re-valued by the pass
+            if not same_fake_value(old[3], value):
+                changed.add(n)
+            continue
+        if old is None:
+            stale = any(a in refreshed for a in n.all_input_nodes)
+        else:
+            stale = (old[0] is not n.target or old[1] is not n.args or old[2] is not n.kwargs
+                     or any(a in changed for a in n.all_input_nodes))
+        if not stale:
+            continue
+        try:
+            refresh_val(n, ctx)
+        except Exception:
+            n.meta["val"] = value
+            continue
+        if same_fake_value(value, n.meta["val"]):
+            n.meta["val"] = value  # (the same object: its readers need no refresh)
+        else:
+            changed.add(n)
+            refreshed.add(n)
 
 
 def refresh_val(n: Node, ctx: PassContext) -> None:

@@ -1,7 +1,13 @@
+import os
+
 import pytest
 import torch
 
-from dmfx.cuda_ops import build
+# The graph verifier (passes/verify.py) checks the graph after every pass in every test, and a
+# violation fails the test (strict: it raises even under fallback=True). DMFX_VERIFY=0 runs without.
+os.environ.setdefault("DMFX_VERIFY", "strict")
+
+from dmfx.cuda_ops import build  # noqa: E402  (after DMFX_VERIFY is set)
 
 
 @pytest.fixture(autouse=True)
