@@ -81,6 +81,14 @@ def _cpu_capability_flags() -> tuple[str, ...]:
     return (f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}") if cap else ()
 
 
+# -ffp-contract=off: the compiler never fuses a multiply and an add on its own. With contraction on,
+# gcc vectorizes a loop and keeps a scalar copy for when it cannot rule out that an output overlaps an
+# input (a run-time address check), and the two copies fused differently: the same kernel on the same
+# values gave results 1 ulp apart depending on where the heap had put a scratch buffer (the float64
+# attention gradcheck's "backward is not reentrant", 1 run in 50). Kernels that want an FMA write
+# std::fma, which every copy of a loop keeps.
+_CPU_COMMON_FLAGS = ("-fopenmp", "-ffp-contract=off")
+
 _CPU_SOURCES = (*(f"{f}_cpu.cpp" for f in FAMILIES), "cpu_bindings.cpp")
 
 FLAVORS = {
@@ -88,7 +96,7 @@ FLAVORS = {
         kind="cpu",
         cpp_sources=_CPU_SOURCES,
         cuda_sources=(),
-        cflags=("-O3", "-march=native", "-fopenmp", *_cpu_capability_flags()),
+        cflags=("-O3", "-march=native", *_CPU_COMMON_FLAGS, *_cpu_capability_flags()),
         ldflags=("-fopenmp",),
     ),
     # The baseline x86-64 target without AVX-512 (what an AVX2-only machine runs), for the tests.
@@ -96,7 +104,7 @@ FLAVORS = {
         kind="cpu",
         cpp_sources=_CPU_SOURCES,
         cuda_sources=(),
-        cflags=("-O3", "-march=x86-64-v3", "-fopenmp", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"),
+        cflags=("-O3", "-march=x86-64-v3", *_CPU_COMMON_FLAGS, "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"),
         ldflags=("-fopenmp",),
     ),
     "cuda": Flavor(
