@@ -879,10 +879,12 @@ def fixed_recipe(origin: str, H: int, modules: dict, nodes: list, outputs: list,
 
 
 def test_regression_gemm_residual_is_not_accumulated_into_its_own_operand():
-    """Found by the fuzz (seed 1515, fp32 program 29) with the fix of accumulate_into_gemm reverted:
-    v = Linear0(x); LN(Linear1(v) + v). The backward's dv = dres + dres @ W1 became addmm_(dres,
-    dres, W1), an in-place GEMM whose output is its own operand: Linear0's weight gradient 0.12 off
-    (of the largest gradient) at every size, on this machine's BLAS."""
+    """The aliasing bug, as the fuzz finds it with the fix of accumulate_into_gemm reverted: v =
+    Linear0(x); LN(Linear1(v) + v). The backward's dv = dres + dres @ W1 became addmm_(dres, dres,
+    W1), an in-place GEMM whose output is its own operand: Linear0's weight gradient 0.145 off (of the
+    largest gradient) at both sizes, one BLAS thread or two. (Seed 1515: bf16 program 1, the same
+    shape at H=12, 0.12-0.20 in every case; fp32 programs 2 and 24 at about 10 tokens with two BLAS
+    threads. This H=256 form is fp32 program 29 of an earlier version of the generator.)"""
     recipe = fixed_recipe(
         "regression: LN(Linear1(v) + v), v = Linear0(x)", 256,
         {"linear0": ("linear", {"bias": True}), "linear1": ("linear", {"bias": True}), "ln0": ("ln", {"bias": True})},
@@ -898,10 +900,12 @@ def test_regression_gemm_residual_is_not_accumulated_into_its_own_operand():
                    "op is inserted at the norm, but the sum's other readers that come before the norm are rewired to it: "
                    "'Argument getitem_N of Node silu was used before it has been defined'")
 def test_regression_sum_read_before_its_norm():
-    """Found by the fuzz (seed 1515, dropout program 3): s = Linear(x) + x read by silu(s) before
-    LN(s). bias_dropout_residual_norm fuses the norm and returns the sum (return_sum) from the fused op
-    it inserts at the norm, then points every reader of s at it, silu's too, which comes first: the
-    graph is no longer in topological order and fails to compile (with fallback: an unfused graph)."""
+    """Found by the fuzz (seed 2: fp32 programs 5 and 7, dropout program 0; seed 3: fp32 program 9;
+    an earlier version of the generator: seed 1515, dropout program 3): s = Linear(x) + x (or any
+    residual sum) read by silu(s) before LN(s). bias_dropout_residual_norm fuses the norm and returns
+    the sum (return_sum) from the fused op it inserts at the norm, then points every reader of s at
+    it, silu's too, which comes first: the graph is no longer in topological order and fails to
+    compile (with fallback: the whole graph runs unfused, with a warning)."""
     recipe = fixed_recipe(
         "regression: silu(s) and LN(s), s = Linear(x) + x", 16,
         {"linear0": ("linear", {"bias": False}), "ln0": ("ln", {"bias": True})},
@@ -919,8 +923,8 @@ def test_regression_sum_read_before_its_norm():
                    "not compatible with input tensor's size and stride'); the forward pipeline turns such views into "
                    "reshapes, the backward pipeline does not")
 def test_regression_activation_backward_of_a_transposed_input():
-    """Found by the fuzz (seed 1, bf16 program 8; seed 2, bf16 program 7): t = Linear(x).transpose(0,
-    1); silu(t).transpose(0, 1) (or t * sigmoid(t)). The backward's silu_backward(g, t) returns t's
+    """Found by an earlier version of the fuzz's generator (seed 1, bf16 program 8; seed 2, bf16
+    program 7): t = Linear(x).transpose(0, 1); silu(t).transpose(0, 1) (or t * sigmoid(t)). The backward's silu_backward(g, t) returns t's
     layout, and the linear's backward views that gradient as [B*L, H]; dmfx's replacement returns a
     contiguous [L, B, H], whose transpose cannot be viewed so."""
     recipe = fixed_recipe(
@@ -937,8 +941,9 @@ def test_regression_activation_backward_of_a_transposed_input():
                    "same inputs returns one of two dq/dk results (ulp-level, ~4e-8), even single-threaded and through "
                    "the at::addmm_out path; dv and the forward are reproducible; cause not found")
 def test_regression_flash_attention_backward_is_reproducible():
-    """Found by the fuzz's dropout determinism check (seed 1515, dropout programs 0 and 1, and without
-    dropout): dmfx::flash_attention_backward on one set of inputs, called 50 times, returns bit-equal
+    """Found by the fuzz's dropout determinism check when it compared gradients bit for bit (seed
+    1515, dropout programs 0 and 1 of an earlier version of the generator; also without dropout):
+    dmfx::flash_attention_backward on one set of inputs, called 50 times, returns bit-equal
     gradients, as eager's attention backward does. It does not for B=4, heads=2, L=8, D=4 (two distinct
     dq results, both within float rounding of a float64 reference)."""
     B, heads, L, D = 4, 2, 8, 4
