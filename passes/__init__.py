@@ -14,7 +14,7 @@ from torch.fx import GraphModule
 from ..cuda_ops import ops as _ops  # noqa: F401  (defines the dmfx:: ops the passes emit)
 from .activations import fuse_activation_idioms, fuse_bias_activation_dropout, fuse_gated_activation
 from .bdrln import fuse_bias_dropout_residual_norm, fuse_dropout
-from .graph_utils import PassContext, finish, remove_metadata_asserts, run_passes, views_to_reshapes
+from .graph_utils import PassContext, finish, remove_metadata_asserts, reshape_fused_views, run_passes
 from .norms import fuse_native_layer_norm, fuse_norm_idioms
 from .rope import fuse_rope
 from .attention import fuse_attention, stack_qkv
@@ -55,12 +55,6 @@ def run_pipeline(gm: GraphModule, ctx: PassContext, skip: tuple[str, ...] = (), 
     name in ctx.current. `verify`: the graph verifier after each pass (run_passes)."""
     run_passes(gm, ctx, {**PIPELINE, "reshape_fused_views": reshape_fused_views}, skip, verify=verify)
     return finish(gm)
-
-
-def reshape_fused_views(gm: GraphModule, ctx: PassContext) -> None:
-    """The pipeline's last step: views downstream of fused ops become reshapes (fused ops may lay out
-    their outputs differently from the ops they replaced; graph_utils.views_to_reshapes)."""
-    views_to_reshapes(n for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", None) == "dmfx")
 
 
 def run_joint_layout(joint: GraphModule, ctx: PassContext, skip: tuple[str, ...] = (),

@@ -34,7 +34,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..cuda_ops.ops import stat_dtype
-from .graph_utils import PassContext, insert_call, insert_getitems, is_op, kernel_friendly, tensor_meta, val
+from .graph_utils import PassContext, insert_call, insert_getitems, is_op, kernel_friendly, tensor_meta, val, views_to_reshapes
 
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
@@ -228,6 +228,7 @@ def _softmax_backward(g, ctx: PassContext, n: Node) -> None:
 
 def fuse_aten_backward(gm: GraphModule, ctx: PassContext) -> None:
     g = gm.graph
+    before = set(g.nodes)
     for n in list(g.nodes):
         if n.op != "call_function":
             continue
@@ -241,3 +242,6 @@ def fuse_aten_backward(gm: GraphModule, ctx: PassContext) -> None:
     for n in list(g.nodes):
         if n.op == "call_function" and is_op(n, aten.native_dropout_backward.default):
             _dropout_backward(g, ctx, n)
+    # dmfx's gradients are contiguous where ATen's kept their input's strides (silu_backward of a
+    # transposed activation): views of them become reshapes
+    views_to_reshapes(n for n in g.nodes if n not in before and getattr(n.target, "namespace", None) == "dmfx")

@@ -44,7 +44,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .aten_backward import fuse_aten_backward, row_sum_of, sum_over_rows
-from .graph_utils import PassContext, dead_code_elimination, insert_call, is_op, refresh_val, run_passes, val
+from .graph_utils import PassContext, dead_code_elimination, insert_call, is_op, refresh_val, reshape_fused_views, run_passes, val
 from .layout import choose_backward_layouts
 
 aten = torch.ops.aten
@@ -413,8 +413,9 @@ BACKWARD_PIPELINE: dict[str, BackwardPass] = {
 
 def run_backward_pipeline(gm: GraphModule, ctx: PassContext, skip: tuple[str, ...] = (),
                           verify: bool | str | None = None) -> GraphModule:
-    """Run the backward passes not in `skip` (run_passes; `verify`: the graph verifier after each)."""
-    run_passes(gm, ctx, BACKWARD_PIPELINE, skip, verify=verify)
+    """Run the backward passes not in `skip`, then `reshape_fused_views` (run_passes; `verify`: the
+    graph verifier after each)."""
+    run_passes(gm, ctx, {**BACKWARD_PIPELINE, "reshape_fused_views": reshape_fused_views}, skip, verify=verify)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -79,6 +79,19 @@ def _broadcasts_to(small: torch.Size, full: torch.Size) -> bool:
     return broadcasts_to(small, full)
 
 
+def _fused_anchor(norm: Node, s: Node, params: tuple) -> Node | None:
+    """Where the fused op goes: at the norm, or before the first other reader of the sum `s` when that
+    one comes earlier in the graph (the fused op defines the sum it returns for every reader),
+    provided the norm's weight and bias are defined by then; None when they are not."""
+    order = {n: i for i, n in enumerate(norm.graph.nodes)}
+    first = min((u for u in s.users if u is not norm), key=order.__getitem__, default=norm)
+    if order[first] > order[norm]:
+        return norm
+    if any(isinstance(p, Node) and order[p] >= order[first] for p in params):
+        return None
+    return first
+
+
 def fuse_bias_dropout_residual_norm(gm: GraphModule, ctx: PassContext) -> None:
     graph = gm.graph
     for norm in list(graph.nodes):
@@ -118,7 +131,12 @@ def fuse_bias_dropout_residual_norm(gm: GraphModule, ctx: PassContext) -> None:
                 x, bias, bias_nodes, gemm = bias_hit
                 absorbed = absorbed + bias_nodes
             # residual and bias must not come from inside the chain
-            with graph.inserting_before(norm):
+            anchor = _fused_anchor(norm, s, (norm.args[1], None if rms else norm.args[2]))
+            if anchor is None:
+                ctx.miss("bias_dropout_residual_norm", norm,
+                         "the sum is read before the norm, whose weight or bias is computed after that read")
+                break
+            with graph.inserting_before(anchor):
                 if gemm is not None:  # take the bias out of the GEMM
                     x = insert_bias_free_linear(graph, ctx, *gemm)
                 xm = tensor_meta(x)

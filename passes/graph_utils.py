@@ -357,6 +357,13 @@ def views_to_reshapes(starts: Iterable[Node]) -> int:
     return changed
 
 
+def reshape_fused_views(gm: GraphModule, ctx: PassContext) -> None:
+    """The last step of the forward and backward pipelines: views downstream of fused ops become
+    reshapes (a fused op may lay out its output differently from the ops it replaced: dmfx's dx is
+    contiguous where ``silu_backward`` kept a transposed input's strides; views_to_reshapes)."""
+    views_to_reshapes(n for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", None) == "dmfx")
+
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 SUPPORTED_DEVICES = ("cpu", "cuda")
 

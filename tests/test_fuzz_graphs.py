@@ -34,8 +34,7 @@ eager itself 0.011 off at other sizes), and gradients that are 0 in exact arithm
 
 Dropout with p > 0 draws dmfx's own masks (Philox), not eager's: those programs are not compared by
 value. They check shapes and dtypes against eager, finite values, and that one torch seed gives the
-same outputs twice (bit for bit) and the same gradients (within DETERMINISM_TOL: the CPU flash
-attention backward is not bit-reproducible, see its xfail test), another seed other outputs
+same outputs and the same gradients twice, bit for bit, another seed other outputs
 (test_graph_fuzz_dropout_is_deterministic).
 
 Reproduce a failure with the seed and program index it prints:
@@ -812,7 +811,6 @@ def test_graph_fuzz_matches_eager(dtype, record_property):
 
 
 DROPOUT_CASES = 4
-DETERMINISM_TOL = 1e-6  # same seed, same masks: gradients agree to rounding (of the largest gradient)
 
 
 def dropout_problems(recipe: dict) -> list[str]:
@@ -844,8 +842,7 @@ def dropout_problems(recipe: dict) -> list[str]:
             problems.append(f"{case}: a non-finite output or gradient")
         if not all(torch.equal(a, b) for a, b in zip(outs, outs_again)):
             problems.append(f"{case}: the same seed gave other outputs")
-        scale = max(grads, key=lambda g: g.norm().item())
-        if any(rel_err(a, b, scale) >= DETERMINISM_TOL for a, b in zip(grads, grads_again)):
+        if not all(torch.equal(a, b) for a, b in zip(grads, grads_again)):
             problems.append(f"{case}: the same seed gave other gradients")
         if all(torch.equal(a, b) for a, b in zip(outs, outs_other)):
             problems.append(f"{case}: another seed gave the same outputs (no dropout ran?)")
@@ -896,9 +893,6 @@ def test_regression_gemm_residual_is_not_accumulated_into_its_own_operand():
     assert result.fired.get("bias_dropout_residual_norm"), result.fired
 
 
-@pytest.mark.xfail(strict=True, reason="dmfx bug (passes/bdrln.py, bias_dropout_residual_norm): with return_sum the fused "
-                   "op is inserted at the norm, but the sum's other readers that come before the norm are rewired to it: "
-                   "'Argument getitem_N of Node silu was used before it has been defined'")
 def test_regression_sum_read_before_its_norm():
     """Found by the fuzz (seed 2: fp32 programs 5 and 7, dropout program 0; seed 3: fp32 program 9;
     an earlier version of the generator: seed 1515, dropout program 3): s = Linear(x) + x (or any
@@ -917,11 +911,6 @@ def test_regression_sum_read_before_its_norm():
     assert result.fired.get("bias_dropout_residual_norm"), result.fired
 
 
-@pytest.mark.xfail(strict=True, reason="dmfx bug (passes/aten_backward.py through run_backward_pipeline): silu_backward "
-                   "of a transposed input becomes dmfx::bias_act_dropout_backward, whose dx is contiguous where "
-                   "ATen's kept the input's strides; the traced backward's later aten.view then fails ('view size is "
-                   "not compatible with input tensor's size and stride'); the forward pipeline turns such views into "
-                   "reshapes, the backward pipeline does not")
 def test_regression_activation_backward_of_a_transposed_input():
     """Found by an earlier version of the fuzz's generator (seed 1, bf16 program 8; seed 2, bf16
     program 7): t = Linear(x).transpose(0, 1); silu(t).transpose(0, 1) (or t * sigmoid(t)). The backward's silu_backward(g, t) returns t's
@@ -937,9 +926,6 @@ def test_regression_activation_backward_of_a_transposed_input():
     assert result.fired.get("aten_backward"), result.fired
 
 
-@pytest.mark.xfail(strict=True, reason="dmfx bug (cuda_ops/csrc/attention_cpu.cpp flash_bwd, CPU): the same call on the "
-                   "same inputs returns one of two dq/dk results (ulp-level, ~4e-8), even single-threaded and through "
-                   "the at::addmm_out path; dv and the forward are reproducible; cause not found")
 def test_regression_flash_attention_backward_is_reproducible():
     """Found by the fuzz's dropout determinism check when it compared gradients bit for bit (seed
     1515, dropout programs 0 and 1 of an earlier version of the generator; also without dropout):
