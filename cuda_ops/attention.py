@@ -51,6 +51,11 @@ the GEMMs are ATen's (MKL / cuBLAS), the softmax kernels are dmfx's own)
     (csrc/attention_cpu.cpp), CUDA float32/float16/bfloat16 with head dims up to 128
     (csrc/attention_cuda.cu, stats float32); elsewhere the same ops run the unfused form
     (``flash_supported``).
+
+Determinism (CPU; tests/test_determinism.py): the fused (flash) ops are bit-reproducible run to run
+and for any thread count (one thread computes each (batch, kv head) task whole, its GEMMs
+single-threaded inside it). The GEMM form is bit-reproducible run to run with the thread count fixed
+(ATen's batched GEMMs, and the softmax kernels, which are thread-count independent).
 """
 
 from __future__ import annotations
