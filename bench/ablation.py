@@ -39,7 +39,7 @@ from dmfx.passes import BACKWARD_PIPELINE
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {
     "eager": None,
-    "no_attention": {"skip": ["attention", "qkv_stacking"]},
+    "no_attention": {"skip": ["attention", "qkv_attention"]},
     "gemm": {"attention": "gemm"},
     "flash": {"attention": "flash"},
     "flash_no_stacking": {"attention": "flash", "stack_qkv": False},

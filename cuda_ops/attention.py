@@ -1,7 +1,7 @@
 """dmfx's attention: two batched GEMMs around the fused softmax, with no copy of any operand.
 
 This is the paper's form of multi-head attention (its Fig. 2 / Sec. 5): ``Q·Kᵀ`` (a batched GEMM), the
-fused scale + mask + softmax + dropout kernel (``dmfx::softmax``, paper SM), ``·V`` (a batched GEMM),
+fused scale + mask + softmax + dropout kernel (``dmfx::attention_softmax``, paper SM), ``·V`` (a batched GEMM),
 and in the backward the same GEMMs around the fused softmax backward (paper BS). What the op adds over
 the ATen graph HF models produce is the layout: every GEMM reads its operands *where they are*, in
 the per-token layout the projections write (``[batch, seq, heads, head_dim]``, i.e. a permuted view),
@@ -16,7 +16,7 @@ the GEMMs are ATen's (MKL / cuBLAS), the softmax kernels are dmfx's own)
 ``dmfx::attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, Tensor? seed,
     float p) -> (Tensor out, Tensor probs, Tensor dropped)``
     q ``[B, Hq, Lq, D]``, k ``[B, Hk, Lk, D]``, v ``[B, Hk, Lk, Dv]`` with any strides (Hq a multiple
-    of Hk: grouped-query attention without ``repeat_kv``); mask as for ``dmfx::softmax`` (broadcastable
+    of Hk: grouped-query attention without ``repeat_kv``); mask as for ``dmfx::attention_softmax`` (broadcastable
     to ``[B, Hq, Lq, Lk]``; bool: True = attend). ``out = dropout(softmax(q·kᵀ·scale + mask), p)·v`` of
     shape ``[B, Hq, Lq, Dv]``, laid out as ``[B, Lq, Hq, Dv]`` (so ``out.transpose(1, 2)`` is
     contiguous); ``probs`` the softmax (read by the backward and by returned attention weights);

@@ -47,11 +47,11 @@ FAMILY_PASSES: dict[str, tuple[str, ...]] = {
     "norm": ("norm_idioms", "layer_norm", "bias_dropout_residual_norm", "dropout", "aten_backward",
              "fold_gradient_adds", "fold_bias_grads"),
     # softmax / softmax_backward; the attention pass's GEMM form and the flash ops' unfused path run them
-    "softmax": ("attention_softmax", "attention", "qkv_stacking", "aten_backward"),
+    "softmax": ("attention_softmax", "attention", "qkv_attention", "aten_backward"),
     # rope, glu, bias_act_dropout and their backwards
-    "pointwise": ("rope", "gated_activation", "bias_activation_dropout", "aten_backward"),
+    "pointwise": ("rope", "glu", "bias_act_dropout", "aten_backward"),
     # flash_attention, qkv_flash_attention and their backwards (with the bias gradients)
-    "attention": ("attention", "qkv_stacking", "fold_bias_grads"),
+    "attention": ("attention", "qkv_attention", "fold_bias_grads"),
 }
 
 # The extension functions each family's check calls (the same in the CPU, CUDA and emulated modules).

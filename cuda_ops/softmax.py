@@ -5,7 +5,7 @@ This is the paper's SM (forward) and BS (backward) kernel pair over attention sc
 
 Ops
 ---
-``dmfx::softmax(Tensor scores, Tensor? mask, float scale, bool causal, Tensor? seed, float p)
+``dmfx::attention_softmax(Tensor scores, Tensor? mask, float scale, bool causal, Tensor? seed, float p)
     -> (Tensor out, Tensor probs)``
     ``z = scores * scale + mask`` (mask broadcastable to scores; bool masks: True = attend, False =
     -inf; float masks of another dtype than scores' and float32 are cast to float32 first), plus
@@ -13,14 +13,14 @@ Ops
     (fully masked rows give zeros, never NaN); ``out = dropout(probs, p)`` with the Philox mask of
     ``seed`` (element index = row-major index in scores' shape). When ``p == 0`` (``seed`` may then be
     None) ``out`` holds the probabilities and ``probs`` is empty (shape ``[0]``).
-``dmfx::softmax_backward(Tensor grad_out, Tensor probs, Tensor? seed, float p, float scale,
+``dmfx::attention_softmax_backward(Tensor grad_out, Tensor probs, Tensor? seed, float p, float scale,
     Tensor? mask=None, float mask_scale=1.0) -> Tensor``
     ``g = dropout(grad_out)`` (same mask), ``scale * probs * (g - sum(g * probs, -1))``; ``probs`` is
     the forward's ``probs``, or its ``out`` when ``p == 0``. ``mask``: a dropout mask PyTorch's
     ``native_dropout`` stored (bool, probs' shape; p must be 0), applied as ``g = grad_out * mask *
     mask_scale`` (``native_dropout_backward``) instead of a regenerated one.
 
-The autograd formula of ``dmfx::softmax`` calls ``dmfx::softmax_backward`` for the scores and, when a
+The autograd formula of ``dmfx::attention_softmax`` calls ``dmfx::attention_softmax_backward`` for the scores and, when a
 float mask requires grad (e.g. T5's learned position bias), for the mask (``scale=1``, reduced to the
 mask's shape). A gradient reaching ``probs`` (the second output) is handled too (as a ``p == 0``
 term). Double backward raises NotImplementedError.
@@ -42,15 +42,15 @@ from .ops import _check_stored_mask, _seed_values, new_seed
 _lib = torch.library.Library("dmfx", "FRAGMENT")  # noqa: TOR901 (kept alive for the process)
 
 _lib.define(
-    "softmax(Tensor scores, Tensor? mask, float scale, bool causal, Tensor? seed, float p) "
+    "attention_softmax(Tensor scores, Tensor? mask, float scale, bool causal, Tensor? seed, float p) "
     "-> (Tensor out, Tensor probs)"
 )
 _lib.define(
-    "softmax_backward(Tensor grad_out, Tensor probs, Tensor? seed, float p, float scale, Tensor? mask=None, "
+    "attention_softmax_backward(Tensor grad_out, Tensor probs, Tensor? seed, float p, float scale, Tensor? mask=None, "
     "float mask_scale=1.0) -> Tensor"
 )
 
-OPS = ("softmax", "softmax_backward")
+OPS = ("attention_softmax", "attention_softmax_backward")
 
 _SCORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -68,24 +68,24 @@ def _check_p(op: str, p: float, seed: Tensor | None) -> None:
 def _check_forward(scores: Tensor, mask: Tensor | None, causal: bool, seed: Tensor | None, p: float) -> None:
     """Argument checks that need no tensor data (they run in the fake implementation too)."""
     if scores.dtype not in _SCORE_DTYPES:
-        raise TypeError(f"dmfx::softmax: scores must be float32, float16, bfloat16 or float64, got {scores.dtype}")
+        raise TypeError(f"dmfx::attention_softmax: scores must be float32, float16, bfloat16 or float64, got {scores.dtype}")
     if scores.dim() < 1:
-        raise ValueError("dmfx::softmax: scores needs at least one dimension (softmax runs over the last)")
+        raise ValueError("dmfx::attention_softmax: scores needs at least one dimension (softmax runs over the last)")
     if causal and scores.dim() < 2:
         raise ValueError(
-            f"dmfx::softmax: causal=True needs scores with at least 2 dimensions [..., q_len, k_len], "
+            f"dmfx::attention_softmax: causal=True needs scores with at least 2 dimensions [..., q_len, k_len], "
             f"got shape {tuple(scores.shape)}"
         )
-    _check_p("softmax", p, seed)
+    _check_p("attention_softmax", p, seed)
     if mask is None:
         return
     if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(f"dmfx::softmax: mask must be bool or a floating-point tensor, got {mask.dtype}")
+        raise TypeError(f"dmfx::attention_softmax: mask must be bool or a floating-point tensor, got {mask.dtype}")
     if mask.device != scores.device:
-        raise ValueError(f"dmfx::softmax: mask is on {mask.device} but scores is on {scores.device}")
+        raise ValueError(f"dmfx::attention_softmax: mask is on {mask.device} but scores is on {scores.device}")
     ms, ss = tuple(mask.shape), tuple(scores.shape)
     if len(ms) > len(ss) or any(m != 1 and m != s for m, s in zip(reversed(ms), reversed(ss))):
-        raise ValueError(f"dmfx::softmax: mask of shape {list(ms)} is not broadcastable to scores' shape {list(ss)}")
+        raise ValueError(f"dmfx::attention_softmax: mask of shape {list(ms)} is not broadcastable to scores' shape {list(ss)}")
 
 
 def _kernel_mask(mask: Tensor | None, scores: Tensor) -> Tensor | None:
@@ -100,27 +100,27 @@ def _kernel_mask(mask: Tensor | None, scores: Tensor) -> Tensor | None:
 
 def _softmax_kernel(scores, mask, scale, causal, seed, p):
     _check_forward(scores, mask, causal, seed, p)
-    s, o = _seed_values(seed, "softmax")
+    s, o = _seed_values(seed, "attention_softmax")
     out, probs = kernels_for(scores.device).softmax_fwd(scores, _kernel_mask(mask, scores), scale, causal, s, o, p)
     return out, probs
 
 
 def _softmax_backward_kernel(grad_out, probs, seed, p, scale, mask=None, mask_scale=1.0):
-    _check_p("softmax_backward", p, seed)
-    _check_stored_mask("softmax_backward", mask, "probs", probs, p)
-    s, o = _seed_values(seed, "softmax_backward")
+    _check_p("attention_softmax_backward", p, seed)
+    _check_stored_mask("attention_softmax_backward", mask, "probs", probs, p)
+    s, o = _seed_values(seed, "attention_softmax_backward")
     return kernels_for(probs.device).softmax_bwd(grad_out, probs, s, o, p, scale, mask, mask_scale)
 
 
 for _dev in ("CPU", "CUDA"):
-    _lib.impl("softmax", _softmax_kernel, _dev)
-    _lib.impl("softmax_backward", _softmax_backward_kernel, _dev)
+    _lib.impl("attention_softmax", _softmax_kernel, _dev)
+    _lib.impl("attention_softmax_backward", _softmax_backward_kernel, _dev)
 
 
 # ----------------------------------------------------------------------------------------- fakes
 
 
-@torch.library.register_fake("dmfx::softmax")
+@torch.library.register_fake("dmfx::attention_softmax")
 def _softmax_fake(scores, mask, scale, causal, seed, p):
     _check_forward(scores, mask, causal, seed, p)
     out = torch.empty(scores.shape, dtype=scores.dtype, device=scores.device)
@@ -128,13 +128,13 @@ def _softmax_fake(scores, mask, scale, causal, seed, p):
     return out, probs
 
 
-@torch.library.register_fake("dmfx::softmax_backward")
+@torch.library.register_fake("dmfx::attention_softmax_backward")
 def _softmax_backward_fake(grad_out, probs, seed, p, scale, mask=None, mask_scale=1.0):
-    _check_p("softmax_backward", p, seed)
-    _check_stored_mask("softmax_backward", mask, "probs", probs, p)
+    _check_p("attention_softmax_backward", p, seed)
+    _check_stored_mask("attention_softmax_backward", mask, "probs", probs, p)
     if grad_out.shape != probs.shape:
         raise ValueError(
-            f"dmfx::softmax_backward: grad_out must have the shape of probs {list(probs.shape)}, got {list(grad_out.shape)}"
+            f"dmfx::attention_softmax_backward: grad_out must have the shape of probs {list(probs.shape)}, got {list(grad_out.shape)}"
         )
     return torch.empty(probs.shape, dtype=probs.dtype, device=probs.device)
 
@@ -163,10 +163,10 @@ def _backward_softmax(ctx, grad_out, grad_probs):
     kscale = 1.0 if need_mask else ctx.scale
     dz = None
     if grad_out is not None:
-        dz = torch.ops.dmfx.softmax_backward(grad_out, probs, seed, ctx.p, kscale)
+        dz = torch.ops.dmfx.attention_softmax_backward(grad_out, probs, seed, ctx.p, kscale)
     if grad_probs is not None and ctx.p > 0:
         # probs is softmax(z) itself (no dropout): its gradient is a p == 0 softmax backward.
-        extra = torch.ops.dmfx.softmax_backward(grad_probs, probs, None, 0.0, kscale)
+        extra = torch.ops.dmfx.attention_softmax_backward(grad_probs, probs, None, 0.0, kscale)
         dz = extra if dz is None else dz + extra
     if dz is None:
         return none
@@ -178,25 +178,25 @@ def _backward_softmax(ctx, grad_out, grad_probs):
     return d_scores, d_mask, None, None, None, None
 
 
-torch.library.register_autograd("dmfx::softmax", _backward_softmax, setup_context=_setup_softmax)
+torch.library.register_autograd("dmfx::attention_softmax", _backward_softmax, setup_context=_setup_softmax)
 
 
 def _no_double_backward(ctx, *grads):
     raise NotImplementedError(
-        "dmfx::softmax_backward: double backward (create_graph=True through a dmfx attention softmax) is "
+        "dmfx::attention_softmax_backward: double backward (create_graph=True through a dmfx attention softmax) is "
         "not supported; compile without dmfx's softmax fusion for higher-order gradients"
     )
 
 
 torch.library.register_autograd(
-    "dmfx::softmax_backward", _no_double_backward, setup_context=lambda ctx, inputs, output: None
+    "dmfx::attention_softmax_backward", _no_double_backward, setup_context=lambda ctx, inputs, output: None
 )
 
 
 # ----------------------------------------------------------------------------------------- Python API
 
 
-def softmax(
+def attention_softmax(
     scores: Tensor,
     mask: Tensor | None = None,
     scale: float = 1.0,
@@ -206,14 +206,14 @@ def softmax(
 ) -> Tensor:
     """``dropout(softmax(scores * scale + mask [+ causal mask], -1), p)`` in one pass over the scores."""
     if not isinstance(scores, Tensor):
-        raise TypeError(f"dmfx::softmax: scores must be a Tensor, got {type(scores).__name__}")
+        raise TypeError(f"dmfx::attention_softmax: scores must be a Tensor, got {type(scores).__name__}")
     if mask is not None and not isinstance(mask, Tensor):
-        raise TypeError(f"dmfx::softmax: mask must be a Tensor or None, got {type(mask).__name__}")
+        raise TypeError(f"dmfx::attention_softmax: mask must be a Tensor or None, got {type(mask).__name__}")
     p = float(p) if training else 0.0
     if not 0.0 <= p <= 1.0:
-        raise ValueError(f"dmfx::softmax: dropout probability p must be in [0, 1], got {p}")
+        raise ValueError(f"dmfx::attention_softmax: dropout probability p must be in [0, 1], got {p}")
     seed = new_seed() if p > 0 else None
-    return torch.ops.dmfx.softmax(scores, mask, float(scale), bool(causal), seed, p)[0]
+    return torch.ops.dmfx.attention_softmax(scores, mask, float(scale), bool(causal), seed, p)[0]
 
 
 # ----------------------------------------------------------------------------------------- reference
@@ -227,7 +227,7 @@ def reference_softmax(
     seed: Tensor | None = None,
     p: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
-    """(out, probs) of dmfx::softmax in pure PyTorch, computed in float32 (float64 for float64 scores).
+    """(out, probs) of dmfx::attention_softmax in pure PyTorch, computed in float32 (float64 for float64 scores).
 
     Fully masked rows give zeros; the dropout mask is reference.philox_keep's (bit for bit the kernels').
     """

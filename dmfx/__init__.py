@@ -13,7 +13,7 @@ from .cuda_ops.build import KernelBuildError
 from .cuda_ops.ops import bias_dropout_residual_layer_norm, dropout, layer_norm, rms_norm
 from .cuda_ops.pointwise import bias_act_dropout, glu, rope
 from .cuda_ops.attention import attention
-from .cuda_ops.softmax import softmax
+from .cuda_ops.softmax import attention_softmax
 from .options import Options
 
 __version__ = "0.1.0"
@@ -52,5 +52,5 @@ __all__ = [
     "reset",
     "rms_norm",
     "rope",
-    "softmax",
+    "attention_softmax",
 ]

@@ -498,7 +498,7 @@ def _absorbed_entry(x: Node, pass_name: str = "") -> dict | None:
     if c.cls == CONTRACTION:
         if pass_name == "attention":  # the batched GEMMs run inside the attention op
             op = f"{c.op} (inside the op)"
-        elif pass_name == "qkv_stacking":  # three projections became one GEMM over the stacked weight
+        elif pass_name == "qkv_attention":  # three projections became one GEMM over the stacked weight
             op = f"{c.op} (stacked with the other projections)"
         else:  # a GEMM whose bias the kernel took over is re-emitted without it: only the bias is absorbed
             op = f"bias of {c.op}"
@@ -1109,7 +1109,7 @@ def explain(model: torch.nn.Module, *args: Any, training: bool = True, measure: 
     and report, per operator and per class, flop and bytes moved before and after (see the module
     docstring). The model itself is not modified (copies are compiled); ``training`` selects train()
     mode and a forward + backward step, else eval() and ``no_grad``. ``dmfx_options`` are the
-    backend's options for the "after" compile (e.g. ``{"skip": ["qkv_stacking"]}`` to see what a pass
+    backend's options for the "after" compile (e.g. ``{"skip": ["qkv_attention"]}`` to see what a pass
     is worth; named so that a model's own ``options`` keyword still reaches the model)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"dmfx.explain: model must be a torch.nn.Module, got {type(model).__name__}")

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 
+# Passes renamed after the op they emit (one name per fusion): old name -> new name, still accepted.
+RENAMED_PASSES = {"bias_activation_dropout": "bias_act_dropout", "gated_activation": "glu", "qkv_stacking": "qkv_attention"}
+
+
 @dataclass(frozen=True)
 class Options:
     #: Turn all rewriting off: graphs run as PyTorch would run them (also: env DMFX_DISABLE=1).
@@ -53,7 +57,13 @@ class Options:
             )
         if "skip" in options:
             skip = options["skip"]
-            options["skip"] = (skip,) if isinstance(skip, str) else tuple(skip)
+            skip = (skip,) if isinstance(skip, str) else tuple(skip)
+            renamed = {s: RENAMED_PASSES[s] for s in skip if s in RENAMED_PASSES}
+            if renamed:
+                import warnings
+
+                warnings.warn(f"dmfx: pass(es) renamed, use the new names: {renamed}", DeprecationWarning, stacklevel=3)
+            options["skip"] = tuple(RENAMED_PASSES.get(s, s) for s in skip)
             from .passes import ALL_PASSES
 
             bad = [s for s in options["skip"] if s not in ALL_PASSES]

@@ -36,10 +36,10 @@ PIPELINE: dict[str, Pass] = {
     "activation_idioms": fuse_activation_idioms,
     "attention_softmax": fuse_attention_softmax,
     "attention": fuse_attention,
-    "qkv_stacking": stack_qkv,
+    "qkv_attention": stack_qkv,
     "rope": fuse_rope,
-    "gated_activation": fuse_gated_activation,
-    "bias_activation_dropout": fuse_bias_activation_dropout,
+    "glu": fuse_gated_activation,
+    "bias_act_dropout": fuse_bias_activation_dropout,
     "dropout": fuse_dropout,
     "layout": choose_forward_layouts,
 }

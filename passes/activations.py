@@ -4,9 +4,9 @@ dropout) after a linear layer.
 * ``activation_idioms``: the tanh-GELU as GPT-2 writes it (``0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x^3)))``,
   8 ATen ops), the erf-GELU (``0.5*x*(1+erf(x/sqrt(2)))``) and SiLU (``x*sigmoid(x)``) become
   ``aten.gelu`` / ``aten.silu``, so the passes below see one op.
-* ``gated_activation``: ``act(gate) * up`` (SwiGLU, GeGLU) -> ``dmfx::glu`` (backward: one kernel for
+* ``glu``: ``act(gate) * up`` (SwiGLU, GeGLU) -> ``dmfx::glu`` (backward: one kernel for
   both gradients instead of act backward + two muls).
-* ``bias_activation_dropout``: ``dropout(act(x + bias))`` with the bias inside ``addmm`` (taken out:
+* ``bias_act_dropout``: ``dropout(act(x + bias))`` with the bias inside ``addmm`` (taken out:
   ``mm`` + the fused kernel, which reads the bias anyway; its backward sums the bias gradient in the
   same pass, the paper's BDRB) -> ``dmfx::bias_act_dropout``. Fires when it absorbs at least two
   ops (an activation alone is already one kernel); act may be the identity (bias + dropout).
@@ -162,12 +162,12 @@ def fuse_gated_activation(gm: GraphModule, ctx: PassContext) -> None:
             if not (kernel_friendly(gm_) and um is not None and om is not None):
                 continue
             if not (gm_.shape == um.shape == om.shape and gm_.dtype == um.dtype == om.dtype and gm_.device == um.device):
-                ctx.miss("gated_activation", mul, "gate and up differ in shape, dtype or device (broadcast)")
+                ctx.miss("glu", mul, "gate and up differ in shape, dtype or device (broadcast)")
                 continue
             with graph.inserting_before(mul):
                 fused = insert_call(graph, ctx, torch.ops.dmfx.glu.default, (act.args[0], up, name))
             mul.replace_all_uses_with(fused)
-            ctx.record("gated_activation", 1 + ctx.take_over(act), fused)
+            ctx.record("glu", 1 + ctx.take_over(act), fused)
             break
 
 
@@ -239,7 +239,7 @@ def fuse_bias_activation_dropout(gm: GraphModule, ctx: PassContext) -> None:
                 x = insert_bias_free_linear(graph, ctx, addmm, view)
             xm = tensor_meta(x)
             if xm is None or xm.shape != hm.shape or xm.dtype != hm.dtype:
-                ctx.miss("bias_activation_dropout", n, "the bias-free input has another shape or dtype")
+                ctx.miss("bias_act_dropout", n, "the bias-free input has another shape or dtype")
                 continue
             seed = insert_seed(graph, ctx) if p > 0 else None
             fused = insert_call(graph, ctx, torch.ops.dmfx.bias_act_dropout.default, (x, bias, act, seed, p))
@@ -249,4 +249,4 @@ def fuse_bias_activation_dropout(gm: GraphModule, ctx: PassContext) -> None:
         else:
             end.replace_all_uses_with(fused)
         taken = ctx.take_over(end) - 1 if end is not None else 0  # an idiom's ops count as absorbed
-        ctx.record("bias_activation_dropout", len(absorbed) + taken, fused)
+        ctx.record("bias_act_dropout", len(absorbed) + taken, fused)

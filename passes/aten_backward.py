@@ -13,7 +13,7 @@ replaces those with dmfx's backward kernels, so the later folds (``fold_gradient
     -> ``dmfx::bias_act_dropout_backward`` with no bias and p = 0; a ``sum`` of the result over every
     dim but the last (the gradient of the linear bias before the activation, the paper's BDRB / BAOB)
     becomes the kernel's second output, summed while the rows are in cache.
-``_softmax_backward_data(g, y, -1, dtype)`` -> ``dmfx::softmax_backward`` (p = 0), with a following
+``_softmax_backward_data(g, y, -1, dtype)`` -> ``dmfx::attention_softmax_backward`` (p = 0), with a following
     multiplication or division by a constant (the attention's 1/sqrt(d)) folded into its scale.
 ``native_dropout_backward(g, mask, scale)`` (the mask an unrewritten forward's ``native_dropout``
     stored) -> folded into the activation or softmax backward that reads it (the kernel multiplies by
@@ -216,7 +216,7 @@ def _softmax_backward(g, ctx: PassContext, n: Node) -> None:
             scale, target = c, user
     src, stored = (dropout[0], dropout[1:]) if dropout else (grad, ())
     with g.inserting_before(n):
-        new = insert_call(g, ctx, torch.ops.dmfx.softmax_backward.default, (src, y, None, 0.0, scale, *stored))
+        new = insert_call(g, ctx, torch.ops.dmfx.attention_softmax_backward.default, (src, y, None, 0.0, scale, *stored))
     target.replace_all_uses_with(new)
     if target is not n:
         g.erase_node(target)

@@ -1,13 +1,13 @@
 """Attention without layout copies, and the paper's QKV stacking.
 
-``attention`` starts from each fused softmax (``dmfx::softmax``, made by the attention_softmax pass)
+``attention`` starts from each fused softmax (``dmfx::attention_softmax``, made by the attention_softmax pass)
 over 4-D scores and walks out to the two batched GEMMs around it, as ATen records ``q @ k.transpose``
 and ``probs @ v`` on ``[B, H, L, D]`` tensors::
 
     a  = _unsafe_view(clone(expand(q4)), [B*H, Lq, D])       q4 [B, H, Lq, D], usually a permuted view
     b  = _unsafe_view(clone(expand(kt4)), [B*H, D, Lk])      kt4 = k4.transpose(2, 3)
     s  = view(bmm(a, b), [B, H, Lq, Lk])
-    o, p = dmfx::softmax(s, mask, scale, causal, seed, p)
+    o, p = dmfx::attention_softmax(s, mask, scale, causal, seed, p)
     c  = view(expand(o), [B*H, Lq, Lk]);  d = _unsafe_view(clone(expand(v4)), [B*H, Lk, Dv])
     ctx = view(bmm(c, d), [B, H, Lq, Dv])
 
@@ -21,7 +21,7 @@ takes 3-D operands; dmfx's ops read q4, k4 and v4 through their strides and writ
 Grouped-query k and v are read before ``repeat_kv``'s copies. Readers of the probabilities (returned
 attention weights) get the fused op's, which only the GEMM form has.
 
-``qkv_stacking`` then looks at each dmfx attention whose q, k and v are the head views
+``qkv_attention`` then looks at each dmfx attention whose q, k and v are the head views
 (``view(linear(x), [B, L, H, D]).transpose(1, 2)``) of three linear layers reading the same input x
 with equal shapes: the paper's algebraic fusion. The three weights (and biases) are concatenated
 and multiplied once, ``qkv = x @ cat(Wq, Wk, Wv)ᵀ + cat(bq, bk, bv)``, and ``dmfx::qkv_attention`` /
@@ -246,7 +246,7 @@ def _insert_sdpa(graph, ctx, q4, k4, v4, mask, scale, causal, p) -> Node:
 def fuse_attention(gm: GraphModule, ctx: PassContext) -> None:
     graph = gm.graph
     for sm in list(graph.nodes):
-        if not is_op(sm, torch.ops.dmfx.softmax):
+        if not is_op(sm, torch.ops.dmfx.attention_softmax):
             continue
         scores, mask, scale, causal, seed, p = sm.args
         sm_val = tensor_meta(scores)
@@ -510,27 +510,27 @@ def stack_qkv(gm: GraphModule, ctx: PassContext) -> None:
         heads = [_head_view_of(t) for t in (q4, k4, v4)]
         if any(x is None for x in heads):
             if sum(x is not None for x in heads) >= 2:  # a near miss (e.g. k and v of a cache)
-                ctx.miss("qkv_stacking", att, "q, k and v are not all head views of linear layers read only here")
+                ctx.miss("qkv_attention", att, "q, k and v are not all head views of linear layers read only here")
             continue
         lins = [lin for lin, _ in heads]
         parts = [_linear_parts(lin) for lin in lins]
         if any(x is None for x in parts) or not all(_same_value(parts[0][0], x) for x, _, _ in parts[1:]):
-            ctx.miss("qkv_stacking", att, "q, k and v are not projections of the same input")
+            ctx.miss("qkv_attention", att, "q, k and v are not projections of the same input")
             continue
         ws = [w for _, w, _ in parts]
         biases = [b for _, _, b in parts]
         wm = [tensor_meta(w) for w in ws]
         same_shapes = all(_same(m.shape, wm[0].shape) and m.dtype == wm[0].dtype for m in wm)
         if not same_shapes or (None in biases and any(b is not None for b in biases)):
-            ctx.miss("qkv_stacking", att, "the three projections differ in shape, dtype or bias")
+            ctx.miss("qkv_attention", att, "the three projections differ in shape, dtype or bias")
             continue
         qm = tensor_meta(q4)
         B, H, L, D = qm.shape
         if not isinstance(H * D, int):
-            ctx.miss("qkv_stacking", att, "the hidden size is dynamic")
+            ctx.miss("qkv_attention", att, "the hidden size is dynamic")
             continue
         if not _same(tensor_meta(k4).shape, (B, H, L, D)) or not _same(tensor_meta(v4).shape, (B, H, L, D)):
-            ctx.miss("qkv_stacking", att, "q, k and v differ in shape (cross-attention or grouped-query)")
+            ctx.miss("qkv_attention", att, "q, k and v differ in shape (cross-attention or grouped-query)")
             continue
         x = parts[0][0]
         if ctx.stack_qkv == "auto":
@@ -542,7 +542,7 @@ def stack_qkv(gm: GraphModule, ctx: PassContext) -> None:
             tokens, features = (concrete_int(s) for s in tensor_meta(x).shape[-2:]) if tensor_meta(x).dim() == 2 else (0, 1)
             if not ctx.training or tokens < features:
                 why = "inference" if not ctx.training else f"{tokens} tokens < {features} input features"
-                ctx.miss("qkv_stacking", att, f"not worth it ({why}): the per-step weight concatenation costs more than it saves")
+                ctx.miss("qkv_attention", att, f"not worth it ({why}): the per-step weight concatenation costs more than it saves")
                 continue
         w_bytes = 2 * 3 * concrete_int(wm[0].numel()) * wm[0].element_size()  # read + written
         why = ("QKV stacking: the three weights are concatenated every step (bytes: read + written); "
@@ -580,7 +580,7 @@ def _use_packed(graph, ctx: PassContext, att: Node, qkv: Node, heads: int, absor
     ctx.forms[fused.name] = ctx.forms.pop(att.name)
     att.replace_all_uses_with(fused)
     graph.erase_node(att)
-    ctx.record("qkv_stacking", absorbed, None)
+    ctx.record("qkv_attention", absorbed, None)
 
 
 # ----------------------------------------------------------------------------------------- layouts
@@ -593,7 +593,7 @@ def noop_clones(gm: GraphModule, ctx: PassContext) -> None:
     Views between the op and the clone get fresh fake values first: they were traced on the old
     layout. The graph is functional, so a clone of a tensor nobody mutates is only a copy."""
     graph = gm.graph
-    starts = [n for n in graph.nodes if is_op(n, *_ATTENTION_OPS)]  # (it runs before qkv_stacking)
+    starts = [n for n in graph.nodes if is_op(n, *_ATTENTION_OPS)]  # (it runs before qkv_attention)
     for start in starts:
         frontier = [g for g in start.users if g.target is operator.getitem and g.args[1] == 0]
         for g in frontier:

@@ -8,7 +8,7 @@ casts HF writes around it under autocast) and walks up and down its chain::
     z  = s' + mask                              (optional, either operand order; mask broadcastable)
     p  = softmax(z, -1)                         (_softmax / _safe_softmax / cast -> softmax -> cast)
     o  = native_dropout(p, p_drop, True)[0]     (optional)
-                     -> dmfx::softmax(s, mask, c, causal, seed, p_drop) -> (o, p)
+                     -> dmfx::attention_softmax(s, mask, c, causal, seed, p_drop) -> (o, p)
 
 Masks are used as they are: a bool mask turned additive by ``where(m, 0, -inf)`` becomes the bool
 mask itself (read as 1 byte per element instead of 4), a ``tril(ones(S, S))`` causal mask becomes
@@ -270,7 +270,7 @@ def fuse_attention_softmax(gm: GraphModule, ctx: PassContext) -> None:
                 mul.replace_all_uses_with(mul.args[0])
             seed = insert_seed(graph, ctx) if p > 0 else None
             fused = insert_call(
-                graph, ctx, torch.ops.dmfx.softmax.default, (s, mask, scale * folded, causal, seed, p)
+                graph, ctx, torch.ops.dmfx.attention_softmax.default, (s, mask, scale * folded, causal, seed, p)
             )
             out, probs = insert_getitems(graph, fused, 2)
         if drop is not None:

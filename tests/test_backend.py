@@ -51,6 +51,12 @@ def test_unknown_option_lists_the_valid_ones():
         f(torch.randn(2, 32))
 
 
+def test_renamed_passes_are_still_accepted_in_skip():
+    with pytest.warns(DeprecationWarning, match="renamed"):
+        opts = dmfx.Options.from_user({"skip": ["gated_activation", "qkv_stacking", "dropout"]})
+    assert opts.skip == ("glu", "qkv_attention", "dropout")
+
+
 def test_skip_names_must_be_passes():
     with pytest.raises(ValueError, match="unknown pass"):
         dmfx.Options.from_user({"skip": ["no_such_pass"]})

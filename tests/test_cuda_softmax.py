@@ -167,13 +167,13 @@ def test_ops_and_autograd_on_cuda():
     grads = {}
     for dev in ("cpu", DEV):
         sd, md = s.to(dev).requires_grad_(), m.to(dev).requires_grad_()
-        out, probs = torch.ops.dmfx.softmax(sd, md, 0.5, True, seed, 0.2)
+        out, probs = torch.ops.dmfx.attention_softmax(sd, md, 0.5, True, seed, 0.2)
         (out * go.to(dev)).sum().backward()
         grads[dev] = (out.detach().cpu(), sd.grad.cpu(), md.grad.cpu())
     for a, b in zip(grads["cpu"], grads[DEV]):
         assert rel_err(b, a) < 1e-12
     sg = s.to(DEV).requires_grad_()
-    assert torch.autograd.gradcheck(lambda a: torch.ops.dmfx.softmax(a, None, 0.5, False, seed, 0.2)[0], (sg[:1, :1, :4, :6].detach().requires_grad_(),))
+    assert torch.autograd.gradcheck(lambda a: torch.ops.dmfx.attention_softmax(a, None, 0.5, False, seed, 0.2)[0], (sg[:1, :1, :4, :6].detach().requires_grad_(),))
 
 
 def test_wrong_device(cuda_ext):
@@ -187,4 +187,4 @@ def test_wrong_device(cuda_ext):
     import dmfx  # noqa: F401
 
     with pytest.raises(ValueError, match="mask is on cpu"):
-        torch.ops.dmfx.softmax(s, torch.zeros(3, 4), 1.0, False, None, 0.0)
+        torch.ops.dmfx.attention_softmax(s, torch.zeros(3, 4), 1.0, False, None, 0.0)

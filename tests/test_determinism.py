@@ -111,15 +111,15 @@ def test_softmax_family(dtype, p):
     scores = torch.randn(4, 6, 70, 70).to(dtype)
     mask = torch.where(torch.rand(4, 1, 1, 70) < 0.8, 0.0, torch.finfo(torch.float32).min)
     seed = new_seed() if p else None
-    out, probs = ops.softmax(scores, mask, 0.3, True, seed, p)
+    out, probs = ops.attention_softmax(scores, mask, 0.3, True, seed, p)
     g = torch.randn_like(out)
     used = probs if p else out
 
     def fwd():
-        return ops.softmax(scores, mask, 0.3, True, seed, p)
+        return ops.attention_softmax(scores, mask, 0.3, True, seed, p)
 
     def bwd():
-        return ops.softmax_backward(g, used, seed, p, 0.3)
+        return ops.attention_softmax_backward(g, used, seed, p, 0.3)
 
     for what, fn in (("softmax", fwd), ("softmax_backward", bwd)):
         assert_bitwise(_runs(fn, 2) + _runs(fn, 1, 1), f"{what}, 1 and 2 threads")

@@ -238,7 +238,7 @@ def test_report_contents(reports, mode):
         assert len(nb) == 2 and all(any("native_layer_norm" in a for a in row["absorbed"]) for row in nb)
     cov = r.coverage
     assert 0 < cov.ratio <= 1 and cov.fused >= 4  # inference of a BertLayer is fully covered now
-    # GELU and softmax are fused (bias_activation_dropout, attention_softmax); what is left is listed
+    # GELU and softmax are fused (bias_act_dropout, attention_softmax); what is left is listed
     assert not any(m["op"] in ("aten::gelu", "aten::_softmax", "aten::_safe_softmax") for m in cov.misses)
     assert any(row["op"] == "dmfx::bias_act_dropout" for row in r.rows("after", "forward" if mode == "train" else "inference"))
     assert all(m["op"] and m.get("reason") for m in cov.misses)
@@ -352,7 +352,7 @@ def test_explain_takes_dmfx_options():
     x = torch.randn(2, 9, 32)
     full = dmfx.explain(layer, x, training=True)
     skipped = dmfx.explain(layer, x, training=True,
-                           dmfx_options={"skip": ["bias_dropout_residual_norm", "layer_norm", "bias_activation_dropout"]})
+                           dmfx_options={"skip": ["bias_dropout_residual_norm", "layer_norm", "bias_act_dropout"]})
     assert skipped.coverage.fused < full.coverage.fused
     assert skipped.reduction_pct < full.reduction_pct
     with pytest.raises(ValueError, match="unknown option"):

@@ -110,15 +110,15 @@ MODELS = {"bert": bert, "roberta": roberta, "distilbert": distilbert, "vit": vit
 # separate op on the eager path; with SDPA, PyTorch runs a fused attention kernel (issue 4 covers
 # attention itself).
 EXPECTED = {
-    "bert": {"bias_dropout_residual_norm", "bias_activation_dropout"},
-    "roberta": {"bias_dropout_residual_norm", "bias_activation_dropout"},
-    "distilbert": {"bias_dropout_residual_norm", "bias_activation_dropout"},
-    "minilm": {"bias_dropout_residual_norm", "bias_activation_dropout"},
-    "vit": {"bias_dropout_residual_norm", "bias_activation_dropout"},
-    "gpt2": {"bias_dropout_residual_norm", "bias_activation_dropout"},  # ln_1 of layer 0 takes the embeddings add
-    "llama": {"bias_dropout_residual_norm", "rope", "gated_activation", "rms_norm"},
+    "bert": {"bias_dropout_residual_norm", "bias_act_dropout"},
+    "roberta": {"bias_dropout_residual_norm", "bias_act_dropout"},
+    "distilbert": {"bias_dropout_residual_norm", "bias_act_dropout"},
+    "minilm": {"bias_dropout_residual_norm", "bias_act_dropout"},
+    "vit": {"bias_dropout_residual_norm", "bias_act_dropout"},
+    "gpt2": {"bias_dropout_residual_norm", "bias_act_dropout"},  # ln_1 of layer 0 takes the embeddings add
+    "llama": {"bias_dropout_residual_norm", "rope", "glu", "rms_norm"},
     "t5": {"bias_dropout_residual_norm", "rms_norm"},
-    "bart": {"bias_dropout_residual_norm", "bias_activation_dropout"},
+    "bart": {"bias_dropout_residual_norm", "bias_act_dropout"},
 }
 # With eager attention the attention pass takes the whole Q·Kᵀ → softmax → ·V chain; in training with
 # stack_qkv=True the Q, K and V linears of one input become one GEMM (not LLaMA: rope and grouped-query
@@ -179,7 +179,7 @@ def test_model_matches_eager_in_training(name, variant):
     if impl == "eager":
         missing |= ({"attention"} if name in EAGER_ATTENTION else set()) - set(fired)
         if form != "auto":  # stacking needs dmfx's attention ops (SDPA takes q, k and v apart)
-            missing |= ({"qkv_stacking"} if name in STACKED else set()) - set(fired)
+            missing |= ({"qkv_attention"} if name in STACKED else set()) - set(fired)
     forms = {f for r in dmfx.records() for f, _ in r.attention_forms.values()}
     if impl == "eager":
         # T5's position bias requires grad: only the GEMM form computes the mask gradient
@@ -203,7 +203,7 @@ def test_model_matches_eager_in_inference(name):
     # stacking does not pay in inference: no weight concatenation (GPT-2's packed Conv1D output feeds
     # the packed attention op directly, which concatenates nothing)
     assert not any("QKV stacking" in c["why"] for r in dmfx.records() for c in r.copies)
-    assert "qkv_stacking" not in fired or name == "gpt2"
+    assert "qkv_attention" not in fired or name == "gpt2"
 
 
 @pytest.mark.parametrize("name", list(MODELS))

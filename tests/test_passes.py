@@ -222,7 +222,7 @@ def test_dropout_output_with_another_user_is_not_fused_into_the_norm():
     assert any("other users" in m for m in ctx.missed)
     (f,) = [n for n in gm.graph.nodes if n.target is dmfx_ops.bias_dropout_residual_norm.default]
     assert f.args[5] is None and f.args[6] == 0.0  # no seed, p = 0: no dropout inside
-    assert ctx.fired.get("bias_activation_dropout") == 1
+    assert ctx.fired.get("bias_act_dropout") == 1
     assert torch.ops.aten.native_dropout.default not in targets(gm)
 
 

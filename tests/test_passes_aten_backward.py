@@ -227,14 +227,14 @@ def test_stored_dropout_mask_near_misses():
     want, got, gm, ctx = _run(softmax_dropout_read_twice, gs, ms, y)
     ts = _targets(gm)
     assert ctx.fired == {"aten_backward": 2} and aten.native_dropout_backward.default not in ts
-    assert torch.ops.dmfx.softmax_backward.default in ts and torch.ops.dmfx.bias_act_dropout_backward.default in ts
+    assert torch.ops.dmfx.attention_softmax_backward.default in ts and torch.ops.dmfx.bias_act_dropout_backward.default in ts
     _close(got, want)
 
 
 @pytest.mark.parametrize("scale", ["div", "none"])
 def test_stored_dropout_mask_folds_into_the_softmax_backward(scale):
     """Attention-probability dropout stored by PyTorch: dropout backward, softmax backward and the
-    1/sqrt(d) after it in one dmfx::softmax_backward reading the mask."""
+    1/sqrt(d) after it in one dmfx::attention_softmax_backward reading the mask."""
     torch.manual_seed(0)
     y = torch.softmax(torch.randn(2, 3, 8, 8), -1)
     g, mask = torch.randn(2, 3, 8, 8), _dropout_mask((2, 3, 8, 8))
@@ -245,7 +245,7 @@ def test_stored_dropout_mask_folds_into_the_softmax_backward(scale):
 
     want, got, gm, ctx = _run(f, g, mask, y)
     assert ctx.fired == {"aten_backward": 1} and ctx.replaced == {"aten_backward": 3 if scale == "div" else 2}
-    assert _targets(gm) == [torch.ops.dmfx.softmax_backward.default]
+    assert _targets(gm) == [torch.ops.dmfx.attention_softmax_backward.default]
     _close([got], [want])
 
 
@@ -265,7 +265,7 @@ def test_softmax_backward_becomes_dmfx_with_the_scale(scale):
     want, got, gm, ctx = _run(f, g, y)
     assert ctx.fired == {"aten_backward": 1}
     ts = _targets(gm)
-    assert ts.count(torch.ops.dmfx.softmax_backward.default) == 1 and len(ts) == 1, ts
+    assert ts.count(torch.ops.dmfx.attention_softmax_backward.default) == 1 and len(ts) == 1, ts
     _close([got], [want])
 
 
@@ -294,8 +294,8 @@ def test_softmax_backward_near_misses():
 # ------------------------------------------------------------------ end to end
 
 
-FORWARD_FUSIONS = ["layer_norm", "bias_dropout_residual_norm", "attention_softmax", "attention", "qkv_stacking",
-                   "bias_activation_dropout", "dropout"]
+FORWARD_FUSIONS = ["layer_norm", "bias_dropout_residual_norm", "attention_softmax", "attention", "qkv_attention",
+                   "bias_act_dropout", "dropout"]
 
 
 def test_bert_layer_with_unfused_forward_gets_dmfx_backward_kernels():

@@ -1,4 +1,4 @@
-"""The attention and qkv_stacking passes (passes/attention.py) on small hand-built graphs: attention in
+"""The attention and qkv_attention passes (passes/attention.py) on small hand-built graphs: attention in
 the forms models write it becomes dmfx::flash_attention / dmfx::attention (or their qkv_ variants
 when Q, K and V are projections of one input), with no transpose copy left in the forward or the
 backward graph, or PyTorch's SDPA where the cost model says so; near misses are left to the softmax
@@ -51,7 +51,7 @@ FORMS = {"gemm": dmfx_ops.qkv_attention, "flash": dmfx_ops.qkv_flash_attention}
 def test_self_attention_becomes_one_stacked_gemm_and_one_attention_op(form):
     args = _params()
     gm, ctx = rewrite(bert_self_attention, *args, attention=form)
-    assert ctx.fired.get("attention") == 1 and ctx.fired.get("qkv_stacking") == 1, (ctx.fired, ctx.missed)
+    assert ctx.fired.get("attention") == 1 and ctx.fired.get("qkv_attention") == 1, (ctx.fired, ctx.missed)
     assert count(gm, FORMS[form]) == 1 and count(gm, dmfx_ops.attention) == 0
     assert aten.bmm.default not in targets(gm) and aten.clone.default not in targets(gm)
     assert count(gm, aten.addmm) == 1  # Q, K and V in one GEMM
@@ -68,7 +68,7 @@ def test_attention_on_plain_inputs_has_no_copies(form):
         return (torch.softmax(q @ k.transpose(-1, -2) * 0.5, -1) @ v).transpose(1, 2).contiguous()
 
     gm, ctx = rewrite(fn, q, k, v, attention=form)
-    assert ctx.fired.get("attention") == 1 and "qkv_stacking" not in ctx.fired and not ctx.missed
+    assert ctx.fired.get("attention") == 1 and "qkv_attention" not in ctx.fired and not ctx.missed
     assert aten.clone.default not in targets(gm) and aten.bmm.default not in targets(gm)
     check_same(fn, gm, q, k, v)
 
@@ -112,8 +112,8 @@ def test_projection_read_elsewhere_is_not_stacked():
         return (p @ v).transpose(1, 2).reshape(B, L, E), k
 
     gm, ctx = rewrite(fn, *args, attention="flash")
-    assert ctx.fired.get("attention") == 1 and "qkv_stacking" not in ctx.fired
-    assert any("qkv_stacking" in m for m in ctx.missed)
+    assert ctx.fired.get("attention") == 1 and "qkv_attention" not in ctx.fired
+    assert any("qkv_attention" in m for m in ctx.missed)
     check_same(fn, gm, *args)
 
 
@@ -126,7 +126,7 @@ def test_different_inputs_are_not_stacked():
         return torch.softmax(q @ k.transpose(-1, -2), -1) @ v
 
     gm, ctx = rewrite(fn, x, y, wq, wk, wv, attention="gemm")
-    assert ctx.fired.get("attention") == 1 and "qkv_stacking" not in ctx.fired
+    assert ctx.fired.get("attention") == 1 and "qkv_attention" not in ctx.fired
     assert any("same input" in m for m in ctx.missed)
     check_same(fn, gm, x, y, wq, wk, wv)
 
@@ -217,7 +217,7 @@ def test_training_matches_eager_and_backward_has_no_copies(bias, form):
         # (k's bias gets a zero gradient, softmax being shift-invariant: compare absolutely)
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
     (rec,) = dmfx.records()
-    assert rec.fired.get("qkv_stacking") == 1
+    assert rec.fired.get("qkv_attention") == 1
     assert [f for f, _ in rec.attention_forms.values()] == [form]
     for graph in (rec.forward_graph, rec.backward_graph):
         ops = targets(graph)
@@ -460,7 +460,7 @@ def test_dynamic_shapes_stacked_attention(form):
         (exp * R).sum().backward()
         assert rel_err(out, exp) < 1e-5 and rel_err(gx, x.grad) < 1e-5
     recs = dmfx.records()
-    assert len(recs) == 1 and recs[0].fired.get("qkv_stacking") == 1, [r.summary() for r in recs]
+    assert len(recs) == 1 and recs[0].fired.get("qkv_attention") == 1, [r.summary() for r in recs]
 
 
 def test_dynamic_true_runtime_scale_moves_onto_q():

@@ -300,7 +300,7 @@ def test_bert_layer_backward_has_no_gradient_adds(stack):
     bw = _targets(rec.backward_graph)
     assert aten.add.Tensor not in bw, rec.backward_graph.code
     assert rec.fired.get("fold_gradient_adds") == 1
-    assert rec.fired.get("qkv_stacking", 0) == int(stack)
+    assert rec.fired.get("qkv_attention", 0) == int(stack)
     assert rec.fired.get("accumulate_into_gemm") == (1 if stack else 3)
     # the Q/K/V bias gradients come out of the attention backward (one stacked, or three): no
     # reduction is left

@@ -17,7 +17,7 @@ aten = torch.ops.aten
 
 # The softmax tests look at the attention_softmax pass alone: the attention pass would take each of
 # these chains over (tests/test_passes_attention.py).
-SOFTMAX_PASSES = [n for n in PIPELINE if n not in ("attention", "qkv_stacking")]
+SOFTMAX_PASSES = [n for n in PIPELINE if n not in ("attention", "qkv_attention")]
 
 
 def _qk(B=2, H=3, S=5, D=8, Sk=None):
@@ -40,8 +40,8 @@ def test_softmax_fires_on_scale_mask_softmax():
     mask[1, ..., 3:] = torch.finfo(torch.float32).min
     gm, ctx = rewrite(bert_eager, q, k, v, mask, passes=SOFTMAX_PASSES)
     assert ctx.fired.get("attention_softmax") == 1
-    assert count(gm, dmfx_ops.softmax) == 1 and aten._softmax.default not in targets(gm)
-    (sm,) = [n for n in gm.graph.nodes if n.target is dmfx_ops.softmax.default]
+    assert count(gm, dmfx_ops.attention_softmax) == 1 and aten._softmax.default not in targets(gm)
+    (sm,) = [n for n in gm.graph.nodes if n.target is dmfx_ops.attention_softmax.default]
     assert sm.args[2] == pytest.approx(1 / math.sqrt(8)) and sm.args[1] is not None
     check_same(bert_eager, gm, q, k, v, mask)
 
@@ -83,7 +83,7 @@ def test_sdpa_math_path_bool_mask_and_split_scale_are_folded():
     if aten._softmax.default not in targets(gm) and ctx.fired.get("attention_softmax") is None:
         pytest.skip("this torch lowers SDPA to a fused kernel here, not to the math path")
     assert ctx.fired.get("attention_softmax") == 1, ctx.missed
-    (sm,) = [n for n in gm.graph.nodes if n.target is dmfx_ops.softmax.default]
+    (sm,) = [n for n in gm.graph.nodes if n.target is dmfx_ops.attention_softmax.default]
     assert sm.args[1].meta["val"].dtype == torch.bool  # the bool mask itself, not a float copy
     assert aten.where.self not in targets(gm)
     assert sm.args[2] == pytest.approx(1 / math.sqrt(8))
@@ -100,7 +100,7 @@ def test_causal_tril_mask_becomes_causal_flag():
         return torch.softmax(s, -1) @ v
 
     gm, ctx = rewrite(fn, q, k, v, passes=SOFTMAX_PASSES)
-    (sm,) = [n for n in gm.graph.nodes if n.target is dmfx_ops.softmax.default]
+    (sm,) = [n for n in gm.graph.nodes if n.target is dmfx_ops.attention_softmax.default]
     assert sm.args[1] is None and sm.args[3] is True
     check_same(fn, gm, q, k, v)
 
@@ -115,7 +115,7 @@ def test_softmax_dropout_is_absorbed_and_probs_readers_get_probs():
     gm, ctx = rewrite(fn, q, k, v, passes=SOFTMAX_PASSES)
     assert ctx.fired.get("attention_softmax") == 1
     assert aten.native_dropout.default not in targets(gm) and dmfx_ops.dropout.default not in targets(gm)
-    (sm,) = [n for n in gm.graph.nodes if n.target is dmfx_ops.softmax.default]
+    (sm,) = [n for n in gm.graph.nodes if n.target is dmfx_ops.attention_softmax.default]
     assert sm.args[5] == pytest.approx(0.1) and sm.args[4] is not None
     out, probs = gm(q, k, v)
     torch.testing.assert_close(probs, torch.softmax(q @ k.transpose(-1, -2) * 0.5, -1), rtol=1e-5, atol=1e-6)
@@ -184,7 +184,7 @@ def test_bias_activation_after_linear_splits_the_bias(act):
     fn = lambda x, w, b: fns[act](F.linear(x, w, b))  # noqa: E731
     x, w, b = torch.randn(2, 5, 16), torch.randn(24, 16), torch.randn(24)
     gm, ctx = rewrite(fn, x, w, b)
-    assert ctx.fired.get("bias_activation_dropout") == 1, ctx.fired
+    assert ctx.fired.get("bias_act_dropout") == 1, ctx.fired
     assert aten.addmm.default not in targets(gm) and count(gm, aten.mm) == 1
     (f,) = [n for n in gm.graph.nodes if n.target is dmfx_ops.bias_act_dropout.default]
     assert f.args[2] == {"gpt2": "gelu_tanh"}.get(act, act)
@@ -203,7 +203,7 @@ def test_bias_dropout_without_activation():
 def test_lone_activation_is_left_to_pytorch():
     x = torch.randn(4, 16)
     gm, ctx = rewrite(F.gelu, x)
-    assert "bias_activation_dropout" not in ctx.fired and aten.gelu.default in targets(gm)
+    assert "bias_act_dropout" not in ctx.fired and aten.gelu.default in targets(gm)
 
 
 def test_linear_output_read_elsewhere_keeps_its_bias():
@@ -229,7 +229,7 @@ def test_swiglu_geglu(act):
 
     x, wg, wu, wd = torch.randn(2, 5, 16), torch.randn(24, 16), torch.randn(24, 16), torch.randn(16, 24)
     gm, ctx = rewrite(mlp, x, wg, wu, wd)
-    assert ctx.fired.get("gated_activation") == 1
+    assert ctx.fired.get("glu") == 1
     (g,) = [n for n in gm.graph.nodes if n.target is dmfx_ops.glu.default]
     assert g.args[2] == act
     check_same(mlp, gm, x, wg, wu, wd)
@@ -242,7 +242,7 @@ def test_stacked_gate_up_halves():
 
     x = torch.randn(3, 5, 32)
     gm, ctx = rewrite(fn, x)
-    assert ctx.fired.get("gated_activation") == 1
+    assert ctx.fired.get("glu") == 1
     check_same(fn, gm, x)
 
 
@@ -250,7 +250,7 @@ def test_glu_with_broadcast_is_left_alone():
     fn = lambda g, u: F.silu(g) * u  # noqa: E731
     g, u = torch.randn(3, 16), torch.randn(16)
     gm, ctx = rewrite(fn, g, u)
-    assert "gated_activation" not in ctx.fired
+    assert "glu" not in ctx.fired
     check_same(fn, gm, g, u)
 
 

@@ -1,4 +1,4 @@
-"""dmfx::softmax / dmfx::softmax_backward (cuda_ops/softmax.py, csrc/softmax_cpu.cpp) on the CPU.
+"""dmfx::attention_softmax / dmfx::attention_softmax_backward (cuda_ops/softmax.py, csrc/softmax_cpu.cpp) on the CPU.
 
 Against reference_softmax (pure PyTorch in fp32/fp64, Philox mask from reference.philox_keep):
 fp32 at relative-norm error 1e-5; fp16 / bf16 at 2e-3 / 1e-2 against the reference computed in fp32
@@ -28,8 +28,8 @@ pytestmark = pytest.mark.usefixtures("cpu_build")
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 NEG = torch.finfo(torch.float32).min
-op = torch.ops.dmfx.softmax
-op_bwd = torch.ops.dmfx.softmax_backward
+op = torch.ops.dmfx.attention_softmax
+op_bwd = torch.ops.dmfx.attention_softmax_backward
 
 
 def _padding_mask(B, Sk, dtype=torch.float32):
@@ -350,15 +350,15 @@ def test_python_api():
     s = torch.randn(2, 3, 4, 9)
     m = _padding_mask(2, 9)
     ref = S.reference_softmax(s, m, 0.5, True, None, 0.0)[0]
-    assert rel_err(S.softmax(s, m, scale=0.5, causal=True), ref) < 1e-5
-    assert rel_err(S.softmax(s, m, 0.5, True, p=0.3, training=False), ref) < 1e-5
+    assert rel_err(S.attention_softmax(s, m, scale=0.5, causal=True), ref) < 1e-5
+    assert rel_err(S.attention_softmax(s, m, 0.5, True, p=0.3, training=False), ref) < 1e-5
     torch.manual_seed(7)
-    a = S.softmax(s, m, 0.5, p=0.3)
+    a = S.attention_softmax(s, m, 0.5, p=0.3)
     torch.manual_seed(7)
-    b = S.softmax(s, m, 0.5, p=0.3)
+    b = S.attention_softmax(s, m, 0.5, p=0.3)
     assert torch.equal(a, b) and (a == 0).any()  # seeded from torch's generator: reproducible
     x = torch.randn(3, 5, requires_grad=True)
-    S.softmax(x, p=0.2).sum().backward()
+    S.attention_softmax(x, p=0.2).sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
@@ -388,7 +388,7 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="seed must be an int64 CPU tensor"):
         op(s, None, 1.0, False, torch.tensor([1, 2, 3]), 0.1)
     with pytest.raises(TypeError, match="scores must be a Tensor"):
-        S.softmax([1.0, 2.0])
+        S.attention_softmax([1.0, 2.0])
     probs = op(s, None, 1.0, False, None, 0.0)[0]
     with pytest.raises(RuntimeError, match="grad_out must have the shape of probs"):
         op_bwd(torch.randn(2, 3, 5), probs, None, 0.0, 1.0)

@@ -476,7 +476,7 @@ def test_clean_llama_step_passes(monkeypatch):
         if q.grad is not None:
             assert rel_err(p.grad, q.grad, scale) < 1e-5, name
     fired = {k for r in dmfx.records() for k in r.fired}
-    assert {"rope", "gated_activation", "attention", "accumulate_into_gemm"} <= fired, fired
+    assert {"rope", "glu", "attention", "accumulate_into_gemm"} <= fired, fired
     assert "rope" in checked and "unstack_dx" in checked and "layout" in checked
 
 
