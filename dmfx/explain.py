@@ -49,7 +49,7 @@ from torch.fx import GraphModule, Node
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .cuda_ops.attention import OPS as _ATTENTION_OPS
+from .cuda_ops import ATTENTION_OPS as _ATTENTION_OPS
 from .passes.graph_utils import concrete_int
 
 aten = torch.ops.aten

@@ -11,7 +11,7 @@ from typing import Callable
 
 from torch.fx import GraphModule
 
-from ..cuda_ops import ops as _ops  # noqa: F401  (defines the dmfx:: ops the passes emit)
+from .. import cuda_ops as _cuda_ops  # noqa: F401  (defines the dmfx:: ops the passes emit)
 from .activations import fuse_activation_idioms, fuse_bias_activation_dropout, fuse_gated_activation
 from .bdrln import fuse_bias_dropout_residual_norm, fuse_dropout
 from .graph_utils import PassContext, finish, remove_metadata_asserts, reshape_fused_views, run_passes

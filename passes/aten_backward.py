@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from ..cuda_ops.ops import stat_dtype
+from ..cuda_ops import stat_dtype
 from .graph_utils import PassContext, insert_call, insert_getitems, is_op, kernel_friendly, tensor_meta, val, views_to_reshapes
 
 aten = torch.ops.aten

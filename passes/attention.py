@@ -186,7 +186,7 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | Non
 
     With ``options={"tune": True}`` the feasible forms are timed instead (passes/tuning.py).
     """
-    from ..cuda_ops.attention import flash_supported
+    from ..cuda_ops import flash_supported
 
     qm = tensor_meta(q4)
     flash_ok = flash_supported(qm.device, qm.dtype, qm.shape[3], tensor_meta(v4).shape[3])

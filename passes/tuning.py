@@ -123,7 +123,7 @@ def _attention_runner(form: str, case: dict, device: torch.device, scale: float,
         mshape, mdtype = case["mask"]
         mdtype = getattr(torch, mdtype.split(".")[-1])
         mask = torch.ones(mshape, device=device, dtype=torch.bool) if mdtype == torch.bool else torch.zeros(mshape, device=device, dtype=mdtype)
-    from ..cuda_ops.ops import new_seed
+    from ..cuda_ops import new_seed
 
     def forward():
         seed = new_seed() if p > 0 else None
