@@ -145,7 +145,7 @@ def input_requires_grad(example_inputs: Sequence[Any]) -> tuple[bool, ...]:
 
 
 def pass_context(example_inputs: Sequence[Any], opts: Options, training: bool):
-    """The PassContext the pipeline runs with (the backend's, and explain's replay of it)."""
+    """The PassContext the passes run with."""
     from torch._guards import detect_fake_mode
 
     from .passes import PassContext
@@ -175,62 +175,24 @@ def _copy(gm: GraphModule) -> GraphModule:
     return GraphModule(gm, graph)
 
 
-def lower_to_aten(gm: GraphModule, example_inputs: Sequence[Any]) -> GraphModule:
-    """The Dynamo graph as a functional ATen forward graph with the same signature."""
+def lower_to_aten(gm: GraphModule, example_inputs: Sequence[Any], opts: Options | None = None,
+                 record: GraphRecord | None = None) -> GraphModule:
+    """The Dynamo graph as a functional ATen forward graph with the same signature, and the LOWERING
+    passes run on it (passes/__init__.py: restore_sdpa, in training), under `opts` (default: the
+    default options). What they did is added to `record`."""
     from torch._functorch.aot_autograd import aot_export_joint_simple
+
+    from .passes import run_lowering
 
     with torch.no_grad():
         aten_gm = aot_export_joint_simple(gm, list(example_inputs), trace_joint=False)
-    if torch.is_grad_enabled():
-        restore_sdpa(aten_gm, input_requires_grad(example_inputs))
+    opts = opts or Options()
+    training = torch.is_grad_enabled() and any(input_requires_grad(example_inputs))
+    ctx = pass_context(example_inputs, opts, training)
+    run_lowering(aten_gm, ctx, opts.skip, verify=opts.verify)
+    if record is not None:
+        _add_to_record(record, ctx, "lowering")
     return aten_gm
-
-
-def restore_sdpa(aten_gm: GraphModule, requires_grad: Sequence[bool]) -> int:
-    """Turn fused SDPA kernels chosen under no_grad back into ``aten.scaled_dot_product_attention``
-    where their mask requires grad.
-
-    The forward graph is traced under no_grad, where SDPA may pick a kernel that cannot differentiate
-    its mask (e.g. the CPU flash kernel with T5's learned position bias as the mask). Calling the
-    composite op again lets AOTAutograd choose under the real grad mode. Views of the output that
-    relied on the fused kernel's output strides become reshapes. Only nodes whose extra outputs
-    (logsumexp, rng state) nobody reads are restored.
-    """
-    import operator
-
-    from .passes.attention import sdpa_call
-    from .passes.graph_utils import grad_dependent_nodes, views_to_reshapes
-
-    grad_nodes = grad_dependent_nodes(aten_gm.graph, requires_grad)
-    count = 0
-    for n in list(aten_gm.graph.nodes):
-        call = sdpa_call(n)
-        if call is None or not call["extra_outputs"]:  # (the composite op itself needs nothing)
-            continue
-        mask = call["mask"]
-        if mask not in grad_nodes:
-            continue
-        if any(not (u.target is operator.getitem and u.args[1] == 0) for u in n.users):
-            continue
-        q, k, v = call["q"], call["k"], call["v"]
-        qm, km = q.meta.get("val"), k.meta.get("val")
-        gqa = qm is not None and km is not None and qm.dim() >= 3 and qm.shape[-3] != km.shape[-3]
-        with aten_gm.graph.inserting_before(n):
-            new = aten_gm.graph.call_function(
-                torch.ops.aten.scaled_dot_product_attention.default,
-                (q, k, v, mask, call["dropout"], call["causal"]),
-                {"scale": call["scale"], **({"enable_gqa": True} if gqa else {})},
-            )
-        new.meta["val"] = n.meta["val"][0] if isinstance(n.meta.get("val"), (tuple, list)) else None
-        for u in list(n.users):
-            u.replace_all_uses_with(new)
-            aten_gm.graph.erase_node(u)
-        aten_gm.graph.erase_node(n)
-        views_to_reshapes([new])  # later views may have relied on the fused kernel's output strides
-        count += 1
-    if count:
-        aten_gm.recompile()
-    return count
 
 
 def rewrite(aten_gm: GraphModule, example_inputs: Sequence[Any], opts: Options, record: GraphRecord) -> GraphModule:
@@ -303,21 +265,26 @@ def _run_on_copy(gm: GraphModule, example_inputs: Sequence[Any], opts: Options, 
         if not graph:
             record.fallback = f"pass {name} failed: {kind}: {e}"
         return None
+    _add_to_record(record, ctx, graph or ("forward" if training else "inference"))
+    return work
+
+
+def _add_to_record(record: GraphRecord, ctx: Any, kind: str) -> None:
+    """What the passes recorded in `ctx` (a PassContext), added to `record`; `kind`: the graph they
+    ran on ("lowering", "forward", "inference", "joint", "backward")."""
     for k, v in ctx.fired.items():
         record.fired[k] = record.fired.get(k, 0) + v
     for k, v in ctx.replaced.items():
         record.replaced[k] = record.replaced.get(k, 0) + v
     record.missed.extend(ctx.missed)
     record.attention_forms.update(ctx.forms)
-    kind = graph or ("forward" if training else "inference")
     listed = {(c["graph"], c["node"]) for c in record.copies}
     for c in ctx.copies:
         c = {"graph": kind, **c}  # (the joint search names each copy's graph)
         if (c["graph"], c["node"]) not in listed:  # (the backward search sees the joint search's copies again)
             record.copies.append(c)
     for m in ctx.missed:
-        log.debug("dmfx: graph %d%s: left alone: %s", record.graph_id, f" {graph}" if graph else "", m)
-    return work
+        log.debug("dmfx: graph %d %s: left alone: %s", record.graph_id, kind, m)
 
 
 def _compiler(kind: str, record: GraphRecord, opts: Options | None = None) -> Callable:
@@ -386,10 +353,12 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
         return gm.forward
 
     start = time.perf_counter()
+    from .passes.verify import GraphVerificationError
+
     try:
-        aten_gm = lower_to_aten(gm, example_inputs)
+        aten_gm = lower_to_aten(gm, example_inputs, opts, record)
     except Exception as e:  # input mutation, aliased outputs, list inputs, ...
-        if not opts.fallback:
+        if not opts.fallback or isinstance(e, GraphVerificationError) and e.strict:
             raise
         record.fallback = f"could not lower to a functional ATen graph: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         from .cuda_ops.build import warn

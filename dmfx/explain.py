@@ -444,7 +444,7 @@ def graph_rows(gm: GraphModule, graph: str, stage: str) -> list[dict]:
     rows = []
     for n in _call_nodes(gm):
         c = _node_cost(n)
-        absorbed = list(n.meta.get("dmfx_absorbed", []))
+        absorbed = [a for a in n.meta.get("dmfx_absorbed", []) if isinstance(a, str)]  # (the names _annotate wrote)
         note = c.note or n.meta.get("dmfx_note", "")
         if not absorbed and "dmfx_fused" in n.meta:
             pattern, count = n.meta["dmfx_fused"]

@@ -25,15 +25,15 @@ scores (mask added before the scale).
 from __future__ import annotations
 
 import math
-import operator
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, Node
 
+from .fusion import Fusion, Match, Miss, Replacement
 from .graph_utils import (
     PassContext,
-    broadcasts_to,
     aten,
+    broadcasts_to,
     getitem_users,
     insert_call,
     insert_getitems,
@@ -186,99 +186,117 @@ def _fold_qk_scales(scores: Node, dtype: torch.dtype) -> tuple[float, list[Node]
     return factor, muls
 
 
-def fuse_attention_softmax(gm: GraphModule, ctx: PassContext) -> None:
-    graph = gm.graph
-    for sm in list(graph.nodes):
-        core = _softmax_core(sm)
-        if core is None:
-            continue
-        z, probs_node, absorbed = core
-        zm = tensor_meta(z)
-        if not kernel_friendly(zm) or zm.dim() < 1:
-            continue
-        shape = zm.shape
-        if len(z.users) != 1:
-            ctx.miss("attention_softmax", sm, f"its input {z.name} is read elsewhere")
-            continue
+def _summed(m2: Node, mask: Node, ctx: PassContext) -> torch.Tensor | None:
+    """The fake value of ``m2 + mask`` (T5's two masks, which the rewrite sums into one)."""
+    from torch._guards import detect_fake_mode
 
-        # z = s' + mask (either order)
-        scores, mask = z, None
-        if is_op(z, aten.add) and len(z.args) == 2 and z.kwargs.get("alpha", 1) == 1:
-            a, b = z.args
-            am, bm = tensor_meta(a), tensor_meta(b)
-            if am is not None and bm is not None:
-                if am.shape == shape and (bm.shape != shape or not _is_scores_side(b) or _is_scores_side(a)):
-                    scores, mask = a, b
-                elif bm.shape == shape:
-                    scores, mask = b, a
-            if mask is None:
-                ctx.miss("attention_softmax", sm, "an add before the softmax whose operands do not look like scores + mask")
-                continue
-            absorbed.append(z)
-            # Two masks, ((s + m2) + m1) as T5 writes (position bias, then the padding mask): one mask
-            # m2 + m1 (broadcast sum; a tensor of at most the scores' size, as the add it replaces).
-            inner = _second_mask(scores, shape)
-            if inner is not None:
-                scores, m2 = inner
-                with graph.inserting_before(sm):
-                    mask = insert_call(graph, ctx, aten.add.Tensor, (m2, mask))
-        s, scale, scale_node = _split_scale(scores)
-        if scale_node is not None:
-            if len(scale_node.users) != 1:
-                ctx.miss("attention_softmax", sm, f"the scaled scores {scale_node.name} are read elsewhere")
-                scale, s = 1.0, scores
-            else:
-                absorbed.append(scale_node)
-        sm_meta = tensor_meta(s)
-        if sm_meta is None or sm_meta.shape != shape or sm_meta.dtype != zm.dtype:
-            ctx.miss("attention_softmax", sm, "the scores have another shape or dtype than the softmax input")
-            continue
+    a, b = tensor_meta(m2), tensor_meta(mask)
+    mode = ctx.fake_mode or detect_fake_mode([a, b])
+    if mode is None:
+        return None
+    with mode:
+        return a + b
 
-        causal = False
-        if mask is not None:
-            bool_mask = _bool_mask_of(mask)
-            if bool_mask is not None:
-                if len(mask.users) == 1:
-                    absorbed.append(mask)
-                mask = bool_mask
-                if _is_causal_tril(mask, shape):
-                    mask, causal = None, True
-            if mask is not None:
-                mm = tensor_meta(mask)
-                if mm is None or not broadcasts_to(mm.shape, shape) or (mm.dtype not in FLOATS and mm.dtype != torch.bool):
-                    ctx.miss("attention_softmax", sm, "the mask is not broadcastable to the scores or has an unsupported dtype")
-                    continue
-                if mm.device != zm.device:
-                    ctx.miss("attention_softmax", sm, "the mask is on another device")
-                    continue
 
-        # dropout after the softmax
-        p, drop_out, drop = 0.0, None, None
-        for u in list(probs_node.users):
-            if not is_op(u, aten.native_dropout):
-                continue
-            items = getitem_users(u)
-            if set(items) - {0}:
-                ctx.miss("attention_softmax", sm, "the dropout mask is read in the graph; dropout left unfused")
-            elif u.args[2] is not False and float(u.args[1]) > 0:
-                p, drop, drop_out = float(u.args[1]), u, items.get(0, [])
-            break
+def match_attention_softmax(sm: Node, ctx: PassContext) -> Match | Miss | None:
+    """The chain of the module docstring around the softmax `sm`."""
+    core = _softmax_core(sm)
+    if core is None:
+        return None
+    z, probs_node, chain = core
+    zm = tensor_meta(z)
+    if not kernel_friendly(zm) or zm.dim() < 1:
+        return None
+    shape = zm.shape
+    if len(z.users) != 1:
+        return Miss(f"its input {z.name} is read elsewhere")
 
-        folded, muls = _fold_qk_scales(s, zm.dtype)
-        with graph.inserting_before(sm if drop is None else drop):
-            for mul in muls:  # bypass q * sqrt(c) and k_t * sqrt(c)
-                mul.replace_all_uses_with(mul.args[0])
-            seed = insert_seed(graph, ctx) if p > 0 else None
-            fused = insert_call(
-                graph, ctx, torch.ops.dmfx.attention_softmax.default, (s, mask, scale * folded, causal, seed, p)
-            )
-            out, probs = insert_getitems(graph, fused, 2)
-        if drop is not None:
-            for g in drop_out:
-                g.replace_all_uses_with(out)
-            absorbed += [drop, *drop_out]
-            # other readers of the probabilities (returned attention weights) get the fused op's copy
-            probs_node.replace_all_uses_with(probs, delete_user_cb=lambda u: u is not drop)
+    # z = s' + mask (either order)
+    scores, mask, m2 = z, None, None
+    if is_op(z, aten.add) and len(z.args) == 2 and z.kwargs.get("alpha", 1) == 1:
+        a, b = z.args
+        am, bm = tensor_meta(a), tensor_meta(b)
+        if am is not None and bm is not None:
+            if am.shape == shape and (bm.shape != shape or not _is_scores_side(b) or _is_scores_side(a)):
+                scores, mask = a, b
+            elif bm.shape == shape:
+                scores, mask = b, a
+        if mask is None:
+            return Miss("an add before the softmax whose operands do not look like scores + mask")
+        chain.append(z)
+        # Two masks, ((s + m2) + m1) as T5 writes (position bias, then the padding mask): one mask
+        # m2 + m1 (broadcast sum; a tensor of at most the scores' size, as the add it replaces).
+        inner = _second_mask(scores, shape)
+        if inner is not None:
+            scores, m2 = inner
+    notes: list[str] = []
+    s, scale, scale_node = _split_scale(scores)
+    if scale_node is not None:
+        if len(scale_node.users) != 1:
+            notes.append(f"the scaled scores {scale_node.name} are read elsewhere")
+            scale, s = 1.0, scores
         else:
-            probs_node.replace_all_uses_with(out)
-        ctx.record("attention_softmax", len(absorbed) + len(muls), fused)
+            chain.append(scale_node)
+    sm_meta = tensor_meta(s)
+    if sm_meta is None or sm_meta.shape != shape or sm_meta.dtype != zm.dtype:
+        return Miss(*notes, "the scores have another shape or dtype than the softmax input")
+
+    causal = False
+    if mask is not None:
+        bool_mask = _bool_mask_of(mask) if m2 is None else None  # (a summed mask is no where())
+        if bool_mask is not None:
+            if len(mask.users) == 1:
+                chain.append(mask)
+            mask = bool_mask
+            if _is_causal_tril(mask, shape):
+                mask, causal = None, True
+        if mask is not None:
+            mm = tensor_meta(mask) if m2 is None else _summed(m2, mask, ctx)
+            if mm is None or not broadcasts_to(mm.shape, shape) or (mm.dtype not in FLOATS and mm.dtype != torch.bool):
+                return Miss(*notes, "the mask is not broadcastable to the scores or has an unsupported dtype")
+            if mm.device != zm.device:
+                return Miss(*notes, "the mask is on another device")
+
+    # dropout after the softmax
+    p, drop, drop_out = 0.0, None, []
+    for u in list(probs_node.users):
+        if not is_op(u, aten.native_dropout):
+            continue
+        items = getitem_users(u)
+        if set(items) - {0}:
+            notes.append("the dropout mask is read in the graph; dropout left unfused")
+        elif u.args[2] is not False and float(u.args[1]) > 0:
+            p, drop, drop_out = float(u.args[1]), u, items.get(0, [])
+        break
+
+    folded, muls = _fold_qk_scales(s, zm.dtype)
+    if drop is not None:
+        chain += [drop, *drop_out]
+    nodes = {"scores": s, "mask": mask, "second_mask": m2, "scale": scale * folded, "causal": causal, "p": p,
+             "softmax": sm, "dropout": drop, "dropout_out": drop_out, "probs": probs_node, "muls": muls}
+    return Match(nodes, chain + muls, returned=(*drop_out, probs_node, *muls), notes=tuple(notes))
+
+
+def rewrite_attention_softmax(graph: Graph, m: Match, ctx: PassContext) -> Replacement:
+    mask = m["mask"]
+    if m["second_mask"] is not None:
+        with graph.inserting_before(m["softmax"]):
+            mask = insert_call(graph, ctx, aten.add.Tensor, (m["second_mask"], mask))
+    with graph.inserting_before(m["softmax"] if m["dropout"] is None else m["dropout"]):
+        seed = insert_seed(graph, ctx) if m["p"] > 0 else None
+        fused = insert_call(graph, ctx, torch.ops.dmfx.attention_softmax.default,
+                            (m["scores"], mask, m["scale"], m["causal"], seed, m["p"]))
+        out, probs = insert_getitems(graph, fused, 2)
+    uses = {mul: mul.args[0] for mul in m["muls"]}  # q * sqrt(c) and k_t * sqrt(c): the factor is in the scale
+    if m["dropout"] is not None:
+        # other readers of the probabilities (returned attention weights) get the fused op's copy
+        uses.update({g: out for g in m["dropout_out"]})
+        uses[m["probs"]] = probs
+    else:
+        uses[m["probs"]] = out
+    return Replacement(fused, uses)
+
+
+#: scale + mask + softmax + dropout over attention scores -> dmfx::attention_softmax.
+ATTENTION_SOFTMAX = Fusion("attention_softmax", (aten._softmax, aten._safe_softmax), match_attention_softmax,
+                           rewrite_attention_softmax)

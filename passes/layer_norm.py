@@ -1,5 +1,6 @@
-"""Normalization passes: ``aten.native_layer_norm`` and the decomposed LayerNorm / RMSNorm idioms
-that HuggingFace models write by hand become ``dmfx::layer_norm`` / ``dmfx::rms_norm``.
+"""The normalizations: ``aten.native_layer_norm`` (fusion ``layer_norm``) and the decomposed LayerNorm /
+RMSNorm idioms that HuggingFace models write by hand (fusion ``norm_idioms``, recorded as
+``layer_norm`` / ``rms_norm``) become ``dmfx::layer_norm`` / ``dmfx::rms_norm``.
 
 Recognised idioms (ATen level, operands of add/mul in either order, float casts anywhere):
 
@@ -17,8 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, Node
 
+from .fusion import Fusion, Match, Miss, Replacement
 from .graph_utils import (
     PassContext,
     aten,
@@ -30,7 +32,6 @@ from .graph_utils import (
     is_op,
     is_scalar,
     kernel_friendly,
-    only_used_by,
     strip_casts,
     tensor_meta,
 )
@@ -39,35 +40,34 @@ from .graph_utils import (
 # ----------------------------------------------------------------------------------- native_layer_norm
 
 
-def fuse_native_layer_norm(gm: GraphModule, ctx: PassContext) -> None:
-    """aten.native_layer_norm over the last dim -> dmfx::layer_norm."""
-    graph = gm.graph
-    for n in list(graph.nodes):
-        if not is_op(n, aten.native_layer_norm):
-            continue
-        x, shape, weight, bias, eps = n.args
-        xm = tensor_meta(x)
-        if xm is None or not kernel_friendly(xm):
-            ctx.miss("layer_norm", n, "unsupported dtype or device")
-            continue
-        # under dynamic shapes the size is a SymInt node: compare its value
-        size = shape[0].meta.get("val") if len(shape) == 1 and isinstance(shape[0], torch.fx.Node) else (shape[0] if len(shape) == 1 else None)
-        if len(shape) != 1 or xm.dim() == 0 or size is None or size != xm.shape[-1]:
-            ctx.miss("layer_norm", n, f"normalizes {len(shape)} dims (sizes {list(shape)}); dmfx normalizes the last one only")
-            continue
-        if any(p is not None and tensor_meta(p) is not None and tensor_meta(p).dtype != xm.dtype for p in (weight, bias)):
-            ctx.miss("layer_norm", n, "weight/bias dtype differs from the input's")
-            continue
-        items = getitem_users(n)
-        if set(items) - {0}:
-            ctx.miss("layer_norm", n, "mean/rstd are read in the graph")
-            continue
-        with graph.inserting_before(n):
-            fused = insert_call(graph, ctx, torch.ops.dmfx.layer_norm.default, (x, weight, bias, float(eps)))
-            out = insert_getitems(graph, fused, 1)[0]
-        for g in items.get(0, []):
-            g.replace_all_uses_with(out)
-        ctx.record("layer_norm", 1, fused)
+def match_native_layer_norm(n: Node, ctx: PassContext) -> Match | Miss:
+    """aten.native_layer_norm over the last dim, whose mean and rstd nothing reads."""
+    x, shape, weight, bias, eps = n.args
+    xm = tensor_meta(x)
+    if xm is None or not kernel_friendly(xm):
+        return Miss("unsupported dtype or device")
+    # under dynamic shapes the size is a SymInt node: compare its value
+    size = shape[0].meta.get("val") if len(shape) == 1 and isinstance(shape[0], torch.fx.Node) else (shape[0] if len(shape) == 1 else None)
+    if len(shape) != 1 or xm.dim() == 0 or size is None or size != xm.shape[-1]:
+        return Miss(f"normalizes {len(shape)} dims (sizes {list(shape)}); dmfx normalizes the last one only")
+    if any(p is not None and tensor_meta(p) is not None and tensor_meta(p).dtype != xm.dtype for p in (weight, bias)):
+        return Miss("weight/bias dtype differs from the input's")
+    items = getitem_users(n)
+    if set(items) - {0}:
+        return Miss("mean/rstd are read in the graph")
+    outs = tuple(items.get(0, []))
+    return Match({"x": x, "weight": weight, "bias": bias, "eps": float(eps)}, [n, *outs], returned=outs)
+
+
+def rewrite_native_layer_norm(graph: Graph, m: Match, ctx: PassContext) -> Replacement:
+    with graph.inserting_before(m.absorbed[0]):
+        fused = insert_call(graph, ctx, torch.ops.dmfx.layer_norm.default, (m["x"], m["weight"], m["bias"], m["eps"]))
+        out = insert_getitems(graph, fused, 1)[0]
+    return Replacement(fused, {g: out for g in m.returned})
+
+
+#: aten.native_layer_norm over the last dim -> dmfx::layer_norm.
+LAYER_NORM = Fusion("layer_norm", (aten.native_layer_norm,), match_native_layer_norm, rewrite_native_layer_norm)
 
 
 # ----------------------------------------------------------------------------------- decomposed idioms
@@ -218,39 +218,39 @@ def _affine(normalized: Node, H: int, dtype) -> tuple[Node, Node | None, Node | 
     return end, weight, bias, nodes
 
 
-def fuse_norm_idioms(gm: GraphModule, ctx: PassContext) -> None:
-    """Decomposed LayerNorm / RMSNorm -> dmfx::layer_norm / dmfx::rms_norm."""
-    graph = gm.graph
-    for n in list(graph.nodes):
-        if n.graph is not graph or not n.users:  # erased or dead by an earlier rewrite
-            continue
-        m = match_norm(n)
-        if m is None:
-            continue
-        pattern = "rms_norm" if m.rms else "layer_norm"
-        xm = tensor_meta(m.x)
-        if xm is None or not kernel_friendly(xm) or xm.dim() == 0:
-            ctx.miss(pattern, n, "unsupported input dtype or device")
-            continue
-        H, dtype = xm.shape[-1], xm.dtype
-        end, weight, bias, tail = _affine(m.normalized, H, dtype)
-        em = tensor_meta(end)
-        if em is None or em.dtype != dtype or em.shape != xm.shape:
-            ctx.miss(pattern, n, "the result's dtype or shape differs from the input's")
-            continue
-        nodes = m.internal + tail
-        inside = set(nodes)
-        extra = [k for k in nodes if k is not end and not only_used_by(k, inside)]
-        if extra:
-            ctx.miss(pattern, n, f"intermediate {extra[0].name} has a user outside the pattern")
-            continue
-        with graph.inserting_before(end):
-            if m.rms:
-                fused = insert_call(graph, ctx, torch.ops.dmfx.rms_norm.default, (m.x, weight, m.eps))
-            else:
-                fused = insert_call(graph, ctx, torch.ops.dmfx.layer_norm.default, (m.x, weight, bias, m.eps))
-            out = insert_getitems(graph, fused, 1)[0]
-            if m.rms and bias is not None:
-                out = insert_call(graph, ctx, aten.add.Tensor, (out, bias))
-        end.replace_all_uses_with(out)
-        ctx.record(pattern, len(nodes), fused)
+def match_norm_idiom(n: Node, ctx: PassContext) -> Match | Miss | None:
+    """A decomposed LayerNorm / RMSNorm whose normalized value `n` computes (match_norm), with its
+    affine tail; recorded as "layer_norm" or "rms_norm"."""
+    if not n.users:
+        return None
+    m = match_norm(n)
+    if m is None:
+        return None
+    pattern = "rms_norm" if m.rms else "layer_norm"
+    xm = tensor_meta(m.x)
+    if xm is None or not kernel_friendly(xm) or xm.dim() == 0:
+        return Miss("unsupported input dtype or device", pattern=pattern)
+    H, dtype = xm.shape[-1], xm.dtype
+    end, weight, bias, tail = _affine(m.normalized, H, dtype)
+    em = tensor_meta(end)
+    if em is None or em.dtype != dtype or em.shape != xm.shape:
+        return Miss("the result's dtype or shape differs from the input's", pattern=pattern)
+    nodes = {"x": m.x, "eps": m.eps, "rms": m.rms, "weight": weight, "bias": bias, "end": end}
+    return Match(nodes, m.internal + tail, returned=(end,), pattern=pattern)
+
+
+def rewrite_norm_idiom(graph: Graph, m: Match, ctx: PassContext) -> Replacement:
+    with graph.inserting_before(m["end"]):
+        if m["rms"]:
+            fused = insert_call(graph, ctx, torch.ops.dmfx.rms_norm.default, (m["x"], m["weight"], m["eps"]))
+        else:
+            fused = insert_call(graph, ctx, torch.ops.dmfx.layer_norm.default, (m["x"], m["weight"], m["bias"], m["eps"]))
+        out = insert_getitems(graph, fused, 1)[0]
+        if m["rms"] and m["bias"] is not None:
+            out = insert_call(graph, ctx, aten.add.Tensor, (out, m["bias"]))
+    return Replacement(fused, {m["end"]: out})
+
+
+#: Decomposed LayerNorm / RMSNorm -> dmfx::layer_norm / dmfx::rms_norm (from the value it normalizes:
+#: ``(x - mean) * rstd``, ``x * rstd`` or their division forms).
+NORM_IDIOMS = Fusion("norm_idioms", (aten.mul, aten.div), match_norm_idiom, rewrite_norm_idiom)

@@ -1,4 +1,4 @@
-"""passes/aten_backward.py: PyTorch's own backward ops, left where the forward pipeline did not rewrite
+"""passes/backward/aten_backward.py: PyTorch's own backward ops, left where the forward pipeline did not rewrite
 a chain, become dmfx's backward kernels.
 
 * On hand-built backward graphs: ``native_layer_norm_backward``, ``gelu_backward`` (erf and tanh),
@@ -9,7 +9,7 @@ a chain, become dmfx's backward kernels.
   (a mask the forward stored) folds into the activation backward after it, or becomes the identity
   kernel reading the mask, with the bias sum.
 * End to end: a BertLayer compiled with the forward fusions skipped has none of PyTorch's backward
-  ops left, its gradients equal eager's, and the folds of passes/backward.py apply to the new ops.
+  ops left, its gradients equal eager's, and the folds of passes/backward/ apply to the new ops.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import dmfx
-from conftest import compiled_step_matches_eager, rel_err, tiny_bert_layer
+from conftest import compiled_step_matches_eager, rel_err, targets, tiny_bert_layer
 from dmfx.passes import PassContext
-from dmfx.passes.aten_backward import fuse_aten_backward
+from dmfx.passes.backward.aten_backward import fuse_aten_backward
 
 aten = torch.ops.aten
 
@@ -37,18 +37,11 @@ def _run(fn, *args):
     return fn(*args), gm(*args), gm, ctx
 
 
-def _targets(gm):
-    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
-
-
 def _close(got, want, tol=1e-5):
     for a, b in zip(got, want):
         assert (a is None) == (b is None)
         if b is not None:
             assert a.shape == b.shape and rel_err(a, b) < tol
-
-
-# ------------------------------------------------------------------ layer norm
 
 
 @pytest.mark.parametrize("affine", ["both", "weight", "none"])
@@ -66,8 +59,8 @@ def test_layer_norm_backward_becomes_dmfx(affine):
 
     want, got, gm, ctx = _run(f, g, x, mean, rstd, w, b)
     assert ctx.fired == {"aten_backward": 1}
-    assert aten.native_layer_norm_backward.default not in _targets(gm)
-    assert torch.ops.dmfx.norm_backward.default in _targets(gm)
+    assert aten.native_layer_norm_backward.default not in targets(gm)
+    assert torch.ops.dmfx.norm_backward.default in targets(gm)
     _close(got, want)
 
 
@@ -80,7 +73,7 @@ def test_layer_norm_backward_near_misses():
         return aten.native_layer_norm_backward(g, x, [4, 8], mean, rstd, None, None, [True, False, False])
 
     _, _, gm, ctx = _run(two_dims, torch.randn_like(x), x, mean, rstd)
-    assert aten.native_layer_norm_backward.default in _targets(gm) and not ctx.fired
+    assert aten.native_layer_norm_backward.default in targets(gm) and not ctx.fired
     assert any("more than the last dim" in m for m in ctx.missed), ctx.missed
 
     xb = torch.randn(3, 8, dtype=torch.bfloat16)
@@ -90,11 +83,8 @@ def test_layer_norm_backward_near_misses():
         return aten.native_layer_norm_backward(g, x, [8], mean, rstd, None, None, [True, False, False])
 
     _, _, gm, ctx = _run(bf16, torch.randn_like(xb), xb, mean, rstd)
-    assert aten.native_layer_norm_backward.default in _targets(gm)
+    assert aten.native_layer_norm_backward.default in targets(gm)
     assert any("statistics in torch.bfloat16" in m for m in ctx.missed), ctx.missed
-
-
-# ------------------------------------------------------------------ activations and their bias sum
 
 
 ACTS = {
@@ -121,7 +111,7 @@ def test_activation_backward_becomes_dmfx_with_its_bias_gradient(act, bias_sum):
     want, got, gm, ctx = _run(f, g, h)
     assert ctx.fired == {"aten_backward": 1}
     assert ctx.replaced == {"aten_backward": 2 if bias_sum else 1}
-    ts = _targets(gm)
+    ts = targets(gm)
     assert torch.ops.dmfx.bias_act_dropout_backward.default in ts
     assert not {aten.gelu_backward.default, aten.silu_backward.default, aten.threshold_backward.default} & set(ts)
     assert (aten.sum.dim_IntList in ts) is False
@@ -136,14 +126,14 @@ def test_activation_backward_near_misses():
         return aten.threshold_backward(g, h, 0.5)  # not relu's
 
     _, _, gm, ctx = _run(thresh, g, h)
-    assert aten.threshold_backward.default in _targets(gm) and not ctx.fired
+    assert aten.threshold_backward.default in targets(gm) and not ctx.fired
 
     def partial_sum(g, h):
         dx = aten.gelu_backward(g, h)
         return dx.sum([1])  # over the features: no bias gradient
 
     want, got, gm, ctx = _run(partial_sum, g, h)
-    assert ctx.replaced == {"aten_backward": 1} and aten.sum.dim_IntList in _targets(gm)
+    assert ctx.replaced == {"aten_backward": 1} and aten.sum.dim_IntList in targets(gm)
     _close([got], [want])
 
     def mixed(g, h):
@@ -151,9 +141,6 @@ def test_activation_backward_near_misses():
 
     _, _, gm, ctx = _run(mixed, g, h)
     assert ctx.fired == {"aten_backward": 1}
-
-
-# ------------------------------------------------------------------ stored dropout masks
 
 
 def _dropout_mask(shape, p=0.3):
@@ -174,7 +161,7 @@ def test_stored_dropout_mask_folds_into_the_activation_backward(act):
 
     want, got, gm, ctx = _run(f, g, mask, h)
     assert ctx.fired == {"aten_backward": 1} and ctx.replaced == {"aten_backward": 3}
-    ts = _targets(gm)
+    ts = targets(gm)
     assert aten.native_dropout_backward.default not in ts and aten.sum.dim_IntList not in ts
     assert ts.count(torch.ops.dmfx.bias_act_dropout_backward.default) == 1
     _close(got, want)
@@ -207,14 +194,14 @@ def test_stored_dropout_mask_near_misses():
 
     want, got, gm, ctx = _run(two_readers, g, mask, h)
     assert ctx.fired == {"aten_backward": 2}  # GELU and the dropout, each its own kernel
-    assert aten.native_dropout_backward.default not in _targets(gm)
+    assert aten.native_dropout_backward.default not in targets(gm)
     _close(got, want)
 
     def byte_mask(g, mask, h):  # a mask that is not native_dropout's bool mask
         return aten.native_dropout_backward(g, mask.to(torch.uint8), 1.25)
 
     want, got, gm, ctx = _run(byte_mask, g, mask, h)
-    assert aten.native_dropout_backward.default in _targets(gm) and not ctx.fired
+    assert aten.native_dropout_backward.default in targets(gm) and not ctx.fired
     assert any("not a bool tensor" in m for m in ctx.missed), ctx.missed
 
     y = torch.softmax(torch.randn(2, 3, 8, 8), -1)
@@ -225,7 +212,7 @@ def test_stored_dropout_mask_near_misses():
         return aten._softmax_backward_data(d, y, -1, torch.float32), d
 
     want, got, gm, ctx = _run(softmax_dropout_read_twice, gs, ms, y)
-    ts = _targets(gm)
+    ts = targets(gm)
     assert ctx.fired == {"aten_backward": 2} and aten.native_dropout_backward.default not in ts
     assert torch.ops.dmfx.attention_softmax_backward.default in ts and torch.ops.dmfx.bias_act_dropout_backward.default in ts
     _close(got, want)
@@ -245,11 +232,8 @@ def test_stored_dropout_mask_folds_into_the_softmax_backward(scale):
 
     want, got, gm, ctx = _run(f, g, mask, y)
     assert ctx.fired == {"aten_backward": 1} and ctx.replaced == {"aten_backward": 3 if scale == "div" else 2}
-    assert _targets(gm) == [torch.ops.dmfx.attention_softmax_backward.default]
+    assert targets(gm) == [torch.ops.dmfx.attention_softmax_backward.default]
     _close([got], [want])
-
-
-# ------------------------------------------------------------------ softmax
 
 
 @pytest.mark.parametrize("scale", ["div", "mul", "none"])
@@ -264,7 +248,7 @@ def test_softmax_backward_becomes_dmfx_with_the_scale(scale):
 
     want, got, gm, ctx = _run(f, g, y)
     assert ctx.fired == {"aten_backward": 1}
-    ts = _targets(gm)
+    ts = targets(gm)
     assert ts.count(torch.ops.dmfx.attention_softmax_backward.default) == 1 and len(ts) == 1, ts
     _close([got], [want])
 
@@ -278,7 +262,7 @@ def test_softmax_backward_near_misses():
         return aten._softmax_backward_data(g, y, 1, torch.float32)
 
     _, _, gm, ctx = _run(other_dim, g, y)
-    assert aten._softmax_backward_data.default in _targets(gm) and not ctx.fired
+    assert aten._softmax_backward_data.default in targets(gm) and not ctx.fired
     assert any("another dim" in m for m in ctx.missed), ctx.missed
 
     def cast(g, y):  # softmax computed in fp32 from an fp16 input (HF under autocast)
@@ -287,11 +271,8 @@ def test_softmax_backward_near_misses():
     gm = make_fx(cast, tracing_mode="fake")(g, y)  # (traced only: the CPU kernel has no such case)
     ctx = PassContext()
     fuse_aten_backward(gm, ctx)
-    assert aten._softmax_backward_data.default in _targets(gm) and not ctx.fired
+    assert aten._softmax_backward_data.default in targets(gm) and not ctx.fired
     assert any("a cast around the softmax" in m for m in ctx.missed), ctx.missed
-
-
-# ------------------------------------------------------------------ end to end
 
 
 FORWARD_FUSIONS = ["layer_norm", "bias_dropout_residual_norm", "attention_softmax", "attention", "qkv_attention",
@@ -302,7 +283,7 @@ def test_bert_layer_with_unfused_forward_gets_dmfx_backward_kernels():
     layer, ref = tiny_bert_layer()
     compiled_step_matches_eager(layer, ref, {"fallback": False, "skip": FORWARD_FUSIONS})
     (rec,) = dmfx.records()
-    fw, bw = _targets(rec.forward_graph), _targets(rec.backward_graph)
+    fw, bw = targets(rec.forward_graph), targets(rec.backward_graph)
     assert aten.native_layer_norm.default in fw  # the forward really was left alone
     for op in (aten.native_layer_norm_backward.default, aten.gelu_backward.default, aten._softmax_backward_data.default):
         assert op not in bw, rec.backward_graph.code
@@ -330,9 +311,9 @@ def test_bert_layer_with_dropout_and_unfused_forward_reads_pytorchs_stored_masks
         (f(x)[0] * torch.randn(2, 9, 32)).sum().backward()
         grads.append([x.grad] + [p.grad for p in m.parameters()])
         recs.append(dmfx.records()[-1])
-    bw = _targets(recs[0].backward_graph)
+    bw = targets(recs[0].backward_graph)
     assert aten.native_dropout_backward.default not in bw
-    assert _targets(recs[1].backward_graph).count(aten.native_dropout_backward.default) == 3
+    assert targets(recs[1].backward_graph).count(aten.native_dropout_backward.default) == 3
     assert recs[0].fired.get("aten_backward") == 6  # the three dropouts read inside the kernels after them
     for name, a, b in zip(["x"] + [n for n, _ in layer.named_parameters()], *grads):
         floor = 1e-6 if name.endswith("key.bias") else 0.0  # zero up to rounding (softmax's shift invariance)
@@ -345,5 +326,5 @@ def test_skipping_aten_backward_keeps_pytorchs_ops():
     x = torch.randn(2, 9, 32, requires_grad=True)
     f(x)[0].sum().backward()
     (rec,) = dmfx.records()
-    assert aten.native_layer_norm_backward.default in _targets(rec.backward_graph)
+    assert aten.native_layer_norm_backward.default in targets(rec.backward_graph)
     assert "aten_backward" not in rec.fired

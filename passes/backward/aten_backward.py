@@ -33,8 +33,9 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from ..cuda_ops import stat_dtype
-from .graph_utils import PassContext, insert_call, insert_getitems, is_op, kernel_friendly, tensor_meta, val, views_to_reshapes
+from ...cuda_ops import stat_dtype
+from ..fusion import record
+from ..graph_utils import PassContext, insert_call, insert_getitems, is_op, kernel_friendly, tensor_meta, val, views_to_reshapes
 
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
@@ -91,11 +92,11 @@ def _layer_norm_backward(g, ctx: PassContext, n: Node) -> None:
         new = insert_call(g, ctx, torch.ops.dmfx.norm_backward.default,
                           (grad, None, x, None, None, w, m1, r1, None, 0.0, False, out_mask))
         outs = insert_getitems(g, new, 5)
+    record(ctx, "aten_backward", [n], into=new)
     for u in list(n.users):  # ATen's (dx, dweight, dbias) are dmfx's outputs 0, 2, 3
         u.replace_all_uses_with(outs[{0: 0, 1: 2, 2: 3}[u.args[1]]])
         g.erase_node(u)
     g.erase_node(n)
-    ctx.record("aten_backward", 1, new)
 
 
 def _activation(n: Node) -> tuple[str, Node, Node] | None:
@@ -143,9 +144,9 @@ def _activation_backward(g, ctx: PassContext, n: Node, act: str, grad: Node, x: 
         return
     dropout = _stored_dropout(grad, n)
     if dropout is None:
-        _bias_act_backward(g, ctx, n, act, grad, x, None, absorbed=1)
+        _bias_act_backward(g, ctx, n, act, grad, x, None, absorbed=[n])
         return
-    _bias_act_backward(g, ctx, n, act, dropout[0], x, dropout[1:], absorbed=2)
+    _bias_act_backward(g, ctx, n, act, dropout[0], x, dropout[1:], absorbed=[grad, n])
     g.erase_node(grad)
 
 
@@ -158,14 +159,14 @@ def _dropout_backward(g, ctx: PassContext, n: Node) -> None:
         return
     src, mask, scale = parts
     # (the identity reads no x: the gradient stands in for it, for the shape)
-    _bias_act_backward(g, ctx, n, "identity", src, src, (mask, scale), absorbed=1)
+    _bias_act_backward(g, ctx, n, "identity", src, src, (mask, scale), absorbed=[n])
 
 
 def _bias_act_backward(g, ctx: PassContext, n: Node, act: str, grad: Node, x: Node,
-                       stored: tuple[Node, float] | None, absorbed: int) -> None:
-    """Replace `n` (an activation backward, or a dropout backward with act "identity"), which absorbed
-    `absorbed` ATen ops, by ``dmfx::bias_act_dropout_backward`` reading the `stored` (mask, scale), with
-    the bias-gradient ``sum`` after `n` as its second output."""
+                       stored: tuple[Node, float] | None, absorbed: list[Node]) -> None:
+    """Replace `n` (an activation backward, or a dropout backward with act "identity"; `absorbed`: it
+    and the stored dropout's backward it reads, if any) by ``dmfx::bias_act_dropout_backward`` reading
+    the `stored` (mask, scale), with the bias-gradient ``sum`` after `n` as its second output."""
     bias_sum = row_sum_of(n)
     if bias_sum is not None and not all(isinstance(d, int) for d in val(bias_sum).shape):
         bias_sum = None  # (a symbolic feature count would need its SymInt from the graph)
@@ -173,6 +174,7 @@ def _bias_act_backward(g, ctx: PassContext, n: Node, act: str, grad: Node, x: No
         new = insert_call(g, ctx, torch.ops.dmfx.bias_act_dropout_backward.default,
                           (grad, x, None, act, None, 0.0, [True, bias_sum is not None], *(stored or ())))
         dx, db = insert_getitems(g, new, 2)
+    record(ctx, "aten_backward", [*absorbed, *([bias_sum] if bias_sum is not None else [])], into=new)
     n.replace_all_uses_with(dx)
     g.erase_node(n)
     if bias_sum is not None:
@@ -180,8 +182,6 @@ def _bias_act_backward(g, ctx: PassContext, n: Node, act: str, grad: Node, x: No
             out = insert_call(g, ctx, aten.view.default, (db, list(val(bias_sum).shape)))
         bias_sum.replace_all_uses_with(out)
         g.erase_node(bias_sum)
-        absorbed += 1
-    ctx.record("aten_backward", absorbed, new)
 
 
 def _constant_scale(n: Node) -> float | None:
@@ -217,13 +217,13 @@ def _softmax_backward(g, ctx: PassContext, n: Node) -> None:
     src, stored = (dropout[0], dropout[1:]) if dropout else (grad, ())
     with g.inserting_before(n):
         new = insert_call(g, ctx, torch.ops.dmfx.attention_softmax_backward.default, (src, y, None, 0.0, scale, *stored))
+    record(ctx, "aten_backward", [*([grad] if dropout else []), n, *([target] if target is not n else [])], into=new)
     target.replace_all_uses_with(new)
     if target is not n:
         g.erase_node(target)
     g.erase_node(n)
     if dropout:
         g.erase_node(grad)
-    ctx.record("aten_backward", 1 + (target is not n) + (dropout is not None), new)
 
 
 def fuse_aten_backward(gm: GraphModule, ctx: PassContext) -> None:
