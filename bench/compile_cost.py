@@ -33,19 +33,19 @@ def _child(argv) -> None:
     import torch
 
     import dmfx  # noqa: F401
-    from dmfx.explain import _scalar, build_model
+    from dmfx.models import build_model, loss_of
 
     model, kwargs = build_model(a.model, a.batch, a.seq, a.layers, a.device)
     model.train()
     compiled = model if a.backend == "eager" else torch.compile(model, backend=a.backend)
     t0 = time.perf_counter()
-    _scalar(compiled(**kwargs)).backward()
+    loss_of(compiled(**kwargs)).backward()
     if a.device == "cuda":
         torch.cuda.synchronize()
     first = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
     t1 = time.perf_counter()
-    _scalar(compiled(**kwargs)).backward()
+    loss_of(compiled(**kwargs)).backward()
     if a.device == "cuda":
         torch.cuda.synchronize()
     second = time.perf_counter() - t1

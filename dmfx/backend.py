@@ -287,11 +287,20 @@ def _add_to_record(record: GraphRecord, ctx: Any, kind: str) -> None:
         log.debug("dmfx: graph %d %s: left alone: %s", record.graph_id, kind, m)
 
 
-def _compiler(kind: str, record: GraphRecord, opts: Options | None = None) -> Callable:
+def _compiler(kind: str, record: GraphRecord, opts: Options, rewritten: GraphModule) -> Callable:
+    """AOTAutograd's compiler for the `kind` graph ("forward", "backward", "inference"): what the
+    fused nodes of `rewritten` (the graph the forward pipeline made) absorbed is carried onto the
+    nodes of this graph that compute them (passes/fusion.py); the backward passes run on the backward
+    graph; the graph is kept in `record`."""
+    from .passes.fusion import carry_absorbed, carry_to_backward
 
     def compile_fn(gm: GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        if kind == "backward" and opts is not None:
+        if kind == "backward":
+            if record.forward_graph is not None:
+                carry_to_backward(record.forward_graph, gm)
             gm = rewrite_backward(gm, example_inputs, opts, record)
+        else:
+            carry_absorbed(rewritten, gm)
         record.compiled[kind] = _count_ops(gm)
         setattr(record, f"{kind}_graph", gm)
         log.debug("dmfx: graph %d %s graph:\n%s", record.graph_id, kind, gm.code)
@@ -379,9 +388,9 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
     from torch._dynamo.backends.common import aot_autograd
 
     compiler = aot_autograd(
-        fw_compiler=_compiler("forward", record),
-        bw_compiler=_compiler("backward", record, opts),
-        inference_compiler=_compiler("inference", record),
+        fw_compiler=_compiler("forward", record, opts, rewritten),
+        bw_compiler=_compiler("backward", record, opts, rewritten),
+        inference_compiler=_compiler("inference", record, opts, rewritten),
         partition_fn=_partitioner(opts, record),
         decompositions={},
         keep_inference_input_mutations=True,

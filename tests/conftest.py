@@ -155,17 +155,12 @@ def softmax_mask(kind: str, shape, dtype: torch.dtype, gen: torch.Generator):
 
 
 def tiny_bert_layer(dropout=0.0):
-    """An HF BertLayer (hidden 32, 4 heads, eager attention, dropout off unless asked) in train mode,
-    and a copy."""
-    import copy
+    """dmfx.models.tiny_bert_layer (an HF BertLayer of hidden size 32 in train mode, and a copy); the
+    test skips without transformers."""
+    pytest.importorskip("transformers")
+    from dmfx.models import tiny_bert_layer as build
 
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64,
-                                  hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    layer = transformers.models.bert.modeling_bert.BertLayer(cfg).train()
-    return layer, copy.deepcopy(layer)
+    return build(dropout)
 
 
 def compiled_step_matches_eager(layer, ref, options, shape=(2, 9, 32)):
