@@ -18,7 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import dmfx
 from conftest import compiled_step_matches_eager, tiny_bert_layer
-from dmfx.cuda_ops.ops import new_seed
+from dmfx.cuda_ops import new_seed
 from dmfx.passes import PassContext
 from dmfx.passes.backward import accumulate_into_gemm, fold_gradient_adds, run_backward_pipeline
 
