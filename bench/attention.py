@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 import dmfx
-from dmfx.cuda_ops.ops import new_seed  # noqa: F401  (dmfx registers its ops on import)
+from dmfx.cuda_ops import new_seed  # noqa: F401  (dmfx registers its ops on import)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -66,11 +66,11 @@ import torch
 from torch import Tensor
 
 from .build import kernels_for
-from .ops import _check_tensor, _seed_values, new_seed
+from ._library import check_tensor as _check_tensor, seed_values as _seed_values, new_seed
 from .softmax import _check_forward as _check_softmax
 from .softmax import _check_p
 
-_lib = torch.library.Library("dmfx", "FRAGMENT")  # noqa: TOR901 (kept alive for the process)
+from ._library import LIB as _lib
 
 _lib.define(
     "attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, Tensor? seed, float p) "

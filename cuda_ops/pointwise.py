@@ -37,9 +37,9 @@ from torch import Tensor
 
 from . import reference as R
 from .build import kernels_for
-from .ops import _check_stored_mask, _check_tensor, _seed_values, new_seed
+from ._library import check_stored_mask as _check_stored_mask, check_tensor as _check_tensor, seed_values as _seed_values, new_seed
 
-_lib = torch.library.Library("dmfx", "FRAGMENT")  # noqa: TOR901 (kept alive for the process)
+from ._library import LIB as _lib
 
 _lib.define("bias_act_dropout(Tensor x, Tensor? bias, str act, Tensor? seed, float p) -> Tensor")
 _lib.define(
@@ -73,7 +73,7 @@ def _check_dropout(seed: Tensor | None, p: float, op: str) -> None:
     if not (isinstance(p, (int, float)) and 0.0 <= p <= 1.0):
         raise ValueError(f"dmfx::{op}: dropout probability p must be in [0, 1], got {p!r}")
     if seed is None and p != 0.0:
-        raise ValueError(f"dmfx::{op}: p = {p} > 0 needs a seed tensor [seed, offset] (see dmfx.cuda_ops.ops.new_seed)")
+        raise ValueError(f"dmfx::{op}: p = {p} > 0 needs a seed tensor [seed, offset] (see dmfx.cuda_ops.new_seed)")
 
 
 def _check_mask(output_mask, op: str, names: str) -> list[bool]:

@@ -37,9 +37,9 @@ from torch import Tensor
 
 from . import reference as _reference
 from .build import kernels_for
-from .ops import _check_stored_mask, _seed_values, new_seed
+from ._library import check_stored_mask as _check_stored_mask, seed_values as _seed_values, new_seed
 
-_lib = torch.library.Library("dmfx", "FRAGMENT")  # noqa: TOR901 (kept alive for the process)
+from ._library import LIB as _lib
 
 _lib.define(
     "attention_softmax(Tensor scores, Tensor? mask, float scale, bool causal, Tensor? seed, float p) "
@@ -62,7 +62,7 @@ def _check_p(op: str, p: float, seed: Tensor | None) -> None:
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dmfx::{op}: dropout probability p must be in [0, 1], got {p}")
     if p > 0.0 and seed is None:
-        raise ValueError(f"dmfx::{op}: p={p} > 0 needs a seed tensor (dmfx.cuda_ops.ops.new_seed()); seed is None")
+        raise ValueError(f"dmfx::{op}: p={p} > 0 needs a seed tensor (dmfx.cuda_ops.new_seed()); seed is None")
 
 
 def _check_forward(scores: Tensor, mask: Tensor | None, causal: bool, seed: Tensor | None, p: float) -> None:

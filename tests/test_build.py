@@ -29,6 +29,37 @@ def test_warm_load_is_fast_and_does_not_compile():
     assert "building" not in err
 
 
+FIRST_USE = {
+    # the first call of an op loads the kernels (its stand-in at the CPU key, or at the Autograd key
+    # when an input requires grad), then runs them
+    "op call": "out = torch.ops.dmfx.layer_norm(x, w, None, 1e-5)[0]",
+    "op call with grad": "out = torch.ops.dmfx.layer_norm(x.requires_grad_(), w, None, 1e-5)[0]; out.sum().backward()",
+    "build.load": "build.load('cpu'); out = torch.ops.dmfx.layer_norm(x, w, None, 1e-5)[0]",
+}
+
+
+@pytest.mark.parametrize("first", FIRST_USE)
+def test_ops_work_before_and_after_the_kernels_load(first):
+    """In a fresh process the ops run whichever comes first, an op call or build.load; the C++
+    kernels then hold the keys (the stand-ins are gone, nothing was overridden)."""
+    build.load("cpu")  # (warm cache: the subprocess only imports)
+    p = _python(
+        f"""
+        import torch
+        import torch.nn.functional as F
+        from dmfx.cuda_ops import build, _library
+        x, w = torch.randn(3, 16), torch.randn(16)
+        {FIRST_USE[first]}
+        assert torch.allclose(out, F.layer_norm(x.detach(), (16,), w), atol=1e-5)
+        assert "cpu" in build._loaded and "cpu" not in _library._stand_ins and "cuda" in _library._stand_ins
+        print("OK")
+        """
+    )
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0 and "OK" in out, err[-3000:]
+    assert "Overriding" not in err and "previously registered" not in err, err[-3000:]
+
+
 def test_two_processes_building_at_once_over_a_killed_build(tmp_path):
     """Fresh cache with the debris of a killed build (half-written library, torch's stale lock file):
     both processes succeed, exactly one of them compiles."""
@@ -94,7 +125,8 @@ def test_each_cpu_build_has_its_own_module_and_target():
     assert build.module_name("cpu_avx2").startswith("dmfx_cpu_avx2_")
     assert "-march=native" in native.cflags
     assert "-march=x86-64-v3" in avx2.cflags and "-DCPU_CAPABILITY=AVX2" in avx2.cflags
-    assert avx2.cpp_sources == native.cpp_sources and avx2.kind == native.kind == "cpu"
+    assert avx2.sources == native.sources and avx2.kind == native.kind == "cpu"
+    assert native.registers and not avx2.registers and "-DDMFX_KERNELS_ONLY" in avx2.cflags
 
 
 def test_using_cpu_build_switches_the_cpu_kernels_for_the_block_only():
@@ -180,15 +212,15 @@ def test_the_cuda_build_sets_the_arch_list_only_while_it_runs(monkeypatch, tmp_p
         monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", user_value)
     seen = []
 
-    def fake_load_inline(**kwargs):
+    def fake_load(**kwargs):
         seen.append(os.environ.get("TORCH_CUDA_ARCH_LIST"))
         if fails:
             raise RuntimeError("nvcc failed")
 
-    monkeypatch.setattr(ext, "load_inline", fake_load_inline)
+    monkeypatch.setattr(ext, "load", fake_load)
     monkeypatch.setattr(build, "_ensure_cuda_home", lambda: None)
     try:
-        build._compile(build.FLAVORS["cuda"], "dmfx_cuda_test", tmp_path)
+        build._compile("cuda", build.FLAVORS["cuda"], tmp_path)
     except RuntimeError:
         assert fails
     assert seen == [user_value or "9.0"]

@@ -15,7 +15,7 @@ from torch.library import opcheck
 
 from dmfx.cuda_ops import pointwise as P
 from dmfx.cuda_ops import reference as R
-from dmfx.cuda_ops.ops import new_seed
+from dmfx.cuda_ops import new_seed
 
 from conftest import rel_err
 

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "dmfx_common.h"
+#include "cpu_kernels.h"
 #include "kernel_api.h"
 #include "pointwise_api.h"
 #include "philox_cpu.h"

@@ -5,7 +5,7 @@ checked in CI, where there is no GPU. Every output lives in a NaN-filled guard b
 it fails), shared memory starts as NaN with a canary past each kernel's allotment, and results must
 not change by a bit with the order the threads run in or the number of blocks.
 
-What this cannot check, tests/test_cuda_flash_attention.py does on a GPU: real launches, races that
+What this cannot check, tests/test_cuda_attention.py does on a GPU: real launches, races that
 depend on timing within a phase, speed."""
 
 from __future__ import annotations

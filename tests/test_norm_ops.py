@@ -12,7 +12,7 @@ from torch.library import opcheck
 
 import dmfx
 from dmfx.cuda_ops import reference as R
-from dmfx.cuda_ops.ops import new_seed
+from dmfx.cuda_ops import new_seed
 
 from conftest import rel_err
 
@@ -215,7 +215,7 @@ def test_bad_input_gives_clear_errors():
         torch.ops.dmfx.bias_dropout_residual_norm(x, torch.randn(8, dtype=torch.float64), None, None, None, None, 0.0, 1e-5, False, False)
     with pytest.raises(RuntimeError, match="residual must have the shape of x"):
         torch.ops.dmfx.bias_dropout_residual_norm(x, None, torch.randn(4, 9), None, None, None, 0.0, 1e-5, False, False)
-    with pytest.raises(RuntimeError, match=r"dropout probability must be in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"dropout probability p must be in \[0, 1\]"):
         torch.ops.dmfx.dropout(x, _seed(), 1.5)
     with pytest.raises(ValueError, match="seed must be an int64 CPU tensor"):
         torch.ops.dmfx.dropout(x, torch.zeros(3, dtype=torch.int64), 0.1)

@@ -15,7 +15,7 @@ from torch.library import opcheck
 
 import dmfx  # noqa: F401  (registers the ops)
 from dmfx.cuda_ops.attention import attention, reference_attention
-from dmfx.cuda_ops.ops import new_seed
+from dmfx.cuda_ops import new_seed
 
 from conftest import rel_err
 

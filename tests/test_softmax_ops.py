@@ -18,7 +18,7 @@ from torch.library import opcheck
 import dmfx  # noqa: F401  (registers the ops)
 from dmfx.cuda_ops import reference as R
 from dmfx.cuda_ops import softmax as S
-from dmfx.cuda_ops.ops import new_seed
+from dmfx.cuda_ops import new_seed
 
 from conftest import rel_err
 
@@ -410,7 +410,7 @@ def test_kernel_level_errors():
         k.softmax_fwd(s, torch.randn(3, 4).half(), 1.0, False, 0, 0, 0.0)
     with pytest.raises(RuntimeError, match="not broadcastable"):
         k.softmax_fwd(s, torch.randn(2, 4), 1.0, False, 0, 0, 0.0)
-    with pytest.raises(RuntimeError, match=r"p must be in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"p must be in \[0, 1\]"):
         k.softmax_fwd(s, None, 1.0, False, 0, 0, 1.5)
     with pytest.raises(RuntimeError, match="causal=True needs"):
         k.softmax_fwd(torch.randn(4), None, 1.0, True, 0, 0, 0.0)
