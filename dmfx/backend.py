@@ -220,7 +220,7 @@ def rewrite(aten_gm: GraphModule, example_inputs: Sequence[Any], opts: Options, 
 
 
 def rewrite_backward(gm: GraphModule, example_inputs: Sequence[Any], opts: Options, record: GraphRecord) -> GraphModule:
-    """Run the backward passes (passes/backward.py) on a copy of the backward graph AOTAutograd
+    """Run the backward passes (passes/backward/) on a copy of the backward graph AOTAutograd
     derived; on failure (with opts.fallback) return it unchanged."""
     from .passes.backward import BACKWARD_PIPELINE, run_backward_pipeline
 

@@ -65,7 +65,8 @@ PIPELINE: dict[str, Pass] = {
 ALL_PASSES: tuple[str, ...] = (*LOWERING, *PIPELINE, *BACKWARD_PIPELINE)
 
 
-def run_lowering(gm: GraphModule, ctx: PassContext, skip: tuple[str, ...] = (), verify: bool | str | None = None) -> GraphModule:
+def run_lowering(gm: GraphModule, ctx: PassContext, skip: tuple[str, ...] = (),
+                 verify: bool | str | None = None) -> GraphModule:
     """Run the LOWERING passes not in `skip` on `gm` itself (run_passes; `verify`: the graph verifier
     after each)."""
     run_passes(gm, ctx, LOWERING, skip, verify=verify)

@@ -52,7 +52,8 @@ from .graph_utils import (
 )
 
 log = logging.getLogger("dmfx")
-ATTENTION_OPS = (torch.ops.dmfx.attention, torch.ops.dmfx.flash_attention)  # what qkv_attention and noop_clones start from
+# the ops the attention fusions emit: what noop_clones and qkv_attention start from
+ATTENTION_OPS = (torch.ops.dmfx.attention, torch.ops.dmfx.flash_attention)
 
 
 def _unflatten_of(operand: object, shape4) -> Node | None:
@@ -160,8 +161,8 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | Non
       the "gemm" form; it also saves no [B, H, L, L] tensor for the backward.
       Also without dropout (fp32, not causal): in training it ties SDPA's flash kernel (forward +
       backward, with and without a padding mask), and unlike SDPA it reads the stacked Q/K/V
-      projection and folds the bias gradients (passes/backward.py), which SDPA's backward cannot; in
-      inference it is 0.99-1.11x SDPA's (its GEMMs call BLAS directly).
+      projection and folds the bias gradients (passes/backward/fold_bias_grads.py), which SDPA's
+      backward cannot; in inference it is 0.99-1.11x SDPA's (its GEMMs call BLAS directly).
 
     * "sdpa": PyTorch's own scaled_dot_product_attention, for causal attention without dropout (a tie
       at best for dmfx's kernel, which gains nothing there: no bias to fold in the models that use

@@ -35,7 +35,7 @@ dmfx backward kernel reads the GEMM output its forward kernel read, so a layout 
 kernel a copy costs it twice), and the backward's own GEMM outputs and copies are variables of the
 same problem. The forward pipeline's ``layout`` pass then changes nothing (``ctx.joint_layouts``);
 without a backward (inference) it is the search. After the backward passes have rewritten the
-partitioned backward graph (passes/backward.py), the search runs once more there, on what they made:
+partitioned backward graph (passes/backward/), the search runs once more there, on what they made:
 the tensors the forward saved are its inputs then, with their layouts fixed.
 """
 

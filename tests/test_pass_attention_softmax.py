@@ -16,7 +16,7 @@ aten = torch.ops.aten
 
 
 # The softmax tests look at the attention_softmax pass alone: the attention pass would take each of
-# these chains over (tests/test_passes_attention.py).
+# these chains over (tests/test_pass_attention.py).
 SOFTMAX_PASSES = [n for n in PIPELINE if n not in ("attention", "qkv_attention")]
 
 

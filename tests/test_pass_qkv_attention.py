@@ -85,7 +85,7 @@ def test_training_matches_eager_and_backward_has_no_copies(bias, form):
         ops = targets(graph)
         assert aten.clone.default not in ops and aten.bmm.default not in ops
     # the stacked bias gradient is one reduction (gemm form) or comes out of the fused attention
-    # backward (flash form, passes/backward.py: fold_bias_grads); dX is one GEMM
+    # backward (flash form, passes/backward/fold_bias_grads.py); dX is one GEMM
     sums = sum(1 for t in targets(rec.backward_graph) if t is aten.sum.dim_IntList)
     assert sums == (2 if bias and form == "gemm" else 1)
     assert rec.fired.get("fold_bias_grads", 0) == int(bias and form == "flash")

@@ -10,23 +10,25 @@ kernel, reading two [tokens, hidden] tensors and writing a third. Two folds remo
     ``norm_backward(g1, ..., grad_out2=g2)``: the kernel adds the two gradients as it reads them (in
     the accumulation type), in cache.
 
-``accumulate_into_gemm`` (accumulate_into_gemm.py): ``add(g, mm(a, b))`` (through views) -> ``addmm_(g, a, b)``: the GEMM
-    accumulates into the other gradient's buffer (beta=1 in BLAS) instead of writing a new one that an
-    add then reads. Only when that buffer is a fresh, contiguous result of this graph (not an input)
-    that nothing reads after the add, through any view (so writing into it cannot change any other
-    value), of the GEMM's dtype and shape. Chains of adds (three unstacked projections) accumulate
-    into one buffer.
+``accumulate_into_gemm`` (accumulate_into_gemm.py): ``add(g, mm(a, b))`` (through views) ->
+    ``addmm_(g, a, b)``: the GEMM accumulates into the other gradient's buffer (beta=1 in BLAS) instead
+    of writing a new one that an add then reads. Only when that buffer is a fresh, contiguous result
+    of this graph (not an input) that nothing reads after the add, through any view (so writing into
+    it cannot change any other value), of the GEMM's dtype and shape. Chains of adds (three unstacked
+    projections) accumulate into one buffer.
 
-``fold_bias_grads`` (fold_bias_grads.py): ``sum(dqkv over rows)`` after ``qkv_flash_attention_backward`` (and each of
-    dq, dk, dv's row sums after ``flash_attention_backward``, for three separate projections) -> the
-    op's own bias-gradient outputs (``bias_grad=True``): the projections' bias gradients summed per
-    (batch, head) while the attention backward has dq, dk, dv in cache (the paper's BAIB). Likewise
-    ``sum(dx over rows)`` after ``norm_backward`` -> its dbias output.
+``fold_bias_grads`` (fold_bias_grads.py): ``sum(dqkv over rows)`` after
+    ``qkv_flash_attention_backward`` (and each of dq, dk, dv's row sums after
+    ``flash_attention_backward``, for three separate projections) -> the op's own bias-gradient
+    outputs (``bias_grad=True``): the projections' bias gradients summed per (batch, head) while the
+    attention backward has dq, dk, dv in cache (the paper's BAIB). Likewise ``sum(dx over rows)``
+    after ``norm_backward`` -> its dbias output.
 
-``unstack_dx`` (unstack_dx.py): the dX GEMM of stacked Q/K/V projections reads the three weights where they are
-    (three accumulating GEMMs over the gradient's column blocks) instead of a stacked copy.
+``unstack_dx`` (unstack_dx.py): the dX GEMM of stacked Q/K/V projections reads the three weights
+    where they are (three accumulating GEMMs over the gradient's column blocks) instead of a stacked
+    copy.
 
-``backward_layout``: the layout search of passes/layout.py on the backward graph.
+``backward_layout`` (passes/layout.py): the layout search on the backward graph.
 
 ``aten_backward`` (first; aten_backward.py): PyTorch's own backward ops of chains the forward
     pipeline did not rewrite (layer norm, GELU/SiLU/ReLU with their bias-gradient sum, softmax)
