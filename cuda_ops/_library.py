@@ -73,6 +73,52 @@ def check_stored_mask(op: str, mask: Tensor | None, ref_name: str, ref: Tensor, 
         raise ValueError(f"dmfx::{op}: a stored mask and p = {p} > 0 would be two dropout masks; pass p = 0 with a mask")
 
 
+# ------------------------------------------- checks of the families whose kernels Python registers
+# (softmax, attention: their kernels are not registered from C++ yet, so these still run in Python, in
+# the kernels and in the fakes; the C++ kernels check the same again)
+
+_SCORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+
+
+def check_dropout_p(op: str, p: float, seed: Tensor | None) -> None:
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dmfx::{op}: dropout probability p must be in [0, 1], got {p}")
+    if p > 0.0 and seed is None:
+        raise ValueError(f"dmfx::{op}: p={p} > 0 needs a seed tensor (dmfx.cuda_ops.new_seed()); seed is None")
+
+
+def check_scores(scores: Tensor, mask: Tensor | None, causal: bool, seed: Tensor | None, p: float) -> None:
+    """Argument checks that need no tensor data (they run in the fake implementation too)."""
+    if scores.dtype not in _SCORE_DTYPES:
+        raise TypeError(f"dmfx::attention_softmax: scores must be float32, float16, bfloat16 or float64, got {scores.dtype}")
+    if scores.dim() < 1:
+        raise ValueError("dmfx::attention_softmax: scores needs at least one dimension (softmax runs over the last)")
+    if causal and scores.dim() < 2:
+        raise ValueError(
+            f"dmfx::attention_softmax: causal=True needs scores with at least 2 dimensions [..., q_len, k_len], "
+            f"got shape {tuple(scores.shape)}"
+        )
+    check_dropout_p("attention_softmax", p, seed)
+    if mask is None:
+        return
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"dmfx::attention_softmax: mask must be bool or a floating-point tensor, got {mask.dtype}")
+    if mask.device != scores.device:
+        raise ValueError(f"dmfx::attention_softmax: mask is on {mask.device} but scores is on {scores.device}")
+    ms, ss = tuple(mask.shape), tuple(scores.shape)
+    if len(ms) > len(ss) or any(m != 1 and m != s for m, s in zip(reversed(ms), reversed(ss))):
+        raise ValueError(f"dmfx::attention_softmax: mask of shape {list(ms)} is not broadcastable to scores' shape {list(ss)}")
+
+
+def kernel_mask(mask: Tensor | None, scores: Tensor) -> Tensor | None:
+    """The kernels read masks of scores' dtype, float32 or bool; other float masks become float32."""
+    if mask is None or mask.dtype in (torch.bool, torch.float32, scores.dtype):
+        return mask
+    return mask.float()
+
+
 # ----------------------------------------------------------------------------------------- stand-ins
 
 

@@ -386,7 +386,7 @@ def _check_norm_case(r: _Runner, lead, H: int, dtype, rms: bool, p: float) -> No
 
 
 def _check_softmax(r: _Runner) -> None:
-    from .softmax import reference_softmax
+    from .reference import reference_softmax
 
     # (scores shape, dtype, mask kind, causal, p, stored dropout mask in the backward)
     cases = (((2, 3, 5, 37), torch.float32, "padding", False, 0.0, True), ((3, 7, 130), torch.bfloat16, "bool", True, 0.25, False),
