@@ -354,11 +354,9 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
     opts = Options.from_user(options)
     record = GraphRecord(graph_id=next(_graph_ids), devices=_devices(example_inputs))
     record.training = torch.is_grad_enabled() and any(input_requires_grad(example_inputs))
-    if opts.record:
-        _keep(record)
     if opts.disable:
         record.fallback = "rewriting disabled (option 'disable' or DMFX_DISABLE)"
-        emit(record)
+        _finish(record, opts)
         return gm.forward
 
     start = time.perf_counter()
@@ -373,7 +371,7 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
         from .cuda_ops.build import warn
 
         warn("dmfx: %s", record.summary())
-        emit(record)
+        _finish(record, opts)
         return gm.forward
     record.aten_ops_before = _count_ops(aten_gm)
     from .cuda_ops.selfcheck import passes_to_skip  # kernel families that failed their self-check here
@@ -381,7 +379,9 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
     off = passes_to_skip(t.device for t in example_inputs if isinstance(t, torch.Tensor)) - set(opts.skip)
     if off:
         opts = replace(opts, skip=(*opts.skip, *sorted(off)))
-        record.missed.append(f"kernel self-check: a kernel family failed on this device, so its passes are skipped: {', '.join(sorted(off))}")
+        record.missed.append(
+            f"kernel self-check: a kernel family failed on this device, so its passes are skipped: {', '.join(sorted(off))}"
+        )
     rewritten = rewrite(aten_gm, example_inputs, opts, record)
     record.aten_ops_after = _count_ops(rewritten)
 
@@ -397,5 +397,15 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
     )
     compiled = compiler(rewritten, example_inputs)
     record.seconds = time.perf_counter() - start
-    emit(record)  # INFO line + DEBUG JSON through the dmfx logger, and a TORCH_TRACE artifact
+    _finish(record, opts)
     return compiled
+
+
+def _finish(record: GraphRecord, opts: Options) -> None:
+    """Keep `record` (dmfx.records()) and log it: the INFO line and DEBUG JSON through the dmfx logger,
+    and a TORCH_TRACE artifact. Only for a graph dmfx handed back to Dynamo: when Dynamo abandons a
+    compile (it restarts its analysis after the backend ran, e.g. to specialize a float under
+    dynamic=True) the record is dropped with it, so each compiled graph has one record."""
+    if opts.record:
+        _keep(record)
+    emit(record)

@@ -11,13 +11,14 @@ import math
 from torch.fx import Graph, Node
 
 from .fusion import Fusion, Match, Replacement
-from .graph_utils import PassContext, aten, commuted, insert_call, is_op, is_scalar, kernel_friendly, only_user, tensor_meta
+from .graph_utils import PassContext, aten, commuted, insert_call, is_op, kernel_friendly, number_near, only_user, tensor_meta
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 def _near(x: object, value: float, rel: float = 1e-4) -> bool:
-    return is_scalar(x) and abs(float(x) - value) <= rel * abs(value)
+    """A constant near `value`, or a float input whose value it is (guarded: graph_utils.number_near)."""
+    return number_near(x, value, rel)
 
 
 def _mul_by(n: object, value: float) -> Node | None:

@@ -40,11 +40,13 @@ from .graph_utils import (
     RESHAPES,
     PassContext,
     aten,
+    float_input,
     getitem_users,
     insert_call,
     insert_getitems,
     is_op,
     is_transpose,
+    number_near,
     refresh_val,
     same_shape,
     tensor_meta,
@@ -133,6 +135,13 @@ def _runtime_scale(scores: Node) -> bool:
         return False
     c = scores.args[1]
     return isinstance(c, Node) and isinstance(c.meta.get("val"), (torch.SymFloat, torch.SymInt, float, int))
+
+
+def _head_dim_scale(c: Node, D: object) -> bool:
+    """`c` is a float input whose value is 1/sqrt(D) now (HF's attention scaling; a static head dim
+    `D`): it is then specialized with a guard (number_near), so a model that changes it recompiles.
+    Any other run-time scale (a temperature that changes every step) stays a run-time scale."""
+    return isinstance(D, int) and D > 0 and number_near(c, D ** -0.5, rel=1e-6)
 
 
 def _bmm_of(s: Node) -> Node | None:
@@ -247,6 +256,10 @@ def match_attention(sm: Node, ctx: PassContext) -> Match | Miss | None:
         return Miss("the scores do not come from a batched GEMM read only by the softmax")
     a, b = bmm1.args[:2]
     D = tensor_meta(a).shape[-1]
+    if q_scale is not None and _head_dim_scale(q_scale, D):
+        # HF's 1/sqrt(head_dim), a float input under dynamic=True: specialized with a guard
+        # (graph_utils.number_near), it is a constant like any other and joins the softmax's scale
+        scale, q_scale = scale * float_input(q_scale).node.hint, None
     q4 = _unflatten_of(a, (B, H, Lq, D))
     kt4 = _unflatten_of(b, (B, H, D, Lk))
     if q4 is None or kt4 is None:

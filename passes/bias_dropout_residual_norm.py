@@ -34,6 +34,8 @@ from .graph_utils import (
     is_getitem,
     is_op,
     linear_bias,
+    same_shape,
+    size_args,
     tensor_meta,
 )
 
@@ -74,10 +76,14 @@ def _bias_of(h: Node, H: int) -> tuple[Node, Node, list[Node], tuple[Node, Node 
 
 
 def _broadcasts_to(small: torch.Size, full: torch.Size) -> bool:
-    """`small` broadcasts to `full` over leading dims only (same last dim), with static sizes."""
-    if not small or small[-1] != full[-1] or not all(isinstance(v, int) for v in (*small, *full)):
-        return False  # (symbolic sizes: an expand to constants would freeze them)
-    return broadcasts_to(small, full)
+    """`small` broadcasts to `full` over leading dims only (same last dim). With symbolic sizes: each
+    leading dim of `small` is 1 or the same size as `full`'s."""
+    if not small or len(small) > len(full) or small[-1] != full[-1]:
+        return False
+    if all(isinstance(v, int) for v in (*small, *full)):
+        return broadcasts_to(small, full)
+    lead = len(full) - len(small)
+    return all((isinstance(a, int) and a == 1) or a is b or str(a) == str(b) for a, b in zip(small, full[lead:]))
 
 
 def _fused_anchor(norm: Node, s: Node, params: tuple) -> Node | None:
@@ -112,8 +118,13 @@ def match_bias_dropout_residual_norm(norm: Node, ctx: PassContext) -> Match | Mi
             continue
         # a residual broadcast over leading dims (BERT's position embeddings [1, S, H]) is read
         # through an expanded view (0 strides; its gradient is summed by the expand's backward)
-        expand_residual = rm.shape != sm.shape
+        expand_residual = not same_shape(rm.shape, sm.shape)
         if expand_residual and not _broadcasts_to(rm.shape, sm.shape):
+            continue
+        # (under dynamic shapes the expand's sizes are the graph inputs that hold them)
+        expand_to = size_args(norm.graph, sm.shape) if expand_residual else None
+        if expand_residual and expand_to is None:
+            notes.append(f"residual {residual.name} broadcasts over a symbolic size no graph input holds")
             continue
         # Under autocast the GEMM output (and its dropout) is bf16/fp16 while the residual stream
         # stays fp32, and the add promotes: cast the GEMM output (and bias) up and fuse the rest.
@@ -141,7 +152,7 @@ def match_bias_dropout_residual_norm(norm: Node, ctx: PassContext) -> Match | Mi
         outs = tuple(u for u in norm.users if is_getitem(u, norm, 0))
         return_sum = any(u is not norm for u in s.users)
         nodes = {"x": x, "bias": bias, "gemm": gemm, "residual": residual, "expand_residual": expand_residual,
-                 "upcast": upcast, "p": p, "rms": rms, "weight": weight, "norm_bias": norm_bias,
+                 "expand_to": expand_to, "upcast": upcast, "p": p, "rms": rms, "weight": weight, "norm_bias": norm_bias,
                  "eps": norm.args[2] if rms else norm.args[3], "anchor": anchor, "sum": s, "outs": outs,
                  "return_sum": return_sum, "dtype": sm.dtype, "shape": list(sm.shape)}
         return Match(nodes, [*chain, s, norm, *outs], returned=outs + ((s,) if return_sum else ()), notes=tuple(notes))
@@ -158,7 +169,7 @@ def rewrite_bias_dropout_residual_norm(graph: Graph, m: Match, ctx: PassContext)
             if bias is not None:
                 bias = insert_call(graph, ctx, aten._to_copy.default, (bias,), {"dtype": m["dtype"]})
         if m["expand_residual"]:
-            residual = insert_call(graph, ctx, aten.expand.default, (residual, m["shape"]))
+            residual = insert_call(graph, ctx, aten.expand.default, (residual, m["expand_to"]))
         seed = insert_seed(graph, ctx) if m["p"] > 0 else None
         fused = insert_call(
             graph,

@@ -140,6 +140,34 @@ def is_scalar(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def float_input(x: Any) -> torch.SymFloat | None:
+    """The value of `x` when it is a graph node holding a float that Dynamo made a graph input instead
+    of a constant (``torch.compile(dynamic=True)``: ``math.pi``, a module's ``self.scaling``): a SymFloat
+    whose free symbols are all float inputs (no size: specializing it never specializes a shape)."""
+    v = x.meta.get("val") if isinstance(x, Node) else None
+    if not isinstance(v, torch.SymFloat):
+        return None
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+    symbols = v.node.expr.free_symbols
+    return v if symbols and all(symbol_is_type(s, SymT.FLOAT) for s in symbols) else None
+
+
+def number_near(x: Any, value: float, rel: float = 1e-4) -> bool:
+    """`x` is the number `value` (to `rel`): a constant, or a float input (float_input) whose value is
+    that now. The latter is then specialized with a guard (``guard_float``): Dynamo recompiles if it
+    ever changes, as it would have without ``dynamic=True``, so a pattern that reads it as a constant
+    stays right. (Its tensorify pass then restarts the capture with that float made a constant.)"""
+    if is_scalar(x):
+        return abs(float(x) - value) <= rel * abs(value)
+    v = float_input(x)
+    if v is None or abs(v.node.hint - value) > rel * abs(value):
+        return False
+    from torch.fx.experimental.symbolic_shapes import guard_float
+
+    return abs(guard_float(v) - value) <= rel * abs(value)
+
+
 def is_last_dim(dims: Any, ndim: int) -> bool:
     if isinstance(dims, int):
         dims = [dims]
@@ -267,6 +295,27 @@ def insert_bias_free_linear(graph: Graph, ctx: PassContext, addmm: Node, view: N
     holds SymInt nodes."""
     mm = insert_call(graph, ctx, aten.mm.default, (addmm.args[1], addmm.args[2]))
     return insert_call(graph, ctx, aten.view.default, (mm, view.args[1])) if view is not None else mm
+
+
+def size_args(graph: Graph, shape: Any) -> list | None:
+    """`shape` as an op's size argument in `graph`: ints stay ints, a SymInt becomes the graph input
+    that holds it (under dynamic shapes AOTAutograd passes each free symbol as an input). None when a
+    SymInt is not an input's value (an expression such as ``s0 * s1``): an int there would freeze it."""
+    inputs = {}
+    for ph in graph.find_nodes(op="placeholder"):
+        v = ph.meta.get("val")
+        if isinstance(v, torch.SymInt):
+            inputs.setdefault(str(v.node.expr), ph)
+    args = []
+    for d in shape:
+        if isinstance(d, torch.SymInt):
+            node = inputs.get(str(d.node.expr))
+            if node is None:
+                return None
+            args.append(node)
+        else:
+            args.append(int(d))
+    return args
 
 
 def broadcasts_to(small: torch.Size, full: torch.Size) -> bool:
