@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (DESIGN.md, "GPU machine"): installs nothing from the network.
+# The prepared GPU check (docs/ARCHITECTURE.md, "GPU machine"): installs nothing from the network.
 # Builds the CUDA kernels, runs the CUDA tests, then a short BertLayer benchmark (BERT-large sizes,
 # bf16), and prints the table last. Run from the repository root on the lent GPU machine:
 #   bash bench/gpu_check.sh          (about 8 minutes; writes logs under ${OUT:-bench/results})

@@ -1,6 +1,6 @@
-"""Tests of dmfx's CUDA kernels (cuda_ops/csrc/cuda_kernels.cu).
+"""Tests of dmfx's CUDA kernels (cuda_ops/csrc/norm_cuda.cu).
 
-The CPU kernels (cuda_ops/csrc/cpu_kernels.cpp) are the specification. On a machine with a CUDA GPU
+The CPU kernels (cuda_ops/csrc/norm_cpu.cpp) are the specification. On a machine with a CUDA GPU
 these tests check that the CUDA extension
 
 * draws bit-identical dropout masks (same Philox mapping as the CPU kernel);
@@ -33,7 +33,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import assert_kernel_close
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
