@@ -41,6 +41,7 @@ import argparse
 import copy
 import datetime
 import json
+
 try:
     import resource
 except ImportError:  # Windows

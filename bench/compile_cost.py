@@ -80,7 +80,7 @@ def run(device: str, model: str = "bert-base", layers: int = 2, batch: int = 2, 
                 r = measure(backend, cache, model, layers, batch, seq, device)
                 r.update({"cache": state, "model": model, "layers": layers, "batch": batch, "seq": seq, "device": device})
                 results.append(r)
-                log(f"[compile]   " + (f"first step {r['first_step_s']:.1f} s" if "first_step_s" in r else f"failed: {r['error'][-300:]}"))
+                log("[compile]   " + (f"first step {r['first_step_s']:.1f} s" if "first_step_s" in r else f"failed: {r['error'][-300:]}"))
     return results
 
 

@@ -24,7 +24,6 @@ import time
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 import dmfx  # noqa: F401  (defines the dmfx ops)
 from dmfx.cuda_ops import build, new_seed
@@ -81,7 +80,7 @@ def main() -> None:
     cases = _cases()
     wanted = [c for c in args.only.split(",") if c] or list(cases)
     print(f"torch {torch.__version__}, 1 thread, median of {args.samples} samples of {args.calls} calls\n")
-    print(f"| case | dmfx µs | ATen µs | dmfx / ATen |\n|---|---|---|---|")
+    print("| case | dmfx µs | ATen µs | dmfx / ATen |\n|---|---|---|---|")
     with torch.enable_grad():
         for name in wanted:
             d, a = measure(name, cases[name], args.samples, args.calls)

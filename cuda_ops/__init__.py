@@ -7,7 +7,7 @@ rotary embedding), attention (the GEMM form and the fused flash form). What the 
 dmfx use from here is re-exported below, so they never reach into a family module's internals.
 """
 
-from . import norm, softmax, pointwise, attention  # noqa: F401  (in this order: each defines its ops)
+from . import attention, norm, pointwise, softmax  # noqa: F401  (each defines its family's ops; any order)
 from ._library import new_seed, stat_dtype
 from .attention import OPS as ATTENTION_OPS, flash_supported
 

@@ -36,10 +36,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import reference as R
+from ._library import (
+    LIB as _lib,
+    check_stored_mask as _check_stored_mask,
+    check_tensor as _check_tensor,
+    new_seed,
+    seed_values as _seed_values,
+)
 from .build import kernels_for
-from ._library import check_stored_mask as _check_stored_mask, check_tensor as _check_tensor, seed_values as _seed_values, new_seed
-
-from ._library import LIB as _lib
 
 _lib.define("bias_act_dropout(Tensor x, Tensor? bias, str act, Tensor? seed, float p) -> Tensor")
 _lib.define(

@@ -8,10 +8,10 @@ from __future__ import annotations
 import logging
 
 from .backend import GraphRecord, dmfx_backend, records, reset
+from .cuda_ops.attention import attention
 from .cuda_ops.build import KernelBuildError
 from .cuda_ops.norm import bias_dropout_residual_layer_norm, dropout, layer_norm, rms_norm
 from .cuda_ops.pointwise import bias_act_dropout, glu, rope
-from .cuda_ops.attention import attention
 from .cuda_ops.softmax import attention_softmax
 from .explain import explain  # (the function; its package's parts: from dmfx.explain import ...)
 from .options import Options

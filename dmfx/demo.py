@@ -65,7 +65,8 @@ def main(argv=None):
     compiled = fused_model
     ids = torch.randint(0, eager.config.vocab_size, (args.batch, args.seq))
     batch = {"input_ids": ids, "labels": ids}
-    print(f"BERT ({args.layers} layers, hidden {args.hidden}), batch {args.batch} x seq {args.seq}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"BERT ({args.layers} layers, hidden {args.hidden}), batch {args.batch} x seq {args.seq}, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("dmfx compiles the encoder (model.bert.compile(backend='dmfx')); the MLM head and loss run eagerly in both columns")
 
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-4)

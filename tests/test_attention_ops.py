@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import rel_err
 from torch.library import opcheck
 
 import dmfx  # noqa: F401  (registers the ops)
-from dmfx.cuda_ops.attention import attention, reference_attention
 from dmfx.cuda_ops import new_seed
-
-from conftest import rel_err
+from dmfx.cuda_ops.attention import attention, reference_attention
 
 # Every test here runs on each CPU build of the kernels (conftest.cpu_build: native and AVX2).
 pytestmark = pytest.mark.usefixtures("cpu_build")

@@ -8,11 +8,10 @@ import textwrap
 
 import pytest
 import torch
+from conftest import rel_err
 
 import dmfx
 from dmfx.cuda_ops import build
-
-from conftest import rel_err
 
 
 class Block(torch.nn.Module):
@@ -27,7 +26,8 @@ class Block(torch.nn.Module):
 
 
 def run_python(code: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=600)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=600)
 
 
 def test_backend_string_works_without_importing_dmfx():

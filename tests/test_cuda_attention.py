@@ -27,10 +27,11 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-import dmfx  # noqa: E402,F401  (registers the ops)
 from conftest import rel_err  # noqa: E402
-from dmfx.cuda_ops.attention import flash_supported  # noqa: E402
+
+import dmfx  # noqa: E402,F401  (registers the ops)
 from dmfx.cuda_ops import new_seed  # noqa: E402
+from dmfx.cuda_ops.attention import flash_supported  # noqa: E402
 
 DEV = "cuda"
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}

@@ -20,8 +20,9 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-import dmfx  # noqa: E402
 from conftest import rel_err  # noqa: E402
+
+import dmfx  # noqa: E402
 from dmfx.cuda_ops import new_seed  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float64: 1e-12}

@@ -173,7 +173,8 @@ def test_ops_and_autograd_on_cuda():
     for a, b in zip(grads["cpu"], grads[DEV]):
         assert rel_err(b, a) < 1e-12
     sg = s.to(DEV).requires_grad_()
-    assert torch.autograd.gradcheck(lambda a: torch.ops.dmfx.attention_softmax(a, None, 0.5, False, seed, 0.2)[0], (sg[:1, :1, :4, :6].detach().requires_grad_(),))
+    small = sg[:1, :1, :4, :6].detach().requires_grad_()
+    assert torch.autograd.gradcheck(lambda a: torch.ops.dmfx.attention_softmax(a, None, 0.5, False, seed, 0.2)[0], (small,))
 
 
 def test_wrong_device(cuda_ext):

@@ -14,7 +14,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import assert_kernel_close as assert_close
 
 if not sys.platform.startswith("linux"):  # (ucontext fibers)

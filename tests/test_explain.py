@@ -14,8 +14,23 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import dmfx
 from dmfx.explain import (
-    CONTRACTION, ELEMENTWISE, FUSED, LAYOUT, NORMALIZATION, OTHER, VIEW, Report, classify, coverage, explain,
-    graph_rows, op_cost, peak_memory, runtime_bytes, tensor_bytes, totals,
+    CONTRACTION,
+    ELEMENTWISE,
+    FUSED,
+    LAYOUT,
+    NORMALIZATION,
+    OTHER,
+    VIEW,
+    Report,
+    classify,
+    coverage,
+    explain,
+    graph_rows,
+    op_cost,
+    peak_memory,
+    runtime_bytes,
+    tensor_bytes,
+    totals,
 )
 
 aten = torch.ops.aten

@@ -8,11 +8,10 @@ import functools
 
 import pytest
 import torch
+from conftest import rel_err
 
 import dmfx
 from dmfx.models import zoo_case
-
-from conftest import rel_err
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,7 +47,8 @@ EXPECTED = {
 # k/v sit in between). GPT-2 computes them with one
 # Conv1D already (then splits); LLaMA's repeat_kv copies of k and v are the attention's k and v.
 EAGER_ATTENTION = {"bert", "roberta", "distilbert", "minilm", "vit", "gpt2", "llama", "t5", "bart"}
-STACKED = {"bert", "roberta", "distilbert", "minilm", "vit", "t5", "gpt2", "bart"}  # BART: its self-attentions  # LLaMA: rope sits between the GEMMs and attention
+# BART: its self-attentions; not LLaMA: rope sits between the GEMMs and attention
+STACKED = {"bert", "roberta", "distilbert", "minilm", "vit", "t5", "gpt2", "bart"}
 
 
 # What the cost model picks in training without dropout: dmfx's fused kernel (it ties SDPA there and

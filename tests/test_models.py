@@ -5,11 +5,10 @@ import copy
 
 import pytest
 import torch
+from conftest import rel_err
 
 import dmfx
 from dmfx.models import small_model
-
-from conftest import rel_err
 
 transformers = pytest.importorskip("transformers")
 

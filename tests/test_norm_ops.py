@@ -8,13 +8,11 @@ i.e. a few units in the last place of the output dtype.
 
 import pytest
 import torch
+from conftest import rel_err
 from torch.library import opcheck
 
 import dmfx
-from dmfx.cuda_ops import reference as R
-from dmfx.cuda_ops import new_seed
-
-from conftest import rel_err
+from dmfx.cuda_ops import new_seed, reference as R
 
 # Every test here runs on each CPU build of the kernels (conftest.cpu_build: native and AVX2).
 pytestmark = pytest.mark.usefixtures("cpu_build")
@@ -149,7 +147,8 @@ def test_opcheck_all_ops():
     out, _, mean, rstd = torch.ops.dmfx.bias_dropout_residual_norm(x, bias, res, w, b, seed, 0.1, 1e-5, False, False)
     opcheck(
         torch.ops.dmfx.norm_backward.default,
-        (torch.randn_like(x), None, x.detach(), bias.detach(), res.detach(), w.detach(), mean.detach(), rstd.detach(), seed, 0.1, False, [True, True, True, True, True]),
+        (torch.randn_like(x), None, x.detach(), bias.detach(), res.detach(), w.detach(), mean.detach(), rstd.detach(), seed,
+         0.1, False, [True, True, True, True, True]),
     )
 
 

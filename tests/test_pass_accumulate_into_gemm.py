@@ -6,8 +6,8 @@ would write) are left alone; the rewritten graphs compute the same values."""
 from __future__ import annotations
 
 import torch
+from conftest import layer_norm_saved, max_rel_err, run_pass, targets, trace_fake
 
-from conftest import max_rel_err, layer_norm_saved, run_pass, targets, trace_fake
 from dmfx.passes.backward import accumulate_into_gemm
 
 aten = torch.ops.aten

@@ -4,7 +4,6 @@ one aten.gelu."""
 import math
 
 import torch
-
 from conftest import check_same, rewrite, targets
 
 aten = torch.ops.aten

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import compiled_step_matches_eager, rel_err, targets, tiny_bert_layer
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import dmfx
-from conftest import compiled_step_matches_eager, rel_err, targets, tiny_bert_layer
 from dmfx.passes import PassContext
 from dmfx.passes.backward.aten_backward import fuse_aten_backward
 

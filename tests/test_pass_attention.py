@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import check_same, rel_err, rewrite, targets, tiny_bert_layer
 
 import dmfx
-from conftest import check_same, rel_err, rewrite, targets, tiny_bert_layer
 
 dmfx_ops = torch.ops.dmfx
 aten = torch.ops.aten

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import check_same, count, rewrite, targets
 
 from dmfx.passes import PIPELINE
-from conftest import check_same, count, rewrite, targets
 
 dmfx_ops = torch.ops.dmfx
 aten = torch.ops.aten

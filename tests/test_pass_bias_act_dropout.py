@@ -5,7 +5,6 @@ read elsewhere are left alone."""
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import check_same, count, rewrite, targets
 from test_pass_activation_idioms import gpt2_gelu
 

@@ -5,7 +5,6 @@ elsewhere, a broadcast residual expanded); near-misses are left alone."""
 
 import torch
 import torch.nn.functional as F
-
 from conftest import check_same, count, rewrite, targets
 
 dmfx_ops = torch.ops.dmfx

@@ -2,7 +2,6 @@
 
 import torch
 import torch.nn.functional as F
-
 from conftest import count, rewrite, targets
 
 dmfx_ops = torch.ops.dmfx

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import max_rel_err, run_pass, targets, trace_fake
-from dmfx.cuda_ops import new_seed
 from test_pass_fold_gradient_adds import _norm_case, nb, on_both_cpu_builds
+
+from dmfx.cuda_ops import new_seed
 
 aten = torch.ops.aten
 

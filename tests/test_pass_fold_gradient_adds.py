@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import layer_norm_saved, max_rel_err, run_pass, targets, trace_fake
 
-from conftest import max_rel_err, layer_norm_saved, run_pass, targets, trace_fake
 from dmfx.cuda_ops import new_seed
 from dmfx.passes.backward import fold_gradient_adds
 

@@ -4,7 +4,6 @@ product is left alone."""
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import check_same, rewrite
 
 dmfx_ops = torch.ops.dmfx

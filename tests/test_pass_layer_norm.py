@@ -5,7 +5,6 @@ dmfx::rms_norm (the rewritten graph computes the same values); near-misses are l
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import check_same, count, rewrite, targets
 
 dmfx_ops = torch.ops.dmfx

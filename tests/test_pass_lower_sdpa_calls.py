@@ -5,10 +5,10 @@ kernel (gradients equal eager's, the bias gradients fold); causal and bf16 calls
 import pytest
 import torch
 import torch.nn.functional as F
-
-import dmfx
 from conftest import rel_err
 from test_pass_attention import B, E, L, _forms, _heads, _params
+
+import dmfx
 
 aten = torch.ops.aten
 

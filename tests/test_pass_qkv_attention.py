@@ -6,10 +6,10 @@ the gradients equal eager's and the stacked weight follows every optimizer step.
 import pytest
 import torch
 import torch.nn.functional as F
-
-import dmfx
 from conftest import check_same, count, rel_err, rewrite, targets, tiny_bert_layer
 from test_pass_attention import B, E, L, _heads, _params, _SelfAttention, bert_self_attention
+
+import dmfx
 
 dmfx_ops = torch.ops.dmfx
 aten = torch.ops.aten

@@ -2,7 +2,6 @@
 unpaired or wrongly split rotation is left alone."""
 
 import torch
-
 from conftest import check_same, rewrite, targets
 
 aten = torch.ops.aten

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import max_rel_err, run_pass, targets, trace_fake
+
 from dmfx.passes import PassContext
 
 aten = torch.ops.aten

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import compiled_step_matches_eager, layer_norm_saved, max_rel_err, targets, tiny_bert_layer, trace_fake
 
 import dmfx
-from conftest import max_rel_err, compiled_step_matches_eager, layer_norm_saved, targets, tiny_bert_layer, trace_fake
 from dmfx.passes import PassContext
 from dmfx.passes.backward import run_backward_pipeline
 

@@ -14,9 +14,9 @@ import types
 
 import pytest
 import torch
+from conftest import compiled_step_matches_eager, tiny_bert_layer
 
 import dmfx
-from conftest import compiled_step_matches_eager, tiny_bert_layer
 from dmfx.cuda_ops import build, selfcheck
 from dmfx.passes import ALL_PASSES
 

@@ -13,14 +13,11 @@ import math
 
 import pytest
 import torch
+from conftest import rel_err
 from torch.library import opcheck
 
 import dmfx  # noqa: F401  (registers the ops)
-from dmfx.cuda_ops import reference as R
-from dmfx.cuda_ops import softmax as S
-from dmfx.cuda_ops import new_seed
-
-from conftest import rel_err
+from dmfx.cuda_ops import new_seed, reference as R, softmax as S
 
 # Every test here runs on each CPU build of the kernels (conftest.cpu_build: native and AVX2).
 pytestmark = pytest.mark.usefixtures("cpu_build")

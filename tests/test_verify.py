@@ -24,10 +24,10 @@ import weakref
 
 import pytest
 import torch
+from conftest import compiled_step_matches_eager, rel_err, tiny_bert_layer
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import dmfx
-from conftest import compiled_step_matches_eager, rel_err, tiny_bert_layer
 from dmfx import backend, passes
 from dmfx.passes import PassContext
 from dmfx.passes.backward import BACKWARD_PIPELINE, accumulate_into_gemm

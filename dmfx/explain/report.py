@@ -94,7 +94,8 @@ class Report:
 
     def __repr__(self) -> str:
         dm = self.data["data_movement"]
-        return f"<dmfx.explain.Report {self.data['model']}: {_fmt_bytes(dm['before_bytes'])} -> {_fmt_bytes(dm['after_bytes'])} ({dm['reduction_pct']:.2f}% less)>"
+        before, after = _fmt_bytes(dm["before_bytes"]), _fmt_bytes(dm["after_bytes"])
+        return f"<dmfx.explain.Report {self.data['model']}: {before} -> {after} ({dm['reduction_pct']:.2f}% less)>"
 
     def __str__(self) -> str:
         return self.render()
@@ -164,7 +165,8 @@ class Report:
                                   headers=["graph", "node", "bytes", "why"], tablefmt="github", disable_numparse=True))
         cov = d["coverage"]
         lines.append("")
-        lines.append(f"coverage: {cov['fused']} of {cov['total']} memory-bound ATen ops are inside dmfx kernels ({100 * cov['ratio']:.1f}%)")
+        lines.append(f"coverage: {cov['fused']} of {cov['total']} memory-bound ATen ops are inside dmfx kernels "
+                     f"({100 * cov['ratio']:.1f}%)")
         if cov["misses"]:
             miss_groups: dict[tuple, int] = {}
             for m in cov["misses"]:
@@ -178,7 +180,8 @@ class Report:
         ms = d.get("measure")
         if ms:
             lines.append("")
-            lines.append(f"measured: copy bandwidth {ms['copy_bandwidth_gbs']:.1f} GB/s; kernel time before {ms['time_ms']['before']:.2f} ms, "
+            lines.append(f"measured: copy bandwidth {ms['copy_bandwidth_gbs']:.1f} GB/s; "
+                         f"kernel time before {ms['time_ms']['before']:.2f} ms, "
                          f"after {ms['time_ms']['after']:.2f} ms (sum over kernels, run one by one)")
             mb = [r for r in d["ops"]["after"] if r.get("mue") is not None]
             mb.sort(key=lambda r: -(r.get("time_us") or 0))
