@@ -377,8 +377,28 @@ def _write_sources(flavor: Flavor, src: Path) -> None:
             path.write_text(text)
 
 
+class _NoCudaRuntimeNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("No CUDA runtime is found")
+
+
+def cpp_extension() -> ModuleType:
+    """``torch.utils.cpp_extension``, imported without the "No CUDA runtime is found, using
+    CUDA_HOME=..." warning its import logs on a machine with a CUDA toolkit and no GPU: a CPU build
+    does not use CUDA, and dmfx's own build line says what is built."""
+    if "torch.utils.cpp_extension" not in sys.modules:
+        note = _NoCudaRuntimeNote()
+        logger = logging.getLogger("torch.utils.cpp_extension")
+        logger.addFilter(note)
+        try:
+            import torch.utils.cpp_extension  # noqa: F401
+        finally:
+            logger.removeFilter(note)
+    return sys.modules["torch.utils.cpp_extension"]
+
+
 def _load(key: str, flavor: Flavor, objects: Path) -> ModuleType:
-    from torch.utils.cpp_extension import load
+    load = cpp_extension().load
 
     src = objects / "src"
     _write_sources(flavor, src)
@@ -404,7 +424,7 @@ def _ensure_cuda_home() -> None:
     /usr/local/bin) the guess has no lib64/ and linking fails with "cannot find -lcudart". Prefer the
     toolkit `nvcc` really lives in, then the usual install locations.
     """
-    import torch.utils.cpp_extension as ext
+    ext = cpp_extension()
 
     def has_cudart(root: Path) -> bool:
         return any((root / d / "libcudart.so").exists() for d in ("lib64", "lib", "targets/x86_64-linux/lib"))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from .backend import GraphRecord, dmfx_backend, records, reset
+from .backend import GraphRecord, dmfx_backend, records, reset, with_options
 from .cuda_ops.attention import attention
 from .cuda_ops.build import KernelBuildError
 from .cuda_ops.norm import bias_dropout_residual_layer_norm, dropout, layer_norm, rms_norm
@@ -44,6 +44,7 @@ __all__ = [
     "Options",
     "bias_dropout_residual_layer_norm",
     "dmfx_backend",
+    "with_options",
     "dropout",
     "explain",
     "glu",

@@ -94,10 +94,15 @@ class GraphRecord:
             return f"graph {self.graph_id}: left to PyTorch ({self.fallback})"
         fused = ", ".join(f"{k} x{v}" for k, v in self.fired.items()) or "nothing"
         absorbed = sum(self.replaced.values())
-        return (
+        text = (
             f"graph {self.graph_id} [{'/'.join(self.devices) or 'no tensors'}]: fused {fused} "
             f"(absorbed {absorbed} ATen ops; {self.aten_ops_before} -> {self.aten_ops_after} ops) in {self.seconds:.2f}s"
         )
+        sdpa = sorted({why for form, why in self.attention_forms.values() if form == "sdpa"})
+        if sdpa:
+            n = sum(form == "sdpa" for form, _ in self.attention_forms.values())
+            text += f"; {n} attention(s) left to PyTorch's SDPA ({'; '.join(sdpa)})"
+        return text
 
 
 def records() -> list[GraphRecord]:
@@ -129,6 +134,25 @@ def _warn_once(key: str, msg: str, *args: Any) -> None:
         warn(msg, *args)  # visible even when the user has not configured logging
     else:
         log.info(msg, *args)
+
+
+def _log_once(key: str, msg: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.info(msg, *args)
+
+
+def with_options(**options: Any) -> Callable:
+    """The dmfx backend with `options` checked now: ``torch.compile(model,
+    backend=dmfx.with_options(skip=["dropout"]))``. torch.compile hands ``options={...}`` to a backend
+    only when it compiles the first graph, so a bad option would surface there, wrapped in Dynamo's
+    BackendCompilerFailed; this raises the plain ValueError at the call instead."""
+    Options.from_user(options)  # raises ValueError naming the bad option and the valid ones
+
+    def dmfx(gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+        return dmfx_backend(gm, example_inputs, options=options, **kwargs)
+
+    return dmfx
 
 
 def _count_ops(gm: GraphModule) -> int:
@@ -347,10 +371,21 @@ def _partitioner(opts: Options, record: GraphRecord) -> Callable:
     return partition
 
 
-def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict | None = None, **kwargs: Any) -> Callable:
+# torch.compile's modes (HF's CompileConfig passes mode="reduce-overhead" for generation): accepted;
+# dmfx runs the same graphs under each (it does not capture CUDA graphs or autotune).
+MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict | None = None, mode: str | None = None,
+                 **kwargs: Any) -> Callable:
     """``torch.compile(model, backend="dmfx", options={...})`` lands here once per Dynamo graph."""
     if kwargs:
         raise ValueError(f"dmfx: unexpected arguments {sorted(kwargs)}; pass settings as options={{...}}")
+    if mode not in MODES:
+        raise ValueError(f"dmfx: unknown mode {mode!r}; torch.compile's modes are {', '.join(map(repr, MODES[1:]))}")
+    if mode not in (None, "default"):
+        _log_once(f"mode:{mode}", "dmfx: mode=%r accepted; dmfx compiles the same graphs in every mode "
+                  "(it does not capture CUDA graphs or autotune)", mode)
     opts = Options.from_user(options)
     record = GraphRecord(graph_id=next(_graph_ids), devices=_devices(example_inputs))
     record.training = torch.is_grad_enabled() and any(input_requires_grad(example_inputs))

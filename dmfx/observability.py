@@ -70,7 +70,9 @@ def emit(record: Any) -> dict | None:
     try:
         text = record.summary() if hasattr(record, "summary") else json.dumps(summary)
         if summary["missed"]:
-            text += f"; {len(summary['missed'])} near-miss(es)"
+            n = len(summary["missed"])
+            text += (f"; {n} near-miss{'es' if n > 1 else ''} (chains left to PyTorch, with why: "
+                     f"dmfx.records()[-1].missed, or the DEBUG log)")
         loaded = ", ".join(f"{k}={v}" for k, v in summary["kernels_loaded"].items())
         if loaded:
             text += f"; kernels {loaded}"

@@ -223,10 +223,22 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | Non
         return "flash", ("inference on the CPU: dmfx's fused kernel is 0.99-1.11x SDPA's "
                          "(bench/attention.py --mode infer) and writes the context in the layout the next GEMM reads")
     if sdpa_ok:
-        return "sdpa", "PyTorch's fused kernel is the fastest here"
+        return "sdpa", _why_sdpa(qm, causal)
     if flash_auto:
         return "flash", "causal attention over different query and key lengths"
     return "gemm", "no fused kernel for this case"
+
+
+def _why_sdpa(qm: torch.Tensor, causal: bool) -> str:
+    """Why the cost model leaves an attention without dropout to PyTorch's SDPA, in words."""
+    if qm.device.type != "cpu":
+        return f"on {qm.device.type}, PyTorch's SDPA (its tensor-core kernels) is the fastest"
+    if qm.dtype != torch.float32:
+        return (f"{qm.dtype} on the CPU: dmfx's fused CPU attention kernel runs float32 only, so PyTorch's SDPA "
+                "runs it (the softmax is not fused by dmfx)")
+    if causal:
+        return "causal attention without dropout: PyTorch's SDPA skips the masked half as dmfx's kernel would"
+    return "PyTorch's SDPA kernel is the fastest here"
 
 
 def _insert_sdpa(graph, ctx, q4, k4, v4, mask, scale, causal, p) -> Node:
