@@ -64,7 +64,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # module's Python entry point (PYBIND11_MODULE) is csrc/cpu_bindings.cpp / cuda_bindings.cpp.
 FAMILIES = ("norm", "softmax", "pointwise", "attention")
 # Functions of the CPU module without a CUDA twin: flash_use_blas switches the CPU flash kernels' GEMMs.
-CPU_ONLY_FUNCTIONS = ("flash_use_blas",)
+CPU_ONLY_FUNCTIONS = ("flash_use_blas", "kernel_table", "use_kernel_table")
 MARKER = "dmfx_ok.json"
 
 

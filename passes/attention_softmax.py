@@ -228,6 +228,7 @@ def match_attention_softmax(sm: Node, ctx: PassContext) -> Match | Miss | None:
         # m2 + m1 (broadcast sum; a tensor of at most the scores' size, as the add it replaces).
         inner = _second_mask(scores, shape)
         if inner is not None:
+            chain.append(scores)  # the inner add (read only by the outer one: _second_mask)
             scores, m2 = inner
     notes: list[str] = []
     s, scale, scale_node = _split_scale(scores)

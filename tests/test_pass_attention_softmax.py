@@ -67,6 +67,24 @@ def test_softmax_semantic_variants(form):
     check_same(fn, gm, q, k, v, mask)
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_two_masks_as_t5_adds_them_fuse(scale):
+    """T5 (transformers 5): ``softmax((s * scaling + position_bias) + mask)``, scaling 1.0; the inner
+    add is part of the chain (a regression: it was left out, so the scaled scores looked read outside
+    the pattern and T5's attention stopped fusing)."""
+    q, k, v = _qk()
+    bias, mask = torch.randn(1, 3, 5, 5), torch.zeros(2, 1, 1, 5)
+    mask[1, ..., 3:] = -1e9
+
+    def fn(q, k, v, bias, mask):
+        return F.softmax((q @ k.transpose(-1, -2) * scale + bias) + mask, dim=-1) @ v
+
+    gm, ctx = rewrite(fn, q, k, v, bias, mask, passes=SOFTMAX_PASSES)
+    assert ctx.fired.get("attention_softmax") == 1, ctx.missed
+    assert aten._softmax.default not in targets(gm)
+    check_same(fn, gm, q, k, v, bias, mask)
+
+
 def test_sdpa_math_path_bool_mask_and_split_scale_are_folded():
     """SDPA's math decomposition (what aot_export gives for a bool mask) scales q and k by sqrt(c)
     and turns the bool mask into where(m, 0, -inf): both fold into the fused op."""
