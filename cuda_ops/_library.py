@@ -83,7 +83,9 @@ _SCORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def check_dropout_p(op: str, p: float, seed: Tensor | None) -> None:
-    if not 0.0 <= p <= 1.0:
+    """The dropout probability check every family's Python kernels run (the C++ kernels check the same
+    again: kernel_api.h)."""
+    if not (isinstance(p, (int, float)) and 0.0 <= p <= 1.0):
         raise ValueError(f"dmfx::{op}: dropout probability p must be in [0, 1], got {p}")
     if p > 0.0 and seed is None:
         raise ValueError(f"dmfx::{op}: p={p} > 0 needs a seed tensor (dmfx.cuda_ops.new_seed()); seed is None")
@@ -117,6 +119,20 @@ def kernel_mask(mask: Tensor | None, scores: Tensor) -> Tensor | None:
     if mask is None or mask.dtype in (torch.bool, torch.float32, scores.dtype):
         return mask
     return mask.float()
+
+
+def no_double_backward(op: str, through: str) -> None:
+    """Register the autograd formula of the backward op `op`: double backward through it (create_graph=True
+    through `through`) raises NotImplementedError, naming the op, instead of a wrong or missing gradient."""
+
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            f"dmfx::{op}: double backward (create_graph=True through {through}) is not supported; compile "
+            "without dmfx (or skip the pass that introduces this op) for higher-order gradients"
+        )
+
+    backward.__name__ = f"{op}_double_backward"
+    torch.library.register_autograd(f"dmfx::{op}", backward, setup_context=lambda ctx, inputs, output: None)
 
 
 # ----------------------------------------------------------------------------------------- stand-ins

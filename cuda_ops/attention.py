@@ -73,6 +73,7 @@ from ._library import (
     check_tensor as _check_tensor,
     kernel_mask as _kernel_mask,
     new_seed,
+    no_double_backward,
     seed_values as _seed_values,
 )
 from .build import kernels_for
@@ -607,14 +608,8 @@ torch.library.register_autograd("dmfx::qkv_flash_attention", _backward_flash, se
 torch.library.register_autograd("dmfx::qkv_attention", _backward_qkv_attention, setup_context=_setup_qkv_attention)
 
 
-def _no_double_backward(ctx, *grads):
-    raise NotImplementedError(
-        "dmfx::attention_backward: double backward (create_graph=True through dmfx attention) is not supported"
-    )
-
-
 for _op in ("attention_backward", "qkv_attention_backward", "flash_attention_backward", "qkv_flash_attention_backward"):
-    torch.library.register_autograd(f"dmfx::{_op}", _no_double_backward, setup_context=lambda ctx, inputs, output: None)
+    no_double_backward(_op, "dmfx.attention")
 
 
 # ----------------------------------------------------------------------------------------- Python API

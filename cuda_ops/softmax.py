@@ -42,6 +42,7 @@ from ._library import (
     check_stored_mask as _check_stored_mask,
     kernel_mask as _kernel_mask,
     new_seed,
+    no_double_backward,
     seed_values as _seed_values,
 )
 from .build import kernels_for
@@ -144,16 +145,7 @@ def _backward_softmax(ctx, grad_out, grad_probs):
 torch.library.register_autograd("dmfx::attention_softmax", _backward_softmax, setup_context=_setup_softmax)
 
 
-def _no_double_backward(ctx, *grads):
-    raise NotImplementedError(
-        "dmfx::attention_softmax_backward: double backward (create_graph=True through a dmfx attention softmax) is "
-        "not supported; compile without dmfx's softmax fusion for higher-order gradients"
-    )
-
-
-torch.library.register_autograd(
-    "dmfx::attention_softmax_backward", _no_double_backward, setup_context=lambda ctx, inputs, output: None
-)
+no_double_backward("attention_softmax_backward", "dmfx.attention_softmax")
 
 
 # ----------------------------------------------------------------------------------------- Python API
@@ -173,7 +165,6 @@ def attention_softmax(
     if mask is not None and not isinstance(mask, Tensor):
         raise TypeError(f"dmfx::attention_softmax: mask must be a Tensor or None, got {type(mask).__name__}")
     p = float(p) if training else 0.0
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"dmfx::attention_softmax: dropout probability p must be in [0, 1], got {p}")
     seed = new_seed() if p > 0 else None
+    _check_p("attention_softmax", p, seed)
     return torch.ops.dmfx.attention_softmax(scores, mask, float(scale), bool(causal), seed, p)[0]
