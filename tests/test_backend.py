@@ -252,3 +252,27 @@ def test_the_info_line_says_how_to_list_the_near_misses(caplog):
     with caplog.at_level("INFO", logger="dmfx"):
         emit(record)
     assert "1 near-miss (chains left to PyTorch, with why: dmfx.records()[-1].missed" in caplog.text
+
+
+def test_one_info_line_tells_the_compile(caplog):
+    """One INFO line for a compile (a model's first call), not one per graph: what was fused, the
+    bytes saved per forward pass, what was left to PyTorch and why."""
+    with caplog.at_level(logging.INFO, logger="dmfx"):
+        torch.compile(Block(), backend="dmfx")(torch.randn(2, 32))
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "compiled" in r.getMessage()]
+    assert len(lines) == 1, caplog.text
+    assert "compiled 1 graph; fused bias_dropout_residual_norm x1" in lines[0]
+    assert "MiB less memory traffic per forward pass" in lines[0]
+    assert not any(r.levelno == logging.INFO and r.getMessage().startswith("dmfx: graph ") for r in caplog.records)
+
+
+def test_the_compile_line_says_what_was_left_to_pytorch(caplog):
+    class Mutates(torch.nn.Module):
+        def forward(self, x):
+            x.add_(1.0)  # an input mutation: dmfx's lowering does not take it
+            return torch.nn.functional.layer_norm(x, (32,))
+
+    with caplog.at_level(logging.INFO, logger="dmfx"):
+        torch.compile(Mutates(), backend="dmfx")(torch.randn(2, 32))
+    line = next(r.getMessage() for r in caplog.records if "compiled 1 graph" in r.getMessage())
+    assert "nothing fused" in line and "left to PyTorch: graph" in line, line
