@@ -4,7 +4,8 @@
 // softmax kernels read them (softmax_api.h). What differs per device (the device itself, the dtypes,
 // the head dims) each file checks on top.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <cmath>
 #include <limits>

@@ -22,7 +22,9 @@
 // The row math is softmax_cpu.h's (shared with the softmax kernels).
 // float32 and float64 only: bf16/fp16 attention runs the unfused form (cuda_ops/attention.py).
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Dispatch.h>

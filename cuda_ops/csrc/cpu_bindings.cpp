@@ -6,7 +6,8 @@
 //
 // kernel_table / use_kernel_table: the table of kernel pointers the registered kernels call
 // (cpu_kernels.h), so build.using_cpu_build can run the ops on another CPU build's kernels.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
 

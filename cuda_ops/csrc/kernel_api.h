@@ -2,7 +2,8 @@
 // CUDA bindings of the fused normalization kernels. Error messages name the op, the tensor and what
 // was expected, so bad input never reaches a kernel.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>

@@ -4,7 +4,10 @@
 // Every tensor is seen as [rows, H] with unit stride along H; the leading dimensions may have any
 // strides (RowIndexer), so permuted/sliced activations are read in place. Outputs are contiguous.
 // Accumulation is in at::opmath_type (float for fp16/bf16/fp32, double for fp64).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Dispatch.h>

@@ -25,7 +25,8 @@
 //   deterministic, no atomics.
 // * Dropout: the element with logical index i = row * H + j (contiguous index for the standalone
 //   kernel) is kept iff word (i & 3) of philox4x32_10(i >> 2, offset, seed) >= threshold.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>

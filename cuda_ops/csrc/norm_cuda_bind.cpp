@@ -1,6 +1,8 @@
 // Python bindings of the fused normalization/dropout CUDA kernels (implemented in norm_cuda.cu). The functions have the
 // same names, signatures and semantics as the CPU functions in norm_cpu.cpp.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
 #include <vector>
 

@@ -3,7 +3,8 @@
 // functions). norm_cpu.cpp registers these with the CPU kernels (and the family's autograd formulas),
 // norm_cuda_bind.cpp with the CUDA ones. Every argument check is the kernels' (kernel_api.h) or below.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <array>
 #include <tuple>

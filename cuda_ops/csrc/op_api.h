@@ -7,7 +7,9 @@
 // <family>_cuda_bind.cpp), so no Python runs between the dispatcher and a kernel. Modules built with
 // DMFX_KERNELS_ONLY (the AVX2 test build, the CUDA emulation) register nothing.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
 
 #include <string>
 #include <tuple>

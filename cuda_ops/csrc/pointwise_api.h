@@ -15,7 +15,8 @@
 // The second half of this file is host-only: argument checks and input preparation shared by the CPU
 // and CUDA entry points, so both accept and reject exactly the same inputs with the same messages.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <cmath>
 #include <type_traits>

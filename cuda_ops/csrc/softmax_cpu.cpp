@@ -13,6 +13,8 @@
 // exact mapping of dmfx_common.h) runs on 32 counter groups at once: AVX-512 intrinsics where the
 // compiler targets AVX-512, else a structure-of-arrays loop the compiler vectorizes.
 // Accumulation is fp32 for fp16/bf16/fp32 inputs, fp64 for fp64 inputs (with std::exp).
+#include <torch/csrc/utils/pybind.h>
+
 #include "softmax_cpu.h"
 #include "cpu_kernels.h"
 
