@@ -15,7 +15,7 @@ Sections
            time, peak memory, bytes moved, ratios against eager and Inductor (bench/models.py)
   compile  time to first result for Inductor and dmfx, cold and warm caches, in fresh processes (bench/compile_cost.py)
 
-Method (DESIGN.md): candidates interleaved A B C A B C, warm-up rounds first, medians; ratios are what
+Method (docs/ARCHITECTURE.md, "Benchmark method"): candidates interleaved A B C A B C, warm-up rounds first, medians; ratios are what
 to compare on a shared machine. Tables go to stdout, progress to stderr, everything to a JSON file under
 bench/results/ (``--json`` to choose).
 """

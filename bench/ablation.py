@@ -58,15 +58,12 @@ def main(argv=None):
     p.add_argument("--variants", default=None, help="comma list of variant names (default: all)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    from transformers import BertConfig
-    from transformers.models.bert.modeling_bert import BertLayer
+    from dmfx.models import bert_layer
 
     torch.set_num_threads(a.threads)
-    torch.manual_seed(0)
-    cfg = BertConfig()
-    cfg._attn_implementation = "eager"
-    base = BertLayer(cfg).train()
-    x = torch.randn(a.batch, a.seq, cfg.hidden_size, requires_grad=True)
+    hidden = 768  # BERT-base
+    base = bert_layer(hidden=hidden).train()
+    x = torch.randn(a.batch, a.seq, hidden, requires_grad=True)
     runs = {}
     chosen = VARIANTS if not a.variants else {"eager": None, **{n: VARIANTS[n] for n in a.variants.split(",")}}
     for name, options in chosen.items():

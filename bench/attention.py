@@ -38,8 +38,7 @@ import torch
 import torch.nn.functional as F
 from tabulate import tabulate
 
-import dmfx
-from dmfx.cuda_ops.ops import new_seed  # noqa: F401  (dmfx registers its ops on import)
+from dmfx.cuda_ops import new_seed  # noqa: F401  (dmfx registers its ops on import)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -176,7 +175,8 @@ def main(argv=None):
             f"{datetime.datetime.now():%Y-%m-%d %H:%M}")
     print(head)
     print(table(raw))
-    out = Path(args.json) if args.json else REPO_ROOT / "bench" / "results" / f"attention_{args.device}_{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
+    stamp = f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    out = Path(args.json) if args.json else REPO_ROOT / "bench" / "results" / f"attention_{args.device}_{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": vars(args), "header": head, "cases": raw}, indent=1))
     print(f"wrote {out}")

@@ -41,6 +41,7 @@ import argparse
 import copy
 import datetime
 import json
+
 try:
     import resource
 except ImportError:  # Windows
@@ -53,8 +54,6 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import BertConfig
-from transformers.models.bert.modeling_bert import BertLayer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -90,13 +89,10 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------- model and inputs
 
 def build_layer(args):
-    torch.manual_seed(0)
-    config = BertConfig(
-        hidden_size=args.hidden, num_attention_heads=args.heads, intermediate_size=args.ffn,
-        hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=args.dropout,
-        attn_implementation=args.attn,
-    )
-    return BertLayer(config).to(device=args.device, dtype=DTYPES[args.dtype])
+    from dmfx.models import bert_layer
+
+    layer = bert_layer(args.hidden, args.heads, args.ffn, args.dropout, args.attn)
+    return layer.to(device=args.device, dtype=DTYPES[args.dtype])
 
 
 def make_inputs(args, train):

@@ -21,7 +21,7 @@ from tabulate import tabulate
 
 import dmfx  # noqa: F401  (registers the dmfx ops)
 from bench.common import RESULTS, environment, interleaved, log, median, timer
-from dmfx.cuda_ops.ops import new_seed
+from dmfx.cuda_ops import new_seed
 
 
 def cases(device: str, dtype: torch.dtype, N: int, H: int, F: int, p: float):

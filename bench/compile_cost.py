@@ -33,19 +33,19 @@ def _child(argv) -> None:
     import torch
 
     import dmfx  # noqa: F401
-    from dmfx.explain import _scalar, build_model
+    from dmfx.models import build_model, loss_of
 
     model, kwargs = build_model(a.model, a.batch, a.seq, a.layers, a.device)
     model.train()
     compiled = model if a.backend == "eager" else torch.compile(model, backend=a.backend)
     t0 = time.perf_counter()
-    _scalar(compiled(**kwargs)).backward()
+    loss_of(compiled(**kwargs)).backward()
     if a.device == "cuda":
         torch.cuda.synchronize()
     first = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
     t1 = time.perf_counter()
-    _scalar(compiled(**kwargs)).backward()
+    loss_of(compiled(**kwargs)).backward()
     if a.device == "cuda":
         torch.cuda.synchronize()
     second = time.perf_counter() - t1
@@ -80,7 +80,7 @@ def run(device: str, model: str = "bert-base", layers: int = 2, batch: int = 2, 
                 r = measure(backend, cache, model, layers, batch, seq, device)
                 r.update({"cache": state, "model": model, "layers": layers, "batch": batch, "seq": seq, "device": device})
                 results.append(r)
-                log(f"[compile]   " + (f"first step {r['first_step_s']:.1f} s" if "first_step_s" in r else f"failed: {r['error'][-300:]}"))
+                log("[compile]   " + (f"first step {r['first_step_s']:.1f} s" if "first_step_s" in r else f"failed: {r['error'][-300:]}"))
     return results
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (DESIGN.md, "GPU machine"): installs nothing from the network.
+# The prepared GPU check (docs/ARCHITECTURE.md, "GPU machine"): installs nothing from the network.
 # Builds the CUDA kernels, runs the CUDA tests, then a short BertLayer benchmark (BERT-large sizes,
 # bf16), and prints the table last. Run from the repository root on the lent GPU machine:
 #   bash bench/gpu_check.sh          (about 8 minutes; writes logs under ${OUT:-bench/results})
@@ -14,8 +14,8 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 echo "== build CUDA kernels"
 python3 -c "import time; from dmfx.cuda_ops import build; t=time.time(); build.load('cuda'); print(f'cuda build/load {time.time()-t:.1f}s')" 2>&1 | tee "$out/gpu_build.log"
 echo "== CUDA tests"
-# every CUDA-vs-CPU test file (tests/test_cuda_*.py: norm, softmax, pointwise, attention, and the fused
-# attention kernels in test_cuda_flash_attention.py), then the
+# every CUDA-vs-CPU test file (tests/test_cuda_*.py: one per kernel family, norm, softmax, pointwise,
+# attention (the fused kernels), and the attention ops in test_cuda_attention_ops.py), then the
 # model tests on the GPU path are left to CPU CI; no -x: one failing family must not hide the others
 python3 -m pytest -q tests/test_cuda_*.py 2>&1 | tail -25 | tee "$out/gpu_tests.log"
 echo "== attention alone: dmfx's CUDA flash kernel against SDPA (the cost model runs it only when forced until this is known)"

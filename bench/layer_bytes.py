@@ -28,15 +28,12 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    from transformers import BertConfig
-    from transformers.models.bert.modeling_bert import BertLayer
+    from dmfx.models import bert_layer
 
     torch.set_num_threads(a.threads)
-    torch.manual_seed(0)
-    cfg = BertConfig(hidden_dropout_prob=a.dropout, attention_probs_dropout_prob=a.dropout)
-    cfg._attn_implementation = "eager"
-    layer = BertLayer(cfg)
-    x = torch.randn(a.batch, a.seq, cfg.hidden_size, requires_grad=True)
+    hidden = 768  # BERT-base
+    layer = bert_layer(hidden=hidden, dropout=a.dropout)
+    x = torch.randn(a.batch, a.seq, hidden, requires_grad=True)
     report = dmfx.explain(layer, x, training=True, name=f"BertLayer B={a.batch} L={a.seq} p={a.dropout}")
     print(f"{datetime.datetime.now():%Y-%m-%d %H:%M} | torch {torch.__version__} | threads {a.threads}")
     print(report)

@@ -13,7 +13,7 @@ import types
 
 import torch
 
-from .bert_layer import GemmRecorder, build_layer, dmfx_unavailable_reason, forward, gemm_flops, make_inputs, make_floor_step
+from .bert_layer import GemmRecorder, build_layer, dmfx_unavailable_reason, forward, gemm_flops, make_floor_step, make_inputs
 from .common import interleaved, log, median, timer
 from .models import _fresh_compile_state
 

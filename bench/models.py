@@ -1,5 +1,5 @@
 """Whole models, inference and training: eager vs Inductor vs dmfx. Time (interleaved medians), peak
-memory of one step (dmfx.explain.peak_memory) and bytes moved (dmfx.explain.runtime_bytes).
+memory of one step (dmfx.explain's peak_memory) and bytes moved (dmfx.explain's runtime_bytes).
 
 Bytes moved are counted per dispatched op, so they are exact for eager and dmfx (whose kernels are ops)
 but not for Inductor: its generated kernels are not dispatcher ops, so the table says "n/a". Peak
@@ -13,7 +13,8 @@ import copy
 
 import torch
 
-from dmfx.explain import _scalar, build_model, peak_memory, runtime_bytes
+from dmfx.explain import peak_memory, runtime_bytes
+from dmfx.models import build_model, loss_of
 
 from .common import interleaved, log, median, timer
 
@@ -44,7 +45,7 @@ def _step(module, kwargs, train: bool):
     if train:
         def step():
             module.zero_grad(set_to_none=True)
-            loss = _scalar(module(**kwargs))
+            loss = loss_of(module(**kwargs))
             loss.backward()
             return loss
     else:

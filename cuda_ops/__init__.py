@@ -1,11 +1,14 @@
 """dmfx's fused operators (torch.library, namespace ``dmfx::``) and the build of their CPU/CUDA kernels.
 
-Importing the package defines every op. What the passes and the rest of dmfx use from here is
-re-exported below, so they never reach into a family module's internals.
+Importing the package defines every op, family by family (each family module imports only
+_library.py, build.py and reference.py): norm (LayerNorm, RMSNorm, bias + dropout + residual + norm,
+dropout), softmax (the attention softmax), pointwise (bias + activation + dropout, gated activations,
+rotary embedding), attention (the GEMM form and the fused flash form). What the passes and the rest of
+dmfx use from here is re-exported below, so they never reach into a family module's internals.
 """
 
-from . import ops as _ops  # noqa: F401  (norm family, dropout, seeds; registers softmax, pointwise, attention)
+from . import attention, norm, pointwise, softmax  # noqa: F401  (each defines its family's ops; any order)
+from ._library import new_seed, stat_dtype
 from .attention import OPS as ATTENTION_OPS, flash_supported
-from .ops import new_seed, stat_dtype
 
 __all__ = ["ATTENTION_OPS", "flash_supported", "new_seed", "stat_dtype"]

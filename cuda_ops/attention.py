@@ -65,12 +65,18 @@ import functools
 import torch
 from torch import Tensor
 
+from . import reference as R
+from ._library import (
+    LIB as _lib,
+    check_dropout_p as _check_p,
+    check_scores as _check_softmax,
+    check_tensor as _check_tensor,
+    kernel_mask as _kernel_mask,
+    new_seed,
+    no_double_backward,
+    seed_values as _seed_values,
+)
 from .build import kernels_for
-from .ops import _check_tensor, _seed_values, new_seed
-from .softmax import _check_forward as _check_softmax
-from .softmax import _check_p
-
-_lib = torch.library.Library("dmfx", "FRAGMENT")  # noqa: TOR901 (kept alive for the process)
 
 _lib.define(
     "attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, Tensor? seed, float p) "
@@ -131,7 +137,7 @@ def _check_qkv(op: str, q: Tensor, k: Tensor, v: Tensor) -> None:
         raise TypeError(f"dmfx::{op}: q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"dmfx::{op}: q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
-    (B, Hq, Lq, D), (Bk, Hk, Lk, Dk), (Bv, Hv, Lv, Dv) = q.shape, k.shape, v.shape
+    (B, Hq, _, D), (Bk, Hk, Lk, Dk), (Bv, Hv, Lv, _) = q.shape, k.shape, v.shape
     if not (B == Bk == Bv) or Hk != Hv or Lk != Lv or D != Dk:
         raise ValueError(
             f"dmfx::{op}: q {list(q.shape)}, k {list(k.shape)} and v {list(v.shape)} do not fit "
@@ -217,8 +223,6 @@ def _groups(t: Tensor, groups: int) -> list[Tensor]:
 
 
 def _forward(q, k, v, mask, scale, causal, seed, p, out):
-    from .softmax import _softmax_kernel
-
     B, Hq, Lq, _ = q.shape
     Lk, Hk = k.shape[2], k.shape[1]
     g = Hq // Hk
@@ -226,7 +230,7 @@ def _forward(q, k, v, mask, scale, causal, seed, p, out):
     kt = k.transpose(2, 3)
     for qg, sg in zip(_groups(q, g), _groups(scores, g)):
         _bmm4(qg, kt, sg)
-    first, second = _softmax_kernel(scores, mask, scale, causal, seed, p)
+    first, second = torch.ops.dmfx.attention_softmax(scores, mask, scale, causal, seed, p)
     del scores
     # the kernel returns (dropped, probs) with dropout and (probs, empty) without
     probs, dropped = (second, first) if p > 0 else (first, second)
@@ -236,8 +240,6 @@ def _forward(q, k, v, mask, scale, causal, seed, p, out):
 
 
 def _backward(grad_out, q, k, v, probs, dropped, seed, p, scale, mask_grad, grad_probs, grad_dropped, dq, dk, dv):
-    from .softmax import _softmax_backward_kernel
-
     Hq, Hk = q.shape[1], k.shape[1]
     g = Hq // Hk
     used = dropped if p > 0 else probs  # what multiplied v
@@ -254,10 +256,10 @@ def _backward(grad_out, q, k, v, probs, dropped, seed, p, scale, mask_grad, grad
     if grad_probs is not None and p == 0:
         d_used += grad_probs
     kscale = 1.0 if mask_grad else scale
-    dz = _softmax_backward_kernel(d_used, probs, seed, p, kscale)
+    dz = torch.ops.dmfx.attention_softmax_backward(d_used, probs, seed, p, kscale)
     del d_used
     if grad_probs is not None and p > 0:
-        dz += _softmax_backward_kernel(grad_probs, probs, None, 0.0, kscale)
+        dz += torch.ops.dmfx.attention_softmax_backward(grad_probs, probs, None, 0.0, kscale)
     alpha = scale if mask_grad else 1.0  # dS = scale * dz: applied by the softmax kernel or the GEMMs
     for i, (zg, qg, dqg) in enumerate(zip(_groups(dz, g), _groups(q, g), _groups(dq, g))):
         _bmm4(zg, k, dqg, alpha=alpha)
@@ -343,8 +345,6 @@ def _rows(*ts: Tensor) -> tuple[Tensor, ...]:
 
 
 def _flash_forward(q, k, v, mask, scale, causal, seed, p, out):
-    from .softmax import _kernel_mask
-
     if _flash_ok(q, v):
         q, k, v = _rows(q, k, v)
         s, o = _seed_values(seed, "flash_attention")
@@ -357,8 +357,6 @@ def _flash_forward(q, k, v, mask, scale, causal, seed, p, out):
 def _flash_backward(grad_out, q, k, v, stats, mask, scale, causal, seed, p, dq, dk, dv, bias_part=None):
     """dq, dk, dv written in place; with `bias_part` ([3, B, H, D]) the fused kernel also writes each
     (batch, head)'s column sums of dq, dk, dv there (the unfused path leaves it to the caller)."""
-    from .softmax import _kernel_mask
-
     if _flash_ok(q, v):
         s, o = _seed_values(seed, "flash_attention_backward")
         go, q, k, v = _rows(grad_out, q, k, v)
@@ -610,14 +608,8 @@ torch.library.register_autograd("dmfx::qkv_flash_attention", _backward_flash, se
 torch.library.register_autograd("dmfx::qkv_attention", _backward_qkv_attention, setup_context=_setup_qkv_attention)
 
 
-def _no_double_backward(ctx, *grads):
-    raise NotImplementedError(
-        "dmfx::attention_backward: double backward (create_graph=True through dmfx attention) is not supported"
-    )
-
-
 for _op in ("attention_backward", "qkv_attention_backward", "flash_attention_backward", "qkv_flash_attention_backward"):
-    torch.library.register_autograd(f"dmfx::{_op}", _no_double_backward, setup_context=lambda ctx, inputs, output: None)
+    no_double_backward(_op, "dmfx.attention")
 
 
 # ----------------------------------------------------------------------------------------- Python API
@@ -647,13 +639,11 @@ def attention(
 
 def reference_attention(q, k, v, mask=None, scale=1.0, causal=False, seed=None, p=0.0):
     """(out, probs, dropped) of dmfx::attention in pure PyTorch (float32 math; float64 stays float64)."""
-    from .softmax import reference_softmax
-
     g = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(g, dim=1) for t in (k, v))
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     scores = (q.to(acc) @ k.to(acc).transpose(-2, -1)).to(q.dtype)
-    first, probs = reference_softmax(scores, mask, scale, causal, seed, p)
+    first, probs = R.reference_softmax(scores, mask, scale, causal, seed, p)
     if p == 0:
         probs, dropped = first, first.new_empty((0,))
     else:

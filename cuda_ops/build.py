@@ -1,22 +1,35 @@
 """Build, cache and load dmfx's kernel extensions.
 
-All CPU kernels live in one extension module and all CUDA kernels in another. Each is compiled once
-with ``torch.utils.cpp_extension.load_inline`` and named by a hash of its sources, flags, the torch
-build and the machine, so a change to any of them builds a new module and an old one is never loaded
-by mistake. Builds land in the torch extensions directory (``TORCH_EXTENSIONS_DIR`` or
-``~/.cache/torch_extensions``; ``DMFX_CACHE_DIR`` overrides it) and are shared across processes:
+All CPU kernels live in one extension module and all CUDA kernels in another. Each is built with
+``torch.utils.cpp_extension.load``, one translation unit per kernel family (csrc/<family>_cpu.cpp;
+csrc/<family>_cuda.cu + <family>_cuda_bind.cpp), so ninja compiles the families in parallel, and named
+by a hash of its sources, headers, flags, the torch build and the machine, so a change to any of them
+builds a new module and an old one is never loaded by mistake. Builds land in the torch extensions
+directory (``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``; ``DMFX_CACHE_DIR`` overrides it)
+and are shared across processes:
 
-* a file lock serialises concurrent builds of the same module (the second process waits, then loads);
+* each flavor compiles in one object directory (``dmfx_<flavor>_objects``) that outlives its builds:
+  the sources are written there (only those that changed), so ninja recompiles only the families a
+  change touched; the finished library is copied into the module's own directory, named by the hash;
+* file locks serialise concurrent builds (the second process waits, then loads);
 * a build is only trusted once ``dmfx_ok.json`` records the SHA-256 of the finished library, so a
   build that was killed half-way, or a library that was corrupted later, is detected and rebuilt;
 * a warm load imports the finished library directly (no compiler, no ninja), well under a second;
 * a cache directory that cannot be written falls back to a temporary one, with a warning.
 
+Importing a module registers its kernels with the dispatcher (``TORCH_LIBRARY_IMPL`` in each family's
+binding): the CPU module the ``CPU`` and ``Autograd`` keys of every ``dmfx::`` op, the CUDA module the
+``CUDA`` key (so loading the CUDA module loads the CPU one first: the autograd formulas live there).
+Until then Python stand-ins hold those keys (cuda_ops/_library.py); ``load`` removes them right before
+the import, so the first call of an op builds or loads its kernels and then runs them.
+
 The CPU kernels are built for this machine (``-march=native``), so an AVX-512 machine and an AVX2 one
 run different code. A second CPU build, ``cpu_avx2`` (the x86-64-v3 baseline: AVX2 and FMA, no
-AVX-512), lets the tests run both paths on one machine: inside ``using_cpu_build("cpu_avx2")``,
-``kernels_for("cpu")`` returns it (tests/conftest.py's ``cpu_build`` fixture runs the op tests on each
-of ``CPU_BUILDS``).
+AVX-512), lets the tests run both paths on one machine. It registers nothing: inside
+``using_cpu_build("cpu_avx2")`` the native module's registered kernels call the AVX2 module's kernel
+functions (through the table of kernel pointers csrc/cpu_kernels.h describes), and
+``kernels_for("cpu")`` returns the AVX2 module (tests/conftest.py's ``cpu_build`` fixture runs the op
+tests on each of ``CPU_BUILDS``).
 """
 
 from __future__ import annotations
@@ -32,11 +45,13 @@ import shlex
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Callable
 
 import torch
 from filelock import FileLock
@@ -44,13 +59,12 @@ from filelock import FileLock
 log = logging.getLogger("dmfx")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-# One group of kernels per file (csrc/<family>_cpu.cpp, <family>_cuda.cu + <family>_cuda_bind.cpp); see
-# csrc/cpu_bindings.cpp. Order matters on the CPU: each file may use the helpers of the files before it
-# (attention_cpu.cpp uses softmax_cpu.cpp's). The CUDA files share device code through headers
-# (softmax_device.cuh), so each compiles on its own.
+# One translation unit per kernel family: csrc/<family>_cpu.cpp in the CPU module, <family>_cuda.cu and
+# its binding <family>_cuda_bind.cpp in the CUDA module. What families share is in headers. The
+# module's Python entry point (PYBIND11_MODULE) is csrc/cpu_bindings.cpp / cuda_bindings.cpp.
 FAMILIES = ("norm", "softmax", "pointwise", "attention")
 # Functions of the CPU module without a CUDA twin: flash_use_blas switches the CPU flash kernels' GEMMs.
-CPU_ONLY_FUNCTIONS = ("flash_use_blas",)
+CPU_ONLY_FUNCTIONS = ("flash_use_blas", "kernel_table", "use_kernel_table")
 MARKER = "dmfx_ok.json"
 
 
@@ -61,18 +75,17 @@ class KernelBuildError(RuntimeError):
 @dataclass(frozen=True)
 class Flavor:
     kind: str  # "cpu" | "cuda": the device the kernels run on
-    cpp_sources: tuple[str, ...]  # concatenated, in order, into one C++ translation unit
-    cuda_sources: tuple[str, ...]  # concatenated into one CUDA translation unit
+    sources: tuple[str, ...]  # csrc files, each compiled on its own (.cpp with the C++ compiler, .cu with nvcc)
     cflags: tuple[str, ...]
     cuda_cflags: tuple[str, ...] = ()
     ldflags: tuple[str, ...] = ()
     headers: tuple[str, ...] = ("*.h",)  # globs of the csrc headers the sources include (hashed)
+    registers: bool = True  # registers its kernels with the dispatcher (else -DDMFX_KERNELS_ONLY)
 
 
 def _cpu_capability_flags() -> tuple[str, ...]:
     """ATen's Vectorized<T> only uses AVX2/AVX-512 when CPU_CAPABILITY_* is defined (as in ATen's own
-    kernel builds). Define it for the whole translation unit, matching what -march=native targets, so
-    no family file depends on the order of the concatenated sources."""
+    kernel builds). Define it for every translation unit, matching what -march=native targets."""
     try:
         cap = torch.backends.cpu.get_cpu_capability()
     except Exception:
@@ -94,23 +107,23 @@ _CPU_SOURCES = (*(f"{f}_cpu.cpp" for f in FAMILIES), "cpu_bindings.cpp")
 FLAVORS = {
     "cpu": Flavor(
         kind="cpu",
-        cpp_sources=_CPU_SOURCES,
-        cuda_sources=(),
+        sources=_CPU_SOURCES,
         cflags=("-O3", "-march=native", *_CPU_COMMON_FLAGS, *_cpu_capability_flags()),
         ldflags=("-fopenmp",),
     ),
-    # The baseline x86-64 target without AVX-512 (what an AVX2-only machine runs), for the tests.
+    # The baseline x86-64 target without AVX-512 (what an AVX2-only machine runs), for the tests: its
+    # kernels run through the native module's registrations (using_cpu_build).
     "cpu_avx2": Flavor(
         kind="cpu",
-        cpp_sources=_CPU_SOURCES,
-        cuda_sources=(),
-        cflags=("-O3", "-march=x86-64-v3", *_CPU_COMMON_FLAGS, "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"),
+        sources=_CPU_SOURCES,
+        cflags=("-O3", "-march=x86-64-v3", *_CPU_COMMON_FLAGS, "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2",
+                "-DDMFX_KERNELS_ONLY"),
         ldflags=("-fopenmp",),
+        registers=False,
     ),
     "cuda": Flavor(
         kind="cuda",
-        cpp_sources=(*(f"{f}_cuda_bind.cpp" for f in FAMILIES), "cuda_bindings.cpp"),
-        cuda_sources=tuple(f"{f}_cuda.cu" for f in FAMILIES),
+        sources=(*(f"{f}_cuda.cu" for f in FAMILIES), *(f"{f}_cuda_bind.cpp" for f in FAMILIES), "cuda_bindings.cpp"),
         cflags=("-O3",),
         cuda_cflags=("-O3", "-lineinfo"),
         headers=("*.h", "*.cuh"),
@@ -196,19 +209,22 @@ def cpu_build_unavailable(name: str) -> str | None:
 
 @contextlib.contextmanager
 def using_cpu_build(name: str):
-    """Inside the block, ``kernels_for("cpu")`` (every CPU dmfx op) runs the CPU build `name` (one of
-    CPU_BUILDS), built on first use; yields its module. For the tests: a machine then runs both the
-    AVX-512 and the AVX2 code paths. Raises KernelBuildError where the build cannot run here
-    (cpu_build_unavailable)."""
+    """Inside the block every CPU dmfx op runs the kernels of the CPU build `name` (one of CPU_BUILDS),
+    built on first use, and ``kernels_for("cpu")`` returns its module (yielded). For the tests: a
+    machine then runs both the AVX-512 and the AVX2 code paths. The native module's registered kernels
+    call the other build's kernel functions through its table of kernel pointers (csrc/cpu_kernels.h).
+    Raises KernelBuildError where the build cannot run here (cpu_build_unavailable)."""
     global _cpu_build
     reason = cpu_build_unavailable(name)
     if reason is not None:
         raise KernelBuildError(f"dmfx: the {name} kernels cannot run here: {reason}")
-    module = load(name)
+    native, module = load("cpu"), load(name)
     before, _cpu_build = _cpu_build, name
+    table = native.use_kernel_table(module.kernel_table())
     try:
         yield module
     finally:
+        native.use_kernel_table(table)
         _cpu_build = before
 
 
@@ -252,10 +268,15 @@ def _env(name: str, value: str):
             os.environ[name] = before
 
 
+def _files(flavor: Flavor) -> list[str]:
+    """The csrc files a build of `flavor` reads: its sources, then every header its globs match."""
+    headers = sorted({p.name for pattern in flavor.headers for p in CSRC.glob(pattern)})
+    return [*flavor.sources, *headers]
+
+
 def source_hash(flavor: Flavor) -> str:
     h = hashlib.sha256()
-    headers = sorted({p.name for pattern in flavor.headers for p in CSRC.glob(pattern)})
-    for name in (*flavor.cpp_sources, *flavor.cuda_sources, *headers):
+    for name in _files(flavor):
         h.update(name.encode())
         h.update(_read(name).encode())
     for part in (flavor.cflags, flavor.cuda_cflags, flavor.ldflags):
@@ -319,38 +340,78 @@ def _is_valid(build_dir: Path, name: str) -> bool:
 
 
 def _import(name: str, lib: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, lib)
+    """Import the cached library `lib` of module `name`: under the name it was built with (its
+    PyInit_ symbol, recorded in the marker), then named `name`."""
+    try:
+        built_as = json.loads((lib.parent / MARKER).read_text()).get("module") or name
+    except (OSError, ValueError):
+        built_as = name
+    spec = importlib.util.spec_from_file_location(built_as, lib)
     if spec is None or spec.loader is None:
         raise KernelBuildError(f"cannot import {lib}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    module.__name__ = name
     return module
 
 
-def _compile(flavor: Flavor, name: str, build_dir: Path) -> None:
+def _compile(key: str, flavor: Flavor, objects: Path) -> ModuleType:
+    """Build `flavor` in its object directory `objects` and import it (torch's loader does both)."""
     if flavor.kind == "cuda":
         _ensure_cuda_home()
         # the architectures the module's hash names, for this build only (the user's other extension
         # builds in this process see TORCH_CUDA_ARCH_LIST as it was)
         with _env("TORCH_CUDA_ARCH_LIST", cuda_arch_list()):
-            _load_inline(flavor, name, build_dir)
-    else:
-        _load_inline(flavor, name, build_dir)
+            return _load(key, flavor, objects)
+    return _load(key, flavor, objects)
 
 
-def _load_inline(flavor: Flavor, name: str, build_dir: Path) -> None:
-    from torch.utils.cpp_extension import load_inline
+def _write_sources(flavor: Flavor, src: Path) -> None:
+    """The csrc files of `flavor` in `src`, rewriting only those whose text changed: ninja then
+    recompiles the translation units a change touched (their own source or a header they include)."""
+    src.mkdir(parents=True, exist_ok=True)
+    for name in _files(flavor):
+        text = _read(name)
+        path = src / name
+        if not path.is_file() or path.read_text() != text:
+            path.write_text(text)
 
-    load_inline(
-        name=name,
-        cpp_sources=[_read(n) for n in flavor.cpp_sources],
-        cuda_sources=[_read(n) for n in flavor.cuda_sources] or None,
+
+class _NoCudaRuntimeNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("No CUDA runtime is found")
+
+
+def cpp_extension() -> ModuleType:
+    """``torch.utils.cpp_extension``, imported without the "No CUDA runtime is found, using
+    CUDA_HOME=..." warning its import logs on a machine with a CUDA toolkit and no GPU: a CPU build
+    does not use CUDA, and dmfx's own build line says what is built."""
+    if "torch.utils.cpp_extension" not in sys.modules:
+        note = _NoCudaRuntimeNote()
+        logger = logging.getLogger("torch.utils.cpp_extension")
+        logger.addFilter(note)
+        try:
+            import torch.utils.cpp_extension  # noqa: F401
+        finally:
+            logger.removeFilter(note)
+    return sys.modules["torch.utils.cpp_extension"]
+
+
+def _load(key: str, flavor: Flavor, objects: Path) -> ModuleType:
+    load = cpp_extension().load
+
+    src = objects / "src"
+    _write_sources(flavor, src)
+    (objects / "lock").unlink(missing_ok=True)  # (older torch's lock file, left by a killed build)
+    return load(
+        name=f"dmfx_{key}",  # fixed per flavor: a changed name would change every compile command
+        sources=[str(src / n) for n in flavor.sources],
         extra_cflags=list(flavor.cflags),
         extra_cuda_cflags=list(flavor.cuda_cflags) or None,
         extra_ldflags=list(flavor.ldflags),
-        extra_include_paths=[str(CSRC)],
-        build_directory=str(build_dir),
-        with_cuda=bool(flavor.cuda_sources),
+        extra_include_paths=[str(src)],
+        build_directory=str(objects),
+        with_cuda=flavor.kind == "cuda",
         is_python_module=True,
         verbose=False,
     )
@@ -363,7 +424,7 @@ def _ensure_cuda_home() -> None:
     /usr/local/bin) the guess has no lib64/ and linking fails with "cannot find -lcudart". Prefer the
     toolkit `nvcc` really lives in, then the usual install locations.
     """
-    import torch.utils.cpp_extension as ext
+    ext = cpp_extension()
 
     def has_cudart(root: Path) -> bool:
         return any((root / d / "libcudart.so").exists() for d in ("lib64", "lib", "targets/x86_64-linux/lib"))
@@ -384,9 +445,15 @@ def _ensure_cuda_home() -> None:
             return
 
 
+# What load() runs around the import of a module that registers kernels (cuda_ops/_library.py sets
+# them): "remove" the Python stand-ins at the keys the module's C++ kernels take, "restore" them
+# when the build or import failed (so the next op call raises the build error again).
+stand_ins: dict[str, Callable[[str], None]] = {}
+
+
 def load(flavor: str) -> ModuleType:
     """The extension module of `flavor` (a FLAVORS key: "cpu", "cuda", "cpu_avx2"), built on first use
-    and cached on disk.
+    and cached on disk; importing it registers its kernels (the CUDA module loads the CPU one first).
 
     Raises KernelBuildError (once per process and flavor; later calls re-raise it quickly).
     """
@@ -396,17 +463,28 @@ def load(flavor: str) -> ModuleType:
         raise _failed[flavor]
     if flavor not in FLAVORS:
         raise KernelBuildError(f"dmfx has no kernel build {flavor!r} (builds: {', '.join(FLAVORS)})")
-    try:
-        module = _build_or_load(flavor)
-    except KernelBuildError as e:
-        _failed[flavor] = e
-        raise
-    except Exception as e:  # compiler missing, compile error, import error, ...
-        err = KernelBuildError(f"dmfx could not build its {flavor.upper()} kernels: {_summarize(e)}")
-        _failed[flavor] = err
-        raise err from e
-    _loaded[flavor] = module
+    with _load_lock:
+        if flavor in _loaded:  # (another thread loaded it while this one waited)
+            return _loaded[flavor]
+        if flavor == "cuda":
+            load("cpu")  # the autograd kernels of every op, CUDA's too, are registered by the CPU module
+        registers = FLAVORS[flavor].registers
+        try:
+            if registers and "remove" in stand_ins:
+                stand_ins["remove"](flavor)
+            module = _build_or_load(flavor)
+        except Exception as e:  # compiler missing, compile error, import error, ...
+            if registers and "restore" in stand_ins:
+                stand_ins["restore"](flavor)
+            err = e if isinstance(e, KernelBuildError) else KernelBuildError(
+                f"dmfx could not build its {flavor.upper()} kernels: {_summarize(e)}")
+            _failed[flavor] = err
+            raise err from e
+        _loaded[flavor] = module
     return module
+
+
+_load_lock = threading.RLock()
 
 
 def _summarize(e: BaseException, limit: int = 1500) -> str:
@@ -437,12 +515,15 @@ def _build_or_load(key: str) -> ModuleType:
                 file=sys.stderr,
                 flush=True,
             )
-            _compile(flavor, name, build_dir)
-            lib = _library_path(build_dir, name)
-            if not lib.is_file():
-                raise KernelBuildError(f"the build of {name} produced no library at {lib}")
-            (build_dir / MARKER).write_text(json.dumps({"sha256": _sha256(lib), "torch": torch.__version__}))
-            module = sys.modules.get(name) or _import(name, lib)
+            with FileLock(str(root / f"dmfx_{key}_objects.lock")):  # (builds of other versions share it)
+                module = _compile(key, flavor, root / f"dmfx_{key}_objects")
+                lib = _library_path(build_dir, name)
+                shutil.copyfile(module.__file__, lib)
+            marker = {"sha256": _sha256(lib), "torch": torch.__version__, "module": module.__name__}
+            (build_dir / MARKER).write_text(json.dumps(marker))
+            # the module as its cached copy names it (the object directory's library is rebuilt by
+            # later versions; this process keeps the one it imported)
+            module.__name__, module.__file__ = name, str(lib)
             log.info("dmfx: built %s kernels %s in %.1fs", key.upper(), name, time.perf_counter() - start)
             return module
     module = _import(name, _library_path(build_dir, name))

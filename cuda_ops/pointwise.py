@@ -31,15 +31,24 @@ count, not across counts.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from . import reference as R
+from ._library import (
+    LIB as _lib,
+    check_dropout_p,
+    check_stored_mask as _check_stored_mask,
+    check_tensor as _check_tensor,
+    new_seed,
+    no_double_backward,
+    seed_values as _seed_values,
+)
 from .build import kernels_for
-from .ops import _check_stored_mask, _check_tensor, _seed_values, new_seed
-
-_lib = torch.library.Library("dmfx", "FRAGMENT")  # noqa: TOR901 (kept alive for the process)
 
 _lib.define("bias_act_dropout(Tensor x, Tensor? bias, str act, Tensor? seed, float p) -> Tensor")
 _lib.define(
@@ -54,8 +63,21 @@ _lib.define("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool inverse) -> (
 
 OPS = ("bias_act_dropout", "bias_act_dropout_backward", "glu", "glu_backward", "rope")
 
-# Activation names and the codes the kernels take (csrc/pointwise_api.h, enum Act).
-ACTS = ("identity", "relu", "gelu", "gelu_tanh", "silu", "tanh")
+
+
+def _activations_of_the_kernels() -> tuple[str, ...]:
+    """The activation names in the order of the kernels' codes: read from csrc/pointwise_api.h's
+    ``enum Act`` (kGeluTanh = 3 -> "gelu_tanh"), the one table the kernels and this module share."""
+    text = (Path(__file__).resolve().parent / "csrc" / "pointwise_api.h").read_text()
+    body = re.search(r"enum Act : int \{([^}]*)\}", text)
+    if body is None:
+        raise RuntimeError("dmfx: csrc/pointwise_api.h has no `enum Act : int { ... }`")
+    codes = {int(code): re.sub(r"(?<!^)([A-Z])", r"_\1", name).lower() for name, code in re.findall(r"k(\w+)\s*=\s*(\d+)", body[1])}
+    return tuple(codes[i] for i in range(len(codes)))
+
+
+# Activation names, indexed by the codes the kernels take.
+ACTS = _activations_of_the_kernels()
 _ACT_CODES = {name: i for i, name in enumerate(ACTS)}
 
 
@@ -70,10 +92,7 @@ def _act_code(act: object, op: str) -> int:
 
 
 def _check_dropout(seed: Tensor | None, p: float, op: str) -> None:
-    if not (isinstance(p, (int, float)) and 0.0 <= p <= 1.0):
-        raise ValueError(f"dmfx::{op}: dropout probability p must be in [0, 1], got {p!r}")
-    if seed is None and p != 0.0:
-        raise ValueError(f"dmfx::{op}: p = {p} > 0 needs a seed tensor [seed, offset] (see dmfx.cuda_ops.ops.new_seed)")
+    check_dropout_p(op, p, seed)
 
 
 def _check_mask(output_mask, op: str, names: str) -> list[bool]:
@@ -304,24 +323,8 @@ def _backward_rope(ctx, gq, gk):
 torch.library.register_autograd("dmfx::rope", _backward_rope, setup_context=_setup_rope)
 
 
-def _no_double_backward(op: str, python_api: str):
-    def backward(ctx, *grads):
-        raise NotImplementedError(
-            f"dmfx::{op}: double backward (create_graph=True through dmfx.{python_api}) is not supported; "
-            "compile without dmfx (or skip the pass that introduces this op) for higher-order gradients"
-        )
-
-    return backward
-
-
-torch.library.register_autograd(
-    "dmfx::bias_act_dropout_backward",
-    _no_double_backward("bias_act_dropout_backward", "bias_act_dropout"),
-    setup_context=lambda ctx, inputs, output: None,
-)
-torch.library.register_autograd(
-    "dmfx::glu_backward", _no_double_backward("glu_backward", "glu"), setup_context=lambda ctx, inputs, output: None
-)
+no_double_backward("bias_act_dropout_backward", "dmfx.bias_act_dropout")
+no_double_backward("glu_backward", "dmfx.glu")
 
 
 # ----------------------------------------------------------------------------------------- Python API

@@ -1,6 +1,8 @@
 """Pure-PyTorch (and NumPy) references for dmfx's fused ops, used by the tests.
 
-``philox_keep`` reimplements the kernels' Philox4x32-10 mask in NumPy, so the tests can check the
+The references used by more than one family live here (Philox and dropout: every family's dropout;
+the attention softmax: the softmax family and the GEMM-form attention); a family's own references
+live next to its ops. ``philox_keep`` reimplements the kernels' Philox4x32-10 mask in NumPy, so the tests can check the
 CPU and CUDA kernels bit for bit without trusting either.
 """
 
@@ -80,3 +82,38 @@ def layer_norm(x, weight, bias, eps):
 
 def rms_norm(x, weight, eps):
     return bias_dropout_residual_norm(x, None, None, weight, None, None, 0.0, eps, True)[0]
+
+def reference_softmax(
+    scores: Tensor,
+    mask: Tensor | None = None,
+    scale: float = 1.0,
+    causal: bool = False,
+    seed: Tensor | None = None,
+    p: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """(out, probs) of dmfx::attention_softmax in pure PyTorch, computed in float32 (float64 for float64 scores).
+
+    Fully masked rows give zeros; the dropout mask is reference.philox_keep's (bit for bit the kernels').
+    """
+    acc = torch.float64 if scores.dtype == torch.float64 else torch.float32
+    z = scores.to(acc) * scale
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            z = z.masked_fill(~mask, float("-inf"))
+        else:
+            z = z + mask.to(acc)
+    if causal:
+        sq, sk = z.shape[-2], z.shape[-1]
+        i = torch.arange(sq, device=z.device)[:, None]
+        j = torch.arange(sk, device=z.device)[None, :]
+        z = z.masked_fill(j > i + (sk - sq), float("-inf"))
+    if z.numel() == 0:
+        probs = z.clone()
+    else:
+        probs = torch.softmax(z, dim=-1)
+        fully_masked = (z == float("-inf")).all(dim=-1, keepdim=True)
+        probs = probs.masked_fill(fully_masked, 0.0)
+    if p > 0:
+        out = dropout(probs, seed, p)
+        return out.to(scores.dtype), probs.to(scores.dtype)
+    return probs.to(scores.dtype), scores.new_empty((0,))

@@ -40,18 +40,19 @@ from .build import FAMILIES, MARKER, KernelBuildError, _machine_tag, kernels_for
 VERDICT_FILE = "dmfx_selfcheck.json"
 
 # The passes that emit (or add a code path to) each family's ops, by name (passes.ALL_PASSES); a
-# family switched off skips all of them. activation_idioms (it emits aten.gelu / aten.silu), the
-# layout searches, qkv stacking's GEMMs, accumulate_into_gemm and unstack_dx emit no dmfx kernel.
+# family switched off skips all of them. restore_sdpa, activation_idioms (they emit aten ops),
+# noop_clones, the layout searches, qkv stacking's GEMMs, accumulate_into_gemm and unstack_dx emit no
+# dmfx kernel.
 FAMILY_PASSES: dict[str, tuple[str, ...]] = {
     # layer_norm / rms_norm, bias_dropout_residual_norm, dropout, norm_backward (+ grad_out2, dbias)
     "norm": ("norm_idioms", "layer_norm", "bias_dropout_residual_norm", "dropout", "aten_backward",
              "fold_gradient_adds", "fold_bias_grads"),
     # softmax / softmax_backward; the attention pass's GEMM form and the flash ops' unfused path run them
-    "softmax": ("attention_softmax", "attention", "qkv_attention", "aten_backward"),
+    "softmax": ("attention_softmax", "attention", "lower_sdpa_calls", "qkv_attention", "aten_backward"),
     # rope, glu, bias_act_dropout and their backwards
     "pointwise": ("rope", "glu", "bias_act_dropout", "aten_backward"),
     # flash_attention, qkv_flash_attention and their backwards (with the bias gradients)
-    "attention": ("attention", "qkv_attention", "fold_bias_grads"),
+    "attention": ("attention", "lower_sdpa_calls", "qkv_attention", "fold_bias_grads"),
 }
 
 # The extension functions each family's check calls (the same in the CPU, CUDA and emulated modules).
@@ -385,7 +386,7 @@ def _check_norm_case(r: _Runner, lead, H: int, dtype, rms: bool, p: float) -> No
 
 
 def _check_softmax(r: _Runner) -> None:
-    from .softmax import reference_softmax
+    from .reference import reference_softmax
 
     # (scores shape, dtype, mask kind, causal, p, stored dropout mask in the backward)
     cases = (((2, 3, 5, 37), torch.float32, "padding", False, 0.0, True), ((3, 7, 130), torch.bfloat16, "bool", True, 0.25, False),

@@ -35,11 +35,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import reference as _reference
+from ._library import (
+    LIB as _lib,
+    check_dropout_p as _check_p,
+    check_scores as _check_forward,
+    check_stored_mask as _check_stored_mask,
+    kernel_mask as _kernel_mask,
+    new_seed,
+    no_double_backward,
+    seed_values as _seed_values,
+)
 from .build import kernels_for
-from .ops import _check_stored_mask, _seed_values, new_seed
-
-_lib = torch.library.Library("dmfx", "FRAGMENT")  # noqa: TOR901 (kept alive for the process)
+from .reference import reference_softmax  # noqa: F401  (the family's reference; the attention family's uses it too)
 
 _lib.define(
     "attention_softmax(Tensor scores, Tensor? mask, float scale, bool causal, Tensor? seed, float p) "
@@ -51,49 +58,6 @@ _lib.define(
 )
 
 OPS = ("attention_softmax", "attention_softmax_backward")
-
-_SCORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
-# ----------------------------------------------------------------------------------------- checks
-
-
-def _check_p(op: str, p: float, seed: Tensor | None) -> None:
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"dmfx::{op}: dropout probability p must be in [0, 1], got {p}")
-    if p > 0.0 and seed is None:
-        raise ValueError(f"dmfx::{op}: p={p} > 0 needs a seed tensor (dmfx.cuda_ops.ops.new_seed()); seed is None")
-
-
-def _check_forward(scores: Tensor, mask: Tensor | None, causal: bool, seed: Tensor | None, p: float) -> None:
-    """Argument checks that need no tensor data (they run in the fake implementation too)."""
-    if scores.dtype not in _SCORE_DTYPES:
-        raise TypeError(f"dmfx::attention_softmax: scores must be float32, float16, bfloat16 or float64, got {scores.dtype}")
-    if scores.dim() < 1:
-        raise ValueError("dmfx::attention_softmax: scores needs at least one dimension (softmax runs over the last)")
-    if causal and scores.dim() < 2:
-        raise ValueError(
-            f"dmfx::attention_softmax: causal=True needs scores with at least 2 dimensions [..., q_len, k_len], "
-            f"got shape {tuple(scores.shape)}"
-        )
-    _check_p("attention_softmax", p, seed)
-    if mask is None:
-        return
-    if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(f"dmfx::attention_softmax: mask must be bool or a floating-point tensor, got {mask.dtype}")
-    if mask.device != scores.device:
-        raise ValueError(f"dmfx::attention_softmax: mask is on {mask.device} but scores is on {scores.device}")
-    ms, ss = tuple(mask.shape), tuple(scores.shape)
-    if len(ms) > len(ss) or any(m != 1 and m != s for m, s in zip(reversed(ms), reversed(ss))):
-        raise ValueError(f"dmfx::attention_softmax: mask of shape {list(ms)} is not broadcastable to scores' shape {list(ss)}")
-
-
-def _kernel_mask(mask: Tensor | None, scores: Tensor) -> Tensor | None:
-    """The kernels read masks of scores' dtype, float32 or bool; other float masks become float32."""
-    if mask is None or mask.dtype in (torch.bool, torch.float32, scores.dtype):
-        return mask
-    return mask.float()
-
 
 # ----------------------------------------------------------------------------------------- kernels
 
@@ -181,16 +145,7 @@ def _backward_softmax(ctx, grad_out, grad_probs):
 torch.library.register_autograd("dmfx::attention_softmax", _backward_softmax, setup_context=_setup_softmax)
 
 
-def _no_double_backward(ctx, *grads):
-    raise NotImplementedError(
-        "dmfx::attention_softmax_backward: double backward (create_graph=True through a dmfx attention softmax) is "
-        "not supported; compile without dmfx's softmax fusion for higher-order gradients"
-    )
-
-
-torch.library.register_autograd(
-    "dmfx::attention_softmax_backward", _no_double_backward, setup_context=lambda ctx, inputs, output: None
-)
+no_double_backward("attention_softmax_backward", "dmfx.attention_softmax")
 
 
 # ----------------------------------------------------------------------------------------- Python API
@@ -210,46 +165,6 @@ def attention_softmax(
     if mask is not None and not isinstance(mask, Tensor):
         raise TypeError(f"dmfx::attention_softmax: mask must be a Tensor or None, got {type(mask).__name__}")
     p = float(p) if training else 0.0
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"dmfx::attention_softmax: dropout probability p must be in [0, 1], got {p}")
     seed = new_seed() if p > 0 else None
+    _check_p("attention_softmax", p, seed)
     return torch.ops.dmfx.attention_softmax(scores, mask, float(scale), bool(causal), seed, p)[0]
-
-
-# ----------------------------------------------------------------------------------------- reference
-
-
-def reference_softmax(
-    scores: Tensor,
-    mask: Tensor | None = None,
-    scale: float = 1.0,
-    causal: bool = False,
-    seed: Tensor | None = None,
-    p: float = 0.0,
-) -> tuple[Tensor, Tensor]:
-    """(out, probs) of dmfx::attention_softmax in pure PyTorch, computed in float32 (float64 for float64 scores).
-
-    Fully masked rows give zeros; the dropout mask is reference.philox_keep's (bit for bit the kernels').
-    """
-    acc = torch.float64 if scores.dtype == torch.float64 else torch.float32
-    z = scores.to(acc) * scale
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            z = z.masked_fill(~mask, float("-inf"))
-        else:
-            z = z + mask.to(acc)
-    if causal:
-        sq, sk = z.shape[-2], z.shape[-1]
-        i = torch.arange(sq, device=z.device)[:, None]
-        j = torch.arange(sk, device=z.device)[None, :]
-        z = z.masked_fill(j > i + (sk - sq), float("-inf"))
-    if z.numel() == 0:
-        probs = z.clone()
-    else:
-        probs = torch.softmax(z, dim=-1)
-        fully_masked = (z == float("-inf")).all(dim=-1, keepdim=True)
-        probs = probs.masked_fill(fully_masked, 0.0)
-    if p > 0:
-        out = _reference.dropout(probs, seed, p)
-        return out.to(scores.dtype), probs.to(scores.dtype)
-    return probs.to(scores.dtype), scores.new_empty((0,))

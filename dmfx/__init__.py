@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import logging
 
-from . import explain
-from .backend import GraphRecord, dmfx_backend, records, reset
-from .cuda_ops.build import KernelBuildError
-from .cuda_ops.ops import bias_dropout_residual_layer_norm, dropout, layer_norm, rms_norm
-from .cuda_ops.pointwise import bias_act_dropout, glu, rope
+from .backend import GraphRecord, dmfx_backend, records, reset, with_options
 from .cuda_ops.attention import attention
+from .cuda_ops.build import KernelBuildError
+from .cuda_ops.norm import bias_dropout_residual_layer_norm, dropout, layer_norm, rms_norm
+from .cuda_ops.pointwise import bias_act_dropout, glu, rope
 from .cuda_ops.softmax import attention_softmax
+from .explain import explain  # (the function; its package's parts: from dmfx.explain import ...)
 from .options import Options
 
 __version__ = "0.1.0"
@@ -44,6 +44,7 @@ __all__ = [
     "Options",
     "bias_dropout_residual_layer_norm",
     "dmfx_backend",
+    "with_options",
     "dropout",
     "explain",
     "glu",

@@ -1,11 +1,62 @@
-"""python -m dmfx demo [...] (see dmfx/demo.py) | python -m dmfx explain [...] (see dmfx/explain.py)."""
+"""The command line: ``python -m dmfx demo [...]`` (dmfx/demo.py) and ``python -m dmfx explain [...]``
+(dmfx.explain on a HuggingFace model built by dmfx.models)."""
 
+from __future__ import annotations
+
+import argparse
 import sys
+from typing import Any, Sequence
 
 USAGE = """usage:
   python -m dmfx demo [--layers N --hidden H --batch B --seq L --steps S]
-  python -m dmfx explain [--model bert-base|gpt2|llama|vit|minilm] [--batch 8] [--seq 128] [--train]
-                         [--layers N] [--json out.json] [--measure] [--plot out.png]"""
+  python -m dmfx explain [--model bert-base|gpt2|llama|vit|minilm|bert-tiny] [--batch 8] [--seq 128] [--train]
+                         [--layers N] [--json out.json] [--measure] [--plot out.png] [--skip PASS,...]
+                         [--attention FORM]"""
+
+
+def explain_main(argv: Sequence[str] | None = None) -> Any:
+    """``python -m dmfx explain ...``: dmfx.explain on a model of dmfx.models.MODELS; prints the
+    report and returns it."""
+    import torch
+
+    from .explain import explain
+    from .models import MODELS, build_model
+
+    p = argparse.ArgumentParser(prog="python -m dmfx explain",
+                                description="What dmfx fuses in a HuggingFace model and how many bytes it saves (the paper's analysis).")
+    p.add_argument("--model", choices=MODELS, default="bert-base")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--layers", type=int, default=None, help="keep only N layers (faster)")
+    p.add_argument("--train", action="store_true", help="a training step (forward + backward); default: inference")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--json", default=None, help="write the whole report here")
+    p.add_argument("--plot", default=None, help="write a PNG of bytes per class (needs matplotlib)")
+    p.add_argument("--measure", action="store_true", help="time each kernel and compute MUE")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--skip", default="", help="comma list of dmfx passes to skip in the 'after' compile")
+    p.add_argument("--attention", default=None, help="dmfx's attention form for the 'after' compile")
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
+    model, kwargs = build_model(a.model, a.batch, a.seq, a.layers, a.device, dtype)
+    label = f"{a.model} (B={a.batch}, L={a.seq}{f', {a.layers} layers' if a.layers else ''}, {a.dtype})"
+    opts = {"skip": [x for x in a.skip.split(",") if x]} if a.skip else {}
+    if a.attention:
+        opts["attention"] = a.attention
+    report = explain(model, training=a.train, measure=a.measure, name=label, dmfx_options=opts, **kwargs)
+    print(report)
+    if a.json:
+        report.to_json(a.json)
+        print(f"wrote {a.json}", file=sys.stderr)
+    if a.plot:
+        print(f"wrote {a.plot}" if report.plot(a.plot) else "no plot: matplotlib is not installed", file=sys.stderr)
+    return report
+
+
+# ``dmfx.explain`` is both this module and the function: ``dmfx.explain(model, ...)`` and
 
 
 def main() -> None:
@@ -18,9 +69,7 @@ def main() -> None:
 
         demo(argv[1:])
     elif argv[0] == "explain":
-        from .explain import main as explain
-
-        explain(argv[1:])
+        explain_main(argv[1:])
     else:
         sys.exit(f"python -m dmfx: unknown command {argv[0]!r} (commands: demo, explain)")
 

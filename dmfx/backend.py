@@ -94,10 +94,15 @@ class GraphRecord:
             return f"graph {self.graph_id}: left to PyTorch ({self.fallback})"
         fused = ", ".join(f"{k} x{v}" for k, v in self.fired.items()) or "nothing"
         absorbed = sum(self.replaced.values())
-        return (
+        text = (
             f"graph {self.graph_id} [{'/'.join(self.devices) or 'no tensors'}]: fused {fused} "
             f"(absorbed {absorbed} ATen ops; {self.aten_ops_before} -> {self.aten_ops_after} ops) in {self.seconds:.2f}s"
         )
+        sdpa = sorted({why for form, why in self.attention_forms.values() if form == "sdpa"})
+        if sdpa:
+            n = sum(form == "sdpa" for form, _ in self.attention_forms.values())
+            text += f"; {n} attention(s) left to PyTorch's SDPA ({'; '.join(sdpa)})"
+        return text
 
 
 def records() -> list[GraphRecord]:
@@ -131,6 +136,25 @@ def _warn_once(key: str, msg: str, *args: Any) -> None:
         log.info(msg, *args)
 
 
+def _log_once(key: str, msg: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.info(msg, *args)
+
+
+def with_options(**options: Any) -> Callable:
+    """The dmfx backend with `options` checked now: ``torch.compile(model,
+    backend=dmfx.with_options(skip=["dropout"]))``. torch.compile hands ``options={...}`` to a backend
+    only when it compiles the first graph, so a bad option would surface there, wrapped in Dynamo's
+    BackendCompilerFailed; this raises the plain ValueError at the call instead."""
+    Options.from_user(options)  # raises ValueError naming the bad option and the valid ones
+
+    def dmfx(gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+        return dmfx_backend(gm, example_inputs, options=options, **kwargs)
+
+    return dmfx
+
+
 def _count_ops(gm: GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function")
 
@@ -145,7 +169,7 @@ def input_requires_grad(example_inputs: Sequence[Any]) -> tuple[bool, ...]:
 
 
 def pass_context(example_inputs: Sequence[Any], opts: Options, training: bool):
-    """The PassContext the pipeline runs with (the backend's, and explain's replay of it)."""
+    """The PassContext the passes run with."""
     from torch._guards import detect_fake_mode
 
     from .passes import PassContext
@@ -175,62 +199,24 @@ def _copy(gm: GraphModule) -> GraphModule:
     return GraphModule(gm, graph)
 
 
-def lower_to_aten(gm: GraphModule, example_inputs: Sequence[Any]) -> GraphModule:
-    """The Dynamo graph as a functional ATen forward graph with the same signature."""
+def lower_to_aten(gm: GraphModule, example_inputs: Sequence[Any], opts: Options | None = None,
+                 record: GraphRecord | None = None) -> GraphModule:
+    """The Dynamo graph as a functional ATen forward graph with the same signature, and the LOWERING
+    passes run on it (passes/__init__.py: restore_sdpa, in training), under `opts` (default: the
+    default options). What they did is added to `record`."""
     from torch._functorch.aot_autograd import aot_export_joint_simple
+
+    from .passes import run_lowering
 
     with torch.no_grad():
         aten_gm = aot_export_joint_simple(gm, list(example_inputs), trace_joint=False)
-    if torch.is_grad_enabled():
-        restore_sdpa(aten_gm, input_requires_grad(example_inputs))
+    opts = opts or Options()
+    training = torch.is_grad_enabled() and any(input_requires_grad(example_inputs))
+    ctx = pass_context(example_inputs, opts, training)
+    run_lowering(aten_gm, ctx, opts.skip, verify=opts.verify)
+    if record is not None:
+        _add_to_record(record, ctx, "lowering")
     return aten_gm
-
-
-def restore_sdpa(aten_gm: GraphModule, requires_grad: Sequence[bool]) -> int:
-    """Turn fused SDPA kernels chosen under no_grad back into ``aten.scaled_dot_product_attention``
-    where their mask requires grad.
-
-    The forward graph is traced under no_grad, where SDPA may pick a kernel that cannot differentiate
-    its mask (e.g. the CPU flash kernel with T5's learned position bias as the mask). Calling the
-    composite op again lets AOTAutograd choose under the real grad mode. Views of the output that
-    relied on the fused kernel's output strides become reshapes. Only nodes whose extra outputs
-    (logsumexp, rng state) nobody reads are restored.
-    """
-    import operator
-
-    from .passes.attention import sdpa_call
-    from .passes.graph_utils import grad_dependent_nodes, views_to_reshapes
-
-    grad_nodes = grad_dependent_nodes(aten_gm.graph, requires_grad)
-    count = 0
-    for n in list(aten_gm.graph.nodes):
-        call = sdpa_call(n)
-        if call is None or not call["extra_outputs"]:  # (the composite op itself needs nothing)
-            continue
-        mask = call["mask"]
-        if mask not in grad_nodes:
-            continue
-        if any(not (u.target is operator.getitem and u.args[1] == 0) for u in n.users):
-            continue
-        q, k, v = call["q"], call["k"], call["v"]
-        qm, km = q.meta.get("val"), k.meta.get("val")
-        gqa = qm is not None and km is not None and qm.dim() >= 3 and qm.shape[-3] != km.shape[-3]
-        with aten_gm.graph.inserting_before(n):
-            new = aten_gm.graph.call_function(
-                torch.ops.aten.scaled_dot_product_attention.default,
-                (q, k, v, mask, call["dropout"], call["causal"]),
-                {"scale": call["scale"], **({"enable_gqa": True} if gqa else {})},
-            )
-        new.meta["val"] = n.meta["val"][0] if isinstance(n.meta.get("val"), (tuple, list)) else None
-        for u in list(n.users):
-            u.replace_all_uses_with(new)
-            aten_gm.graph.erase_node(u)
-        aten_gm.graph.erase_node(n)
-        views_to_reshapes([new])  # later views may have relied on the fused kernel's output strides
-        count += 1
-    if count:
-        aten_gm.recompile()
-    return count
 
 
 def rewrite(aten_gm: GraphModule, example_inputs: Sequence[Any], opts: Options, record: GraphRecord) -> GraphModule:
@@ -258,7 +244,7 @@ def rewrite(aten_gm: GraphModule, example_inputs: Sequence[Any], opts: Options, 
 
 
 def rewrite_backward(gm: GraphModule, example_inputs: Sequence[Any], opts: Options, record: GraphRecord) -> GraphModule:
-    """Run the backward passes (passes/backward.py) on a copy of the backward graph AOTAutograd
+    """Run the backward passes (passes/backward/) on a copy of the backward graph AOTAutograd
     derived; on failure (with opts.fallback) return it unchanged."""
     from .passes.backward import BACKWARD_PIPELINE, run_backward_pipeline
 
@@ -303,28 +289,42 @@ def _run_on_copy(gm: GraphModule, example_inputs: Sequence[Any], opts: Options, 
         if not graph:
             record.fallback = f"pass {name} failed: {kind}: {e}"
         return None
+    _add_to_record(record, ctx, graph or ("forward" if training else "inference"))
+    return work
+
+
+def _add_to_record(record: GraphRecord, ctx: Any, kind: str) -> None:
+    """What the passes recorded in `ctx` (a PassContext), added to `record`; `kind`: the graph they
+    ran on ("lowering", "forward", "inference", "joint", "backward")."""
     for k, v in ctx.fired.items():
         record.fired[k] = record.fired.get(k, 0) + v
     for k, v in ctx.replaced.items():
         record.replaced[k] = record.replaced.get(k, 0) + v
     record.missed.extend(ctx.missed)
     record.attention_forms.update(ctx.forms)
-    kind = graph or ("forward" if training else "inference")
     listed = {(c["graph"], c["node"]) for c in record.copies}
     for c in ctx.copies:
         c = {"graph": kind, **c}  # (the joint search names each copy's graph)
         if (c["graph"], c["node"]) not in listed:  # (the backward search sees the joint search's copies again)
             record.copies.append(c)
     for m in ctx.missed:
-        log.debug("dmfx: graph %d%s: left alone: %s", record.graph_id, f" {graph}" if graph else "", m)
-    return work
+        log.debug("dmfx: graph %d %s: left alone: %s", record.graph_id, kind, m)
 
 
-def _compiler(kind: str, record: GraphRecord, opts: Options | None = None) -> Callable:
+def _compiler(kind: str, record: GraphRecord, opts: Options, rewritten: GraphModule) -> Callable:
+    """AOTAutograd's compiler for the `kind` graph ("forward", "backward", "inference"): what the
+    fused nodes of `rewritten` (the graph the forward pipeline made) absorbed is carried onto the
+    nodes of this graph that compute them (passes/fusion.py); the backward passes run on the backward
+    graph; the graph is kept in `record`."""
+    from .passes.fusion import carry_absorbed, carry_to_backward
 
     def compile_fn(gm: GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        if kind == "backward" and opts is not None:
+        if kind == "backward":
+            if record.forward_graph is not None:
+                carry_to_backward(record.forward_graph, gm)
             gm = rewrite_backward(gm, example_inputs, opts, record)
+        else:
+            carry_absorbed(rewritten, gm)
         record.compiled[kind] = _count_ops(gm)
         setattr(record, f"{kind}_graph", gm)
         log.debug("dmfx: graph %d %s graph:\n%s", record.graph_id, kind, gm.code)
@@ -371,31 +371,42 @@ def _partitioner(opts: Options, record: GraphRecord) -> Callable:
     return partition
 
 
-def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict | None = None, **kwargs: Any) -> Callable:
+# torch.compile's modes (HF's CompileConfig passes mode="reduce-overhead" for generation): accepted;
+# dmfx runs the same graphs under each (it does not capture CUDA graphs or autotune).
+MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict | None = None, mode: str | None = None,
+                 **kwargs: Any) -> Callable:
     """``torch.compile(model, backend="dmfx", options={...})`` lands here once per Dynamo graph."""
     if kwargs:
         raise ValueError(f"dmfx: unexpected arguments {sorted(kwargs)}; pass settings as options={{...}}")
+    if mode not in MODES:
+        raise ValueError(f"dmfx: unknown mode {mode!r}; torch.compile's modes are {', '.join(map(repr, MODES[1:]))}")
+    if mode not in (None, "default"):
+        _log_once(f"mode:{mode}", "dmfx: mode=%r accepted; dmfx compiles the same graphs in every mode "
+                  "(it does not capture CUDA graphs or autotune)", mode)
     opts = Options.from_user(options)
     record = GraphRecord(graph_id=next(_graph_ids), devices=_devices(example_inputs))
     record.training = torch.is_grad_enabled() and any(input_requires_grad(example_inputs))
-    if opts.record:
-        _keep(record)
     if opts.disable:
         record.fallback = "rewriting disabled (option 'disable' or DMFX_DISABLE)"
-        emit(record)
+        _finish(record, opts)
         return gm.forward
 
     start = time.perf_counter()
+    from .passes.verify import GraphVerificationError
+
     try:
-        aten_gm = lower_to_aten(gm, example_inputs)
+        aten_gm = lower_to_aten(gm, example_inputs, opts, record)
     except Exception as e:  # input mutation, aliased outputs, list inputs, ...
-        if not opts.fallback:
+        if not opts.fallback or isinstance(e, GraphVerificationError) and e.strict:
             raise
         record.fallback = f"could not lower to a functional ATen graph: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         from .cuda_ops.build import warn
 
         warn("dmfx: %s", record.summary())
-        emit(record)
+        _finish(record, opts)
         return gm.forward
     record.aten_ops_before = _count_ops(aten_gm)
     from .cuda_ops.selfcheck import passes_to_skip  # kernel families that failed their self-check here
@@ -403,21 +414,33 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
     off = passes_to_skip(t.device for t in example_inputs if isinstance(t, torch.Tensor)) - set(opts.skip)
     if off:
         opts = replace(opts, skip=(*opts.skip, *sorted(off)))
-        record.missed.append(f"kernel self-check: a kernel family failed on this device, so its passes are skipped: {', '.join(sorted(off))}")
+        record.missed.append(
+            f"kernel self-check: a kernel family failed on this device, so its passes are skipped: {', '.join(sorted(off))}"
+        )
     rewritten = rewrite(aten_gm, example_inputs, opts, record)
     record.aten_ops_after = _count_ops(rewritten)
 
     from torch._dynamo.backends.common import aot_autograd
 
     compiler = aot_autograd(
-        fw_compiler=_compiler("forward", record),
-        bw_compiler=_compiler("backward", record, opts),
-        inference_compiler=_compiler("inference", record),
+        fw_compiler=_compiler("forward", record, opts, rewritten),
+        bw_compiler=_compiler("backward", record, opts, rewritten),
+        inference_compiler=_compiler("inference", record, opts, rewritten),
         partition_fn=_partitioner(opts, record),
         decompositions={},
         keep_inference_input_mutations=True,
     )
     compiled = compiler(rewritten, example_inputs)
     record.seconds = time.perf_counter() - start
-    emit(record)  # INFO line + DEBUG JSON through the dmfx logger, and a TORCH_TRACE artifact
+    _finish(record, opts)
     return compiled
+
+
+def _finish(record: GraphRecord, opts: Options) -> None:
+    """Keep `record` (dmfx.records()) and log it: the INFO line and DEBUG JSON through the dmfx logger,
+    and a TORCH_TRACE artifact. Only for a graph dmfx handed back to Dynamo: when Dynamo abandons a
+    compile (it restarts its analysis after the backend ran, e.g. to specialize a float under
+    dynamic=True) the record is dropped with it, so each compiled graph has one record."""
+    if opts.record:
+        _keep(record)
+    emit(record)

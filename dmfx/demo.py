@@ -15,17 +15,6 @@ import time
 import torch
 
 
-def _bert(args):
-    import transformers
-
-    cfg = transformers.BertConfig(
-        hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-        intermediate_size=4 * args.hidden, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
-    )
-    cfg._attn_implementation = "eager"
-    return transformers.BertForMaskedLM(cfg)
-
-
 def _train_step(model, opt, batch):
     loss = model(**batch).loss
     opt.zero_grad(set_to_none=True)
@@ -49,6 +38,8 @@ def main(argv=None):
     from tabulate import tabulate
 
     import dmfx
+    from dmfx.explain import coverage
+    from dmfx.models import demo_model
 
     p = argparse.ArgumentParser(prog="python -m dmfx demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
@@ -64,7 +55,7 @@ def main(argv=None):
     logging.getLogger("dmfx").setLevel(logging.INFO)
 
     torch.manual_seed(0)
-    eager = _bert(args).train()
+    eager = demo_model(args.layers, args.hidden).train()
     fused_model = copy.deepcopy(eager)
     # Compile the encoder; the MLM head and the loss run eagerly on both sides. (Compiling the whole
     # BertForMaskedLM also works, but it returns the logits next to the loss, and AOTAutograd then
@@ -74,7 +65,8 @@ def main(argv=None):
     compiled = fused_model
     ids = torch.randint(0, eager.config.vocab_size, (args.batch, args.seq))
     batch = {"input_ids": ids, "labels": ids}
-    print(f"BERT ({args.layers} layers, hidden {args.hidden}), batch {args.batch} x seq {args.seq}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"BERT ({args.layers} layers, hidden {args.hidden}), batch {args.batch} x seq {args.seq}, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("dmfx compiles the encoder (model.bert.compile(backend='dmfx')); the MLM head and loss run eagerly in both columns")
 
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-4)
@@ -104,7 +96,7 @@ def main(argv=None):
         print("  " + r.summary())
     compiled_graphs = [r for r in dmfx.records() if r.fallback is None]
     if compiled_graphs:
-        cov = dmfx.explain.coverage(compiled_graphs)
+        cov = coverage(compiled_graphs)
         print(f"  memory-bound ATen ops inside dmfx kernels: {cov.fused} of {cov.total} ({cov.ratio:.0%}); "
               "bytes moved before/after: python -m dmfx explain --model bert-base --train")
     print()

@@ -6,7 +6,6 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-
 # Passes renamed after the op they emit (one name per fusion): old name -> new name, still accepted.
 RENAMED_PASSES = {"bias_activation_dropout": "bias_act_dropout", "gated_activation": "glu", "qkv_stacking": "qkv_attention"}
 
@@ -91,10 +90,3 @@ _OFF = ("", "0", "false", "no", "off")
 def env_disabled() -> bool:
     return os.environ.get("DMFX_DISABLE", "").strip().lower() not in _OFF
 
-
-def strongest_verify(option: bool | str | None) -> bool | str:
-    """The graph verifier's level from the option `verify` (None: not given) and env DMFX_VERIFY,
-    the stronger of the two: False (off), True (on) or "strict"."""
-    env = os.environ.get("DMFX_VERIFY", "").strip().lower()
-    levels = [option or False, "strict" if env == "strict" else env not in _OFF]
-    return "strict" if "strict" in levels else any(levels)

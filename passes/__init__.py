@@ -1,6 +1,11 @@
-"""dmfx's graph passes, in the order they run (the backward graph's own, which run after AOTAutograd,
-are in backward.py). Each pass is ``fn(gm, ctx) -> None``: it rewrites the
-ATen forward graph in place and records what fired (and near-misses) in the PassContext.
+"""dmfx's graph passes, in the order they run. Each is ``fn(gm, ctx) -> None``: it rewrites the ATen
+graph in place and records in the PassContext what fired, what it absorbed and the near-misses.
+
+* ``LOWERING``: on the lowered graph itself, before the pipeline, whether or not the pipeline runs
+  (a graph dmfx leaves to PyTorch needs them too).
+* ``PIPELINE``: the forward graph (most are the declared fusions of passes/fusion.py: one module per
+  fusion, named by it, e.g. passes/bias_act_dropout.py), then the layout search.
+* ``BACKWARD_PIPELINE`` (passes/backward/): the backward graph AOTAutograd derives.
 
 Options name passes to skip: ``torch.compile(m, backend="dmfx", options={"skip": ["dropout"]})``.
 """
@@ -12,41 +17,60 @@ from typing import Callable
 from torch.fx import GraphModule
 
 from .. import cuda_ops as _cuda_ops  # noqa: F401  (defines the dmfx:: ops the passes emit)
-from .activations import fuse_activation_idioms, fuse_bias_activation_dropout, fuse_gated_activation
-from .bdrln import fuse_bias_dropout_residual_norm, fuse_dropout
-from .graph_utils import PassContext, finish, remove_metadata_asserts, reshape_fused_views, run_passes
-from .norms import fuse_native_layer_norm, fuse_norm_idioms
-from .rope import fuse_rope
-from .attention import fuse_attention, stack_qkv
-from .layout import choose_forward_layouts, choose_joint_layouts
-from .softmax import fuse_attention_softmax
+from .activation_idioms import ACTIVATION_IDIOMS
+from .attention import ATTENTION, LOWER_SDPA_CALLS, noop_clones, restore_sdpa
+from .attention_softmax import ATTENTION_SOFTMAX
 from .backward import BACKWARD_PIPELINE
+from .bias_act_dropout import BIAS_ACT_DROPOUT
+from .bias_dropout_residual_norm import BIAS_DROPOUT_RESIDUAL_NORM
+from .dropout import DROPOUT
+from .glu import GLU
+from .graph_utils import PassContext, finish, remove_metadata_asserts, reshape_fused_views, run_passes
+from .layer_norm import LAYER_NORM, NORM_IDIOMS
+from .layout import choose_forward_layouts, choose_joint_layouts
+from .qkv_attention import stack_qkv
+from .rope import ROPE
 
 Pass = Callable[[GraphModule, PassContext], None]
 
+# name -> pass, run by the backend on the lowered graph in training (backend.lower_to_aten)
+LOWERING: dict[str, Pass] = {
+    "restore_sdpa": restore_sdpa,
+}
+
 # name -> pass, in pipeline order. Idioms become single ops first (normalizations give bdrln its
-# anchor, activation idioms give the activation passes theirs); each chain pass then takes the
+# anchor, activation idioms give the activation fusions theirs); each chain fusion then takes the
 # dropout that belongs to it; whatever dropout is left runs on its own; the layout search runs on
 # the fused graph last (in training: on the joint forward+backward graph, see run_joint_layout).
 PIPELINE: dict[str, Pass] = {
     "remove_metadata_asserts": remove_metadata_asserts,
-    "norm_idioms": fuse_norm_idioms,
-    "layer_norm": fuse_native_layer_norm,
-    "bias_dropout_residual_norm": fuse_bias_dropout_residual_norm,
-    "activation_idioms": fuse_activation_idioms,
-    "attention_softmax": fuse_attention_softmax,
-    "attention": fuse_attention,
+    "norm_idioms": NORM_IDIOMS,
+    "layer_norm": LAYER_NORM,
+    "bias_dropout_residual_norm": BIAS_DROPOUT_RESIDUAL_NORM,
+    "activation_idioms": ACTIVATION_IDIOMS,
+    "attention_softmax": ATTENTION_SOFTMAX,
+    "attention": ATTENTION,
+    "lower_sdpa_calls": LOWER_SDPA_CALLS,
+    "noop_clones": noop_clones,
     "qkv_attention": stack_qkv,
-    "rope": fuse_rope,
-    "glu": fuse_gated_activation,
-    "bias_act_dropout": fuse_bias_activation_dropout,
-    "dropout": fuse_dropout,
+    "rope": ROPE,
+    "glu": GLU,
+    "bias_act_dropout": BIAS_ACT_DROPOUT,
+    "dropout": DROPOUT,
     "layout": choose_forward_layouts,
 }
 
-# Every pass name `options={"skip": [...]}` accepts: the forward pipeline above, then the passes over
-# the backward graph AOTAutograd derives (passes/backward.py).
-ALL_PASSES: tuple[str, ...] = (*PIPELINE, *BACKWARD_PIPELINE)
+# Every pass name `options={"skip": [...]}` accepts: the lowering passes, the forward pipeline, then
+# the passes over the backward graph AOTAutograd derives (passes/backward/).
+ALL_PASSES: tuple[str, ...] = (*LOWERING, *PIPELINE, *BACKWARD_PIPELINE)
+
+
+def run_lowering(gm: GraphModule, ctx: PassContext, skip: tuple[str, ...] = (),
+                 verify: bool | str | None = None) -> GraphModule:
+    """Run the LOWERING passes not in `skip` on `gm` itself (run_passes; `verify`: the graph verifier
+    after each)."""
+    run_passes(gm, ctx, LOWERING, skip, verify=verify)
+    return finish(gm)
 
 
 def run_pipeline(gm: GraphModule, ctx: PassContext, skip: tuple[str, ...] = (), verify: bool | str | None = None) -> GraphModule:
@@ -69,4 +93,5 @@ def run_joint_layout(joint: GraphModule, ctx: PassContext, skip: tuple[str, ...]
     return joint
 
 
-__all__ = ["ALL_PASSES", "BACKWARD_PIPELINE", "PIPELINE", "PassContext", "Pass", "finish", "run_joint_layout", "run_pipeline"]
+__all__ = ["ALL_PASSES", "BACKWARD_PIPELINE", "LOWERING", "PIPELINE", "PassContext", "Pass", "finish", "run_joint_layout",
+           "run_lowering", "run_pipeline"]

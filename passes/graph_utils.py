@@ -18,8 +18,10 @@ class PassContext:
     """What a pass may read (options, fake mode) and where it records what it did."""
 
     fake_mode: Any = None
+    # what fired and how many ATen ops it absorbed, per pattern (passes/fusion.py, record); a pattern
+    # whose node a later one absorbed hands its counts over
     fired: dict[str, int] = field(default_factory=dict)  # pattern -> matches rewritten
-    replaced: dict[str, int] = field(default_factory=dict)  # pattern -> ATen nodes absorbed
+    replaced: dict[str, int] = field(default_factory=dict)  # pattern -> ATen ops absorbed
     missed: list[str] = field(default_factory=list)  # near-misses, with the reason
     current: str | None = None  # the pass running now (named in errors)
     training: bool = True  # a backward will be derived from this graph (some input requires grad)
@@ -40,25 +42,8 @@ class PassContext:
             return False
         return n in grad_dependent_nodes(n.graph, self.input_requires_grad)
 
-    def record(self, pattern: str, absorbed: int, node: Node | None = None) -> None:
-        """`node` (the fused op) remembers what it absorbed, so a later pass that fuses it further
-        can take the count over (see take_over)."""
-        self.fired[pattern] = self.fired.get(pattern, 0) + 1
-        self.replaced[pattern] = self.replaced.get(pattern, 0) + absorbed
-        if node is not None:
-            node.meta["dmfx_fused"] = (pattern, absorbed)
-
-    def take_over(self, node: Node) -> int:
-        """Un-record the fusion `node` came from (it is being absorbed); returns its op count."""
-        pattern, absorbed = node.meta.get("dmfx_fused", (None, 1))
-        if pattern is not None:
-            self.fired[pattern] -= 1
-            self.replaced[pattern] -= absorbed
-            if not self.fired[pattern]:
-                del self.fired[pattern], self.replaced[pattern]
-        return absorbed
-
     def miss(self, pattern: str, node: Node, why: str) -> None:
+        """A near-miss of `pattern` at `node`: the chain is left alone because of `why`."""
         self.missed.append(f"{pattern} at {node.name}: {why}")
 
 
@@ -97,13 +82,90 @@ def getitem_users(n: Node) -> dict[int, list[Node]]:
     return out
 
 
-def only_used_by(n: Node, allowed: Iterable[Node]) -> bool:
-    allowed = set(allowed)
-    return all(u in allowed for u in n.users)
+def only_user(n: Node) -> Node | None:
+    """The one node that reads `n`, or None."""
+    return next(iter(n.users)) if len(n.users) == 1 else None
+
+
+def activation_name(n: Any) -> str | None:
+    """The dmfx activation name (``gelu``, ``gelu_tanh``, ``relu``, ``silu``, ``tanh``) of an ATen
+    activation node; None for any other node."""
+    if is_op(n, aten.gelu):
+        approx = n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none")
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(approx)
+    if is_op(n, aten.relu):
+        return "relu"
+    if is_op(n, aten.silu):
+        return "silu"
+    if is_op(n, aten.tanh):
+        return "tanh"
+    return None
+
+
+RESHAPES = (aten.view, aten._unsafe_view, aten.reshape)
+
+
+def same_shape(a: Any, b: Any) -> bool:
+    """Two shapes (sizes, lists or tuples; ints or SymInts) are equal."""
+    return len(a) == len(b) and all(x == y for x, y in zip(a, b))
+
+
+def is_transpose(n: Any, dims: tuple[int, int]) -> bool:
+    """`n` is x.transpose(a, b) of a 4-D x with {a, b} == dims (negative dims allowed)."""
+    return is_op(n, aten.transpose) and sorted(d % 4 for d in n.args[1:3]) == sorted(dims)
+
+
+def shape_dtype(n: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
+    """(shape, dtype) of a node's tensor value, or None."""
+    v = val(n)
+    if not isinstance(v, torch.Tensor):
+        return None
+    return tuple(v.shape), v.dtype
+
+
+def plain_add(n: Node) -> tuple[Node, Node] | None:
+    """(a, b) when `n` is ``add.Tensor(a, b)`` of two graph tensors of one shape and dtype, alpha 1."""
+    if not is_op(n, aten.add.Tensor) or n.kwargs.get("alpha", 1) != 1 or len(n.args) != 2:
+        return None
+    a, b = n.args
+    if not (isinstance(a, Node) and isinstance(b, Node)):
+        return None
+    sa, sb, so = shape_dtype(a), shape_dtype(b), shape_dtype(n)
+    if sa is None or sa != sb or sa != so:
+        return None
+    return a, b
 
 
 def is_scalar(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def float_input(x: Any) -> torch.SymFloat | None:
+    """The value of `x` when it is a graph node holding a float that Dynamo made a graph input instead
+    of a constant (``torch.compile(dynamic=True)``: ``math.pi``, a module's ``self.scaling``): a SymFloat
+    whose free symbols are all float inputs (no size: specializing it never specializes a shape)."""
+    v = x.meta.get("val") if isinstance(x, Node) else None
+    if not isinstance(v, torch.SymFloat):
+        return None
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+    symbols = v.node.expr.free_symbols
+    return v if symbols and all(symbol_is_type(s, SymT.FLOAT) for s in symbols) else None
+
+
+def number_near(x: Any, value: float, rel: float = 1e-4) -> bool:
+    """`x` is the number `value` (to `rel`): a constant, or a float input (float_input) whose value is
+    that now. The latter is then specialized with a guard (``guard_float``): Dynamo recompiles if it
+    ever changes, as it would have without ``dynamic=True``, so a pattern that reads it as a constant
+    stays right. (Its tensorify pass then restarts the capture with that float made a constant.)"""
+    if is_scalar(x):
+        return abs(float(x) - value) <= rel * abs(value)
+    v = float_input(x)
+    if v is None or abs(v.node.hint - value) > rel * abs(value):
+        return False
+    from torch.fx.experimental.symbolic_shapes import guard_float
+
+    return abs(guard_float(v) - value) <= rel * abs(value)
 
 
 def is_last_dim(dims: Any, ndim: int) -> bool:
@@ -192,8 +254,9 @@ def insert_seed(graph: Graph, ctx: PassContext) -> Node:
     )
 
 
-def _impure(n: Node) -> bool:
-    # Random ops whose results nobody reads (a dropout we replaced) are dead, not side effects.
+def is_impure(n: Node) -> bool:
+    """Whether `n` has side effects, so that it stays even when nothing reads it. Random ops whose
+    results nobody reads (a dropout a fusion replaced) are dead, not side effects."""
     try:
         return n.is_impure(impure_random=False)
     except TypeError:  # older torch: no impure_random parameter
@@ -201,7 +264,7 @@ def _impure(n: Node) -> bool:
 
 
 def dead_code_elimination(gm: GraphModule) -> None:
-    gm.graph.eliminate_dead_code(is_impure_node=_impure)
+    gm.graph.eliminate_dead_code(is_impure_node=is_impure)
 
 
 def finish(gm: GraphModule) -> GraphModule:
@@ -232,6 +295,27 @@ def insert_bias_free_linear(graph: Graph, ctx: PassContext, addmm: Node, view: N
     holds SymInt nodes."""
     mm = insert_call(graph, ctx, aten.mm.default, (addmm.args[1], addmm.args[2]))
     return insert_call(graph, ctx, aten.view.default, (mm, view.args[1])) if view is not None else mm
+
+
+def size_args(graph: Graph, shape: Any) -> list | None:
+    """`shape` as an op's size argument in `graph`: ints stay ints, a SymInt becomes the graph input
+    that holds it (under dynamic shapes AOTAutograd passes each free symbol as an input). None when a
+    SymInt is not an input's value (an expression such as ``s0 * s1``): an int there would freeze it."""
+    inputs = {}
+    for ph in graph.find_nodes(op="placeholder"):
+        v = ph.meta.get("val")
+        if isinstance(v, torch.SymInt):
+            inputs.setdefault(str(v.node.expr), ph)
+    args = []
+    for d in shape:
+        if isinstance(d, torch.SymInt):
+            node = inputs.get(str(d.node.expr))
+            if node is None:
+                return None
+            args.append(node)
+        else:
+            args.append(int(d))
+    return args
 
 
 def broadcasts_to(small: torch.Size, full: torch.Size) -> bool:

@@ -35,7 +35,7 @@ dmfx backward kernel reads the GEMM output its forward kernel read, so a layout 
 kernel a copy costs it twice), and the backward's own GEMM outputs and copies are variables of the
 same problem. The forward pipeline's ``layout`` pass then changes nothing (``ctx.joint_layouts``);
 without a backward (inference) it is the search. After the backward passes have rewritten the
-partitioned backward graph (passes/backward.py), the search runs once more there, on what they made:
+partitioned backward graph (passes/backward/), the search runs once more there, on what they made:
 the tensors the forward saved are its inputs then, with their layouts fixed.
 """
 
@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
+from .fusion import record
 from .graph_utils import PassContext, grad_dependent_nodes, is_op, refresh_val, val, views_to_reshapes
 from .layout_search import INF, Infeasible, LayoutProblem, SearchTooWide, solve
 
@@ -383,15 +384,14 @@ def choose_layouts(gm: GraphModule, ctx: PassContext, name: str = "layout") -> N
         sol.assignment, sol.cost = traced, p.cost_of(traced)
     kept = {n: _why_kept(p, n, sol.assignment, prices) for n in model.vars if sol.assignment[n] == KEEP}  # (before any edit)
     graph = gm.graph
-    changed = 0
     moved: list[Node] = []  # nodes whose readers now see other strides
-    for n in list(model.vars):
+    for n in list(model.vars):  # (each layout changed, a dropped copy or a GEMM written transposed, is recorded)
         choice = sol.assignment[n]
         if choice == DROP:
             moved.extend(n.users)
             n.replace_all_uses_with(n.args[0])
+            record(ctx, name, [n])
             graph.erase_node(n)
-            changed += 1
         elif choice == COL:
             a, b = n.args[:2]
             with graph.inserting_before(n):
@@ -403,9 +403,9 @@ def choose_layouts(gm: GraphModule, ctx: PassContext, name: str = "layout") -> N
             mm.meta["val"] = torch.mm(tb.meta["val"], ta.meta["val"])
             out.meta["val"] = mm.meta["val"].t()
             n.replace_all_uses_with(out)
+            record(ctx, name, [n])
             graph.erase_node(n)
             moved.extend(out.users)
-            changed += 1
         elif choice == KEEP:
             ctx.copies.append({"node": n.name, "bytes": int(2 * _nbytes(val(n))), "why": kept[n]})
     if moved:  # (their readers' views now see the search's strides)
@@ -413,8 +413,6 @@ def choose_layouts(gm: GraphModule, ctx: PassContext, name: str = "layout") -> N
     # The search checked each view against the traced strides; reshape is that same view then, and
     # stays correct if an op upstream (SDPA picks its kernel at run time) hands out other strides.
     views_to_reshapes(moved)
-    for _ in range(changed):  # one per layout changed: a dropped copy, a GEMM written transposed
-        ctx.record(name, 1)
 
 
 def _refresh_traced_views(gm: GraphModule, ctx: PassContext) -> None:

@@ -6,17 +6,17 @@
 
 Eager runs 2 slices, a neg, a cat, 2 muls and an add per tensor (5 kernels, 3 of them writing a
 full copy of q or k); the fused kernel reads q, k, cos, sin once and writes q', k'. Its backward is
-the same kernel with the transposed rotation. q and k are paired by the cos/sin they share; an
-unpaired one is left alone (logged).
+the same kernel with the transposed rotation. q and k are paired by the cos/sin they share, in graph
+order (the first site with the second, the third with the fourth, ...); an unpaired one is left alone
+(logged).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, Node
 
+from .fusion import Fusion, Match, Miss, Replacement
 from .graph_utils import PassContext, aten, commuted, insert_call, insert_getitems, is_op, kernel_friendly, tensor_meta
 
 _END = (2**63 - 1,)
@@ -77,29 +77,47 @@ def _rope_site(add: Node) -> tuple[Node, Node, Node, list[Node]] | None:
     return None
 
 
-def fuse_rope(gm: GraphModule, ctx: PassContext) -> None:
-    graph = gm.graph
-    groups: dict[tuple[Node, Node], list[tuple[Node, Node, list[Node]]]] = defaultdict(list)
-    for n in graph.nodes:
-        if is_op(n, aten.add):
-            site = _rope_site(n)
-            if site is not None:
-                x, cos, sin, absorbed = site
-                groups[(cos, sin)].append((n, x, absorbed))
-    for (cos, sin), sites in groups.items():
-        while len(sites) >= 2:
-            (qa, q, qabs), (ka, k, kabs) = sites.pop(0), sites.pop(0)
-            # the fused op goes right after its last input; every reader of q' and k' must follow it
-            order = {n: i for i, n in enumerate(graph.nodes)}
-            last = max((q, k, cos, sin), key=order.__getitem__)
-            if any(order[u] <= order[last] for u in (*qa.users, *ka.users)):
-                ctx.miss("rope", qa, "a reader of q' or k' comes before k or q is computed")
-                continue
-            with graph.inserting_before(last.next):
-                fused = insert_call(graph, ctx, torch.ops.dmfx.rope.default, (q, k, cos, sin, False))
-                q_out, k_out = insert_getitems(graph, fused, 2)
-            qa.replace_all_uses_with(q_out)
-            ka.replace_all_uses_with(k_out)
-            ctx.record("rope", len(qabs) + len(kabs), fused)
-        for add, _, _ in sites:
-            ctx.miss("rope", add, "no second tensor (q or k) rotated with the same cos/sin to pair it with")
+def _sites_sharing(graph: Graph, cos: Node, sin: Node) -> list[tuple[Node, Node, list[Node]]]:
+    """The rope sites (add, x, absorbed nodes) that rotate a tensor with `cos` and `sin`, in graph order."""
+    found = {}
+    for m1 in cos.users:
+        for add in m1.users:
+            site = _rope_site(add) if is_op(add, aten.add) and add not in found else None
+            if site is not None and site[1] is cos and site[2] is sin:
+                found[add] = (add, site[0], site[3])
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return sorted(found.values(), key=lambda site: order[site[0]])
+
+
+def match_rope(qa: Node, ctx: PassContext) -> Match | Miss | None:
+    """`qa` rotates q; k is the next site rotated with the same cos and sin (sites pair up in graph
+    order: an odd one is the second of its pair, matched from the first)."""
+    site = _rope_site(qa)
+    if site is None:
+        return None
+    q, cos, sin, q_chain = site
+    sites = _sites_sharing(qa.graph, cos, sin)
+    i = next(j for j, (add, _, _) in enumerate(sites) if add is qa)
+    if i % 2:
+        return None
+    if i + 1 == len(sites):
+        return Miss("no second tensor (q or k) rotated with the same cos/sin to pair it with")
+    ka, k, k_chain = sites[i + 1]
+    # the fused op goes right after its last input; every reader of q' and k' must follow it
+    order = {n: j for j, n in enumerate(qa.graph.nodes)}
+    last = max((q, k, cos, sin), key=order.__getitem__)
+    if any(order[u] <= order[last] for u in (*qa.users, *ka.users)):
+        return Miss("a reader of q' or k' comes before k or q is computed")
+    return Match({"q": q, "k": k, "cos": cos, "sin": sin, "last": last}, q_chain + k_chain, returned=(qa, ka))
+
+
+def rewrite_rope(graph: Graph, m: Match, ctx: PassContext) -> Replacement:
+    qa, ka = m.returned
+    with graph.inserting_before(m["last"].next):
+        fused = insert_call(graph, ctx, torch.ops.dmfx.rope.default, (m["q"], m["k"], m["cos"], m["sin"], False))
+        q_out, k_out = insert_getitems(graph, fused, 2)
+    return Replacement(fused, {qa: q_out, ka: k_out})
+
+
+#: q * cos + rotate_half(q) * sin and the same for k -> dmfx::rope.
+ROPE = Fusion("rope", (aten.add,), match_rope, rewrite_rope)

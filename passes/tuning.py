@@ -122,7 +122,8 @@ def _attention_runner(form: str, case: dict, device: torch.device, scale: float,
     if case["mask"] is not None:
         mshape, mdtype = case["mask"]
         mdtype = getattr(torch, mdtype.split(".")[-1])
-        mask = torch.ones(mshape, device=device, dtype=torch.bool) if mdtype == torch.bool else torch.zeros(mshape, device=device, dtype=mdtype)
+        fill = torch.ones if mdtype == torch.bool else torch.zeros
+        mask = fill(mshape, device=device, dtype=mdtype)
     from ..cuda_ops import new_seed
 
     def forward():

@@ -49,18 +49,26 @@ import contextlib
 import logging
 import math
 import operator
+import os
 from typing import Any, Iterable
 
 import torch
 from torch.fx import Graph, GraphModule, Node
-
-from ..options import strongest_verify
 
 log = logging.getLogger("dmfx")
 aten = torch.ops.aten
 
 _MISSING = object()  # a node without meta["val"]
 _METADATA_ONLY = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default}
+
+
+def strongest_verify(option: bool | str | None) -> bool | str:
+    """The graph verifier's level from the option `verify` (None: not given) and env DMFX_VERIFY
+    (off for "", "0", "false", "no", "off", as DMFX_DISABLE), the stronger of the two: False (off),
+    True (on) or "strict"."""
+    env = os.environ.get("DMFX_VERIFY", "").strip().lower()
+    levels = [option or False, "strict" if env == "strict" else env not in ("", "0", "false", "no", "off")]
+    return "strict" if "strict" in levels else any(levels)
 
 
 class GraphVerificationError(RuntimeError):

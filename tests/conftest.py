@@ -2,6 +2,8 @@ import os
 
 import pytest
 import torch
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.proxy_tensor import make_fx
 
 # The graph verifier (passes/verify.py) checks the graph after every pass in every test, and a
 # violation fails the test (strict: it raises even under fallback=True). DMFX_VERIFY=0 runs without.
@@ -40,6 +42,77 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None)
     a, b = a.detach().double(), b.detach().double()
     denom = (scale.detach().double() if scale is not None else b).norm().item()
     return (a - b).norm().item() / max(denom, 1e-30)
+
+
+def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|: the backward passes' and their ops' tests compare elementwise."""
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+# ------------------------------------------------------------------ pass tests (tests/test_pass_*.py)
+
+
+def _as_tuple(fn):
+    def g(*a):
+        out = fn(*a)
+        return out if isinstance(out, tuple) else (out,)
+
+    return g
+
+
+def rewrite(fn, *inputs, passes=None, **settings):
+    """Lower `fn` (all tensors passed as inputs) to ATen like the backend does, run the dmfx passes
+    (the forward pipeline; `passes`: only those), return (graph module, context). `settings` are
+    PassContext fields (training, attention, ...)."""
+    from dmfx.backend import lower_to_aten
+    from dmfx.passes import PIPELINE, PassContext, run_pipeline
+
+    gm = lower_to_aten(_as_tuple(fn), inputs)  # exactly what the backend runs the passes on
+    settings.setdefault("input_requires_grad", tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs))
+    ctx = PassContext(fake_mode=detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if "val" in n.meta]), **settings)
+    skip = () if passes is None else tuple(n for n in PIPELINE if n not in passes)
+    return run_pipeline(gm, ctx, skip), ctx
+
+
+def targets(gm):
+    """The targets of `gm`'s call nodes, in graph order."""
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def count(gm, op):
+    """How many calls of `op`'s default overload `gm` has."""
+    return sum(1 for t in targets(gm) if t is op.default)
+
+
+def check_same(fn, gm, *inputs, tol=1e-5):
+    """The rewritten graph `gm` computes what `fn` computes on `inputs`."""
+    for a, b in zip(gm(*inputs), _as_tuple(fn)(*inputs)):
+        assert rel_err(a, b) < tol
+
+
+def trace_fake(fn, *args):
+    """`fn` traced to an ATen graph on fake values (a hand-built backward graph)."""
+    return make_fx(fn, tracing_mode="fake")(*args)
+
+
+def run_pass(gm, pass_fn, *args):
+    """Run `pass_fn` on `gm` with a bare PassContext: (values before, values after, ctx)."""
+    from dmfx.passes import PassContext
+
+    ref = gm(*args)
+    ctx = PassContext()
+    pass_fn(gm, ctx)
+    gm.graph.lint()
+    gm.recompile()
+    return ref, gm(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args]), ctx
+
+
+def layer_norm_saved(H=16, rows=(2, 6)):
+    """A LayerNorm's input, weight and the mean and rstd dmfx::layer_norm saves for its backward."""
+    x = torch.randn(*rows, H)
+    w, b = torch.randn(H), torch.randn(H)
+    _, mean, rstd = torch.ops.dmfx.layer_norm(x, w, b, 1e-5)
+    return x, w, mean, rstd
 
 
 def assert_kernel_close(actual: torch.Tensor, expected: torch.Tensor, tol: tuple[float, float], what: str,
@@ -82,17 +155,12 @@ def softmax_mask(kind: str, shape, dtype: torch.dtype, gen: torch.Generator):
 
 
 def tiny_bert_layer(dropout=0.0):
-    """An HF BertLayer (hidden 32, 4 heads, eager attention, dropout off unless asked) in train mode,
-    and a copy."""
-    import copy
+    """dmfx.models.tiny_bert_layer (an HF BertLayer of hidden size 32 in train mode, and a copy); the
+    test skips without transformers."""
+    pytest.importorskip("transformers")
+    from dmfx.models import tiny_bert_layer as build
 
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64,
-                                  hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    layer = transformers.models.bert.modeling_bert.BertLayer(cfg).train()
-    return layer, copy.deepcopy(layer)
+    return build(dropout)
 
 
 def compiled_step_matches_eager(layer, ref, options, shape=(2, 9, 32)):

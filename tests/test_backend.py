@@ -8,11 +8,10 @@ import textwrap
 
 import pytest
 import torch
+from conftest import rel_err
 
 import dmfx
 from dmfx.cuda_ops import build
-
-from conftest import rel_err
 
 
 class Block(torch.nn.Module):
@@ -27,7 +26,8 @@ class Block(torch.nn.Module):
 
 
 def run_python(code: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=600)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=600)
 
 
 def test_backend_string_works_without_importing_dmfx():
@@ -49,6 +49,33 @@ def test_unknown_option_lists_the_valid_ones():
     f = torch.compile(Block(), backend="dmfx", options={"nonsense": 1})
     with pytest.raises(Exception, match=r"unknown option\(s\) 'nonsense'; valid options are: disable, skip"):
         f(torch.randn(2, 32))
+
+
+def test_with_options_checks_the_options_at_once():
+    with pytest.raises(ValueError, match=r"unknown option\(s\) 'nonsense'"):
+        dmfx.with_options(nonsense=1)  # a plain ValueError, before any compile
+    with pytest.raises(ValueError, match="unknown pass"):
+        dmfx.with_options(skip=["no_such_pass"])
+    m = Block()
+    x = torch.randn(2, 32)
+    out = torch.compile(m, backend=dmfx.with_options(skip=["bias_dropout_residual_norm"]))(x)
+    assert rel_err(out, m(x)) < 1e-5
+    assert "bias_dropout_residual_norm" not in dmfx.records()[-1].fired
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_torch_compile_modes_are_accepted(mode):
+    """HF's CompileConfig (compiled generate) passes mode="reduce-overhead" to the backend."""
+    m = Block()
+    x = torch.randn(2, 32)
+    out = torch.compile(m, backend="dmfx", mode=mode)(x)
+    assert rel_err(out, m(x)) < 1e-5
+    assert dmfx.records()[-1].fired.get("bias_dropout_residual_norm") == 1
+
+
+def test_an_unknown_mode_is_an_error():
+    with pytest.raises(ValueError, match="unknown mode 'fastest'"):
+        dmfx.dmfx_backend(torch.fx.symbolic_trace(Block()), [torch.randn(2, 32)], mode="fastest")
 
 
 def test_renamed_passes_are_still_accepted_in_skip():
@@ -205,3 +232,47 @@ def test_demo_runs_end_to_end():
     assert "memory-bound ATen ops inside dmfx kernels" in r.stdout
     err = float(r.stdout.split("relative error")[1].split()[0])
     assert err < 1e-4
+
+
+def test_fp16_attention_on_the_cpu_says_why_it_is_left_to_sdpa():
+    from dmfx.models import tiny_bert_layer
+
+    layer, _ = tiny_bert_layer()
+    layer = layer.half().eval()
+    with torch.no_grad():
+        torch.compile(layer, backend="dmfx")(torch.randn(2, 9, 32, dtype=torch.float16))
+    text = dmfx.records()[-1].summary()
+    assert "left to PyTorch's SDPA" in text and "float32 only" in text, text
+
+
+def test_the_info_line_says_how_to_list_the_near_misses(caplog):
+    from dmfx.observability import emit
+
+    record = dmfx.GraphRecord(graph_id=7, missed=["bias_act_dropout at gelu: its output is read elsewhere"])
+    with caplog.at_level("INFO", logger="dmfx"):
+        emit(record)
+    assert "1 near-miss (chains left to PyTorch, with why: dmfx.records()[-1].missed" in caplog.text
+
+
+def test_one_info_line_tells_the_compile(caplog):
+    """One INFO line for a compile (a model's first call), not one per graph: what was fused, the
+    bytes saved per forward pass, what was left to PyTorch and why."""
+    with caplog.at_level(logging.INFO, logger="dmfx"):
+        torch.compile(Block(), backend="dmfx")(torch.randn(2, 32))
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "compiled" in r.getMessage()]
+    assert len(lines) == 1, caplog.text
+    assert "compiled 1 graph; fused bias_dropout_residual_norm x1" in lines[0]
+    assert "MiB less memory traffic per forward pass" in lines[0]
+    assert not any(r.levelno == logging.INFO and r.getMessage().startswith("dmfx: graph ") for r in caplog.records)
+
+
+def test_the_compile_line_says_what_was_left_to_pytorch(caplog):
+    class Mutates(torch.nn.Module):
+        def forward(self, x):
+            x.add_(1.0)  # an input mutation: dmfx's lowering does not take it
+            return torch.nn.functional.layer_norm(x, (32,))
+
+    with caplog.at_level(logging.INFO, logger="dmfx"):
+        torch.compile(Mutates(), backend="dmfx")(torch.randn(2, 32))
+    line = next(r.getMessage() for r in caplog.records if "compiled 1 graph" in r.getMessage())
+    assert "nothing fused" in line and "left to PyTorch: graph" in line, line

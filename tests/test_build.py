@@ -5,18 +5,19 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
 
 from dmfx.cuda_ops import build
 
-LOAD = "import sys, time; from dmfx.cuda_ops import build; t = time.perf_counter(); m = build.load('cpu'); print('LOADED', time.perf_counter() - t, m.__name__)"
+LOAD = ("import sys, time; from dmfx.cuda_ops import build; t = time.perf_counter(); m = build.load('cpu'); "
+        "print('LOADED', time.perf_counter() - t, m.__name__)")
 
 
 def _python(code, env=None, **kw):
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}, **kw)
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, **(env or {})}, **kw)
 
 
 def test_warm_load_is_fast_and_does_not_compile():
@@ -27,6 +28,37 @@ def test_warm_load_is_fast_and_does_not_compile():
     seconds = float(out.split()[1])
     assert seconds < 1.0, out
     assert "building" not in err
+
+
+FIRST_USE = {
+    # the first call of an op loads the kernels (its stand-in at the CPU key, or at the Autograd key
+    # when an input requires grad), then runs them
+    "op call": "out = torch.ops.dmfx.layer_norm(x, w, None, 1e-5)[0]",
+    "op call with grad": "out = torch.ops.dmfx.layer_norm(x.requires_grad_(), w, None, 1e-5)[0]; out.sum().backward()",
+    "build.load": "build.load('cpu'); out = torch.ops.dmfx.layer_norm(x, w, None, 1e-5)[0]",
+}
+
+
+@pytest.mark.parametrize("first", FIRST_USE)
+def test_ops_work_before_and_after_the_kernels_load(first):
+    """In a fresh process the ops run whichever comes first, an op call or build.load; the C++
+    kernels then hold the keys (the stand-ins are gone, nothing was overridden)."""
+    build.load("cpu")  # (warm cache: the subprocess only imports)
+    p = _python(
+        f"""
+        import torch
+        import torch.nn.functional as F
+        from dmfx.cuda_ops import build, _library
+        x, w = torch.randn(3, 16), torch.randn(16)
+        {FIRST_USE[first]}
+        assert torch.allclose(out, F.layer_norm(x.detach(), (16,), w), atol=1e-5)
+        assert "cpu" in build._loaded and "cpu" not in _library._stand_ins and "cuda" in _library._stand_ins
+        print("OK")
+        """
+    )
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0 and "OK" in out, err[-3000:]
+    assert "Overriding" not in err and "previously registered" not in err, err[-3000:]
 
 
 def test_two_processes_building_at_once_over_a_killed_build(tmp_path):
@@ -44,6 +76,9 @@ def test_two_processes_building_at_once_over_a_killed_build(tmp_path):
         assert p.returncode == 0, err[-3000:]
         assert "LOADED" in out
     assert sum("dmfx: building CPU kernels" in err for _, err in results) == 1
+    # a CPU build says so in dmfx's one line, and nothing from torch about CUDA (its cpp_extension
+    # logs "No CUDA runtime is found" on import where a toolkit is installed and no GPU is)
+    assert not any("CUDA" in err for _, err in results), [err[-2000:] for _, err in results]
     assert build._is_valid(debris, name)
 
 
@@ -94,7 +129,8 @@ def test_each_cpu_build_has_its_own_module_and_target():
     assert build.module_name("cpu_avx2").startswith("dmfx_cpu_avx2_")
     assert "-march=native" in native.cflags
     assert "-march=x86-64-v3" in avx2.cflags and "-DCPU_CAPABILITY=AVX2" in avx2.cflags
-    assert avx2.cpp_sources == native.cpp_sources and avx2.kind == native.kind == "cpu"
+    assert avx2.sources == native.sources and avx2.kind == native.kind == "cpu"
+    assert native.registers and not avx2.registers and "-DDMFX_KERNELS_ONLY" in avx2.cflags
 
 
 def test_using_cpu_build_switches_the_cpu_kernels_for_the_block_only():
@@ -106,7 +142,7 @@ def test_using_cpu_build_switches_the_cpu_kernels_for_the_block_only():
         with build.using_cpu_build("cpu_avx2") as module:
             assert build.kernels_for("cpu") is module is build.load("cpu_avx2") is not native
             assert build.kernels_for(torch.device("cpu")) is module
-            1 / 0
+            raise ZeroDivisionError  # leaves the block by an exception
     assert build.kernels_for("cpu") is native
 
 
@@ -180,15 +216,15 @@ def test_the_cuda_build_sets_the_arch_list_only_while_it_runs(monkeypatch, tmp_p
         monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", user_value)
     seen = []
 
-    def fake_load_inline(**kwargs):
+    def fake_load(**kwargs):
         seen.append(os.environ.get("TORCH_CUDA_ARCH_LIST"))
         if fails:
             raise RuntimeError("nvcc failed")
 
-    monkeypatch.setattr(ext, "load_inline", fake_load_inline)
+    monkeypatch.setattr(ext, "load", fake_load)
     monkeypatch.setattr(build, "_ensure_cuda_home", lambda: None)
     try:
-        build._compile(build.FLAVORS["cuda"], "dmfx_cuda_test", tmp_path)
+        build._compile("cuda", build.FLAVORS["cuda"], tmp_path)
     except RuntimeError:
         assert fails
     assert seen == [user_value or "9.0"]

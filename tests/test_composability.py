@@ -8,11 +8,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import rel_err
 
 import dmfx
 from dmfx.cuda_ops import build
-
-from conftest import rel_err
 
 transformers = pytest.importorskip("transformers")
 

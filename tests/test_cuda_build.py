@@ -1,5 +1,5 @@
 """The CUDA kernels compile with nvcc (no GPU needed). Runs wherever nvcc and a CUDA build of torch are
-present (CI's machines have both); the GPU tests themselves are in test_cuda_kernels.py."""
+present (CI's machines have both); the GPU tests themselves are in test_cuda_norm.py."""
 
 import os
 import shutil

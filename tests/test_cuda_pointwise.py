@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import assert_kernel_close as assert_close
 
-from dmfx.cuda_ops import build
-from dmfx.cuda_ops import pointwise as P
+from dmfx.cuda_ops import build, pointwise as P
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -1,7 +1,7 @@
 """The CUDA kernels of the fused attention softmax (csrc/softmax_cuda.cu) against the CPU kernels.
 
 The CPU kernels (csrc/softmax_cpu.cpp, tested against the pure-PyTorch reference in
-test_softmax_op.py) are the specification. On a machine with a CUDA GPU these tests check that
+test_softmax_ops.py) are the specification. On a machine with a CUDA GPU these tests check that
 
 * the dropout masks are bit-identical (out != 0 exactly where the Philox mask keeps, for both);
 * softmax_fwd / softmax_bwd match the CPU kernels for every kernel path: one warp per row with
@@ -158,7 +158,7 @@ def test_dropout_mask_is_philox(cuda_ext):
 
 def test_ops_and_autograd_on_cuda():
     import dmfx  # noqa: F401
-    from dmfx.cuda_ops.ops import new_seed
+    from dmfx.cuda_ops import new_seed
 
     seed = new_seed()
     s = torch.randn(2, 3, 16, 16, dtype=torch.float64)
@@ -173,7 +173,8 @@ def test_ops_and_autograd_on_cuda():
     for a, b in zip(grads["cpu"], grads[DEV]):
         assert rel_err(b, a) < 1e-12
     sg = s.to(DEV).requires_grad_()
-    assert torch.autograd.gradcheck(lambda a: torch.ops.dmfx.attention_softmax(a, None, 0.5, False, seed, 0.2)[0], (sg[:1, :1, :4, :6].detach().requires_grad_(),))
+    small = sg[:1, :1, :4, :6].detach().requires_grad_()
+    assert torch.autograd.gradcheck(lambda a: torch.ops.dmfx.attention_softmax(a, None, 0.5, False, seed, 0.2)[0], (small,))
 
 
 def test_wrong_device(cuda_ext):

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import dmfx  # noqa: F401  (registers the ops)
-from dmfx.cuda_ops.ops import new_seed
+from dmfx.cuda_ops import new_seed
 
 ops = torch.ops.dmfx
 

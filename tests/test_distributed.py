@@ -10,7 +10,6 @@ import textwrap
 
 import pytest
 import torch
-
 from conftest import rel_err
 
 WORKER = textwrap.dedent(

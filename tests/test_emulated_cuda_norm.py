@@ -2,10 +2,10 @@
 through the emulation of tests/cuda_emu, against dmfx's CPU kernels on the same inputs: block
 reductions, the vectorised / scalar paths, row buffers in shared memory or the global workspace,
 the column-sum partials and their reduction kernel, grid-stride loops over rows, Philox dropout masks
-(bit-identical: same seed and offset). Mirrors tests/test_cuda_kernels.py (same tolerances), at
+(bit-identical: same seed and offset). Mirrors tests/test_cuda_norm.py (same tolerances), at
 sizes the emulation runs quickly.
 
-What this cannot check, tests/test_cuda_kernels.py does on a GPU: real launches and limits, races
+What this cannot check, tests/test_cuda_norm.py does on a GPU: real launches and limits, races
 that depend on timing within a phase, speed."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import assert_kernel_close as assert_close
 
 if not sys.platform.startswith("linux"):  # (ucontext fibers)

@@ -14,14 +14,15 @@ import sys
 
 import pytest
 import torch
-
 from conftest import assert_kernel_close as assert_close
 
 if not sys.platform.startswith("linux"):  # (ucontext fibers)
     pytest.skip("the CUDA emulation needs Linux", allow_module_level=True)
 
-from dmfx.cuda_ops import build  # noqa: E402
-from dmfx.cuda_ops import pointwise as P  # noqa: E402
+from dmfx.cuda_ops import (
+    build,  # noqa: E402
+    pointwise as P,  # noqa: E402
+)
 
 SEED, OFFSET = 1234, 56
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64

@@ -20,6 +20,7 @@ if not sys.platform.startswith("linux"):  # (ucontext fibers)
     pytest.skip("the CUDA emulation needs Linux", allow_module_level=True)
 
 from conftest import rel_err, softmax_mask  # noqa: E402
+
 from dmfx.cuda_ops import build  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}

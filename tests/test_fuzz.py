@@ -16,13 +16,11 @@ import os
 import random
 import time
 
-import pytest
 import torch
 import torch.nn.functional as F
+from conftest import rel_err
 
 import dmfx
-
-from conftest import rel_err
 
 SEED = int(os.environ.get("DMFX_FUZZ_SEED", "20240601"))
 N_VARIANTS = int(os.environ.get("DMFX_FUZZ_VARIANTS", "16"))

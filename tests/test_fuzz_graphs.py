@@ -53,11 +53,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import rel_err
 from torch import nn
 
 import dmfx
-
-from conftest import rel_err
 
 SEED = int(os.environ.get("DMFX_GRAPH_FUZZ_SEED", "1515"))
 ONLY = os.environ.get("DMFX_GRAPH_FUZZ_ONLY")  # run one program index (reproducing a failure)
@@ -562,7 +561,7 @@ def make_recipe(index: int, dtype, dropout: bool = False) -> dict:
         "x_grad": rng.random() < 0.8 and not embed, "x2_grad": rng.random() < 0.5 and _reads(b.nodes, 1),
         "modules": b.modules, "ties": b.ties, "nodes": b.nodes, "outputs": b.outputs(),
     }
-    for name, (kind, spec) in recipe["modules"].items():  # the vocab is known only now
+    for kind, spec in recipe["modules"].values():  # the vocab is known only now
         if kind in ("embedding", "lm_head"):
             spec["vocab"] = recipe["vocab"]
     recipe["cases"] = make_cases(rng, wide, dtype)

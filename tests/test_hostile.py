@@ -15,12 +15,11 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import rel_err
 
 import dmfx
 from dmfx import backend
 from dmfx.cuda_ops import build
-
-from conftest import rel_err
 
 
 class Layer(torch.nn.Module):

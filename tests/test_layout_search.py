@@ -9,10 +9,10 @@ import random
 
 import pytest
 import torch
+from conftest import tiny_bert_layer
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import dmfx
-from conftest import tiny_bert_layer
 from dmfx.passes import PassContext
 from dmfx.passes.layout import COL, DROP, KEEP, ROW, build_problem, choose_layouts
 from dmfx.passes.layout_search import INF, Infeasible, LayoutProblem, SearchTooWide, brute_force, solve
@@ -427,6 +427,7 @@ def test_tuned_bert_layer_training_matches_eager(tmp_path, monkeypatch):
     """tune=True end to end on a training step (attention forms and the joint layout search timed):
     gradients equal eager's."""
     from conftest import compiled_step_matches_eager
+
     from dmfx.passes import tuning
 
     monkeypatch.setattr(tuning, "_path", lambda: tmp_path / tuning.FILE)

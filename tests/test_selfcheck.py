@@ -14,9 +14,9 @@ import types
 
 import pytest
 import torch
+from conftest import compiled_step_matches_eager, tiny_bert_layer
 
 import dmfx
-from conftest import compiled_step_matches_eager, tiny_bert_layer
 from dmfx.cuda_ops import build, selfcheck
 from dmfx.passes import ALL_PASSES
 
@@ -28,7 +28,7 @@ def _scaled(t, factor=1.05):
 
 
 def _scale_results(result, args):
-    return [_scaled(t) for t in result] if isinstance(result, (list, tuple)) else _scaled(result)
+    return type(result)(_scaled(t) for t in result) if isinstance(result, (list, tuple)) else _scaled(result)
 
 
 def _scale_out_arg(result, args):
@@ -44,11 +44,21 @@ PLANTS = {
     "attention": ("flash_fwd", _scale_out_arg),
 }
 
+# family -> the ops whose results a planted kernel gets wrong when a compiled model runs them: the ops'
+# kernels are registered in C++, so the stand-in module (what the self-check sees) is not what they
+# call; a Python kernel at their AutogradCPU key (above the C++ ones) perturbs their results instead
+PLANTED_OPS = {
+    "norm": ("norm_backward",),
+    "softmax": ("attention_softmax_backward",),
+    "pointwise": ("bias_act_dropout_backward",),
+    "attention": ("flash_attention", "qkv_flash_attention"),
+}
+
 # the dmfx ops that run each family's kernels (softmax: the GEMM form's, and the flash ops' unfused path)
 FLASH_OPS = {"flash_attention", "flash_attention_backward", "qkv_flash_attention", "qkv_flash_attention_backward"}
 FAMILY_OPS = {
     "norm": {"layer_norm", "rms_norm", "bias_dropout_residual_norm", "norm_backward", "dropout"},
-    "softmax": {"softmax", "softmax_backward", "attention", "attention_backward", "qkv_attention",
+    "softmax": {"attention_softmax", "attention_softmax_backward", "attention", "attention_backward", "qkv_attention",
                 "qkv_attention_backward", *FLASH_OPS},
     "pointwise": {"bias_act_dropout", "bias_act_dropout_backward", "glu", "glu_backward", "rope"},
     "attention": FLASH_OPS,
@@ -78,12 +88,32 @@ def fresh_verdicts():
     selfcheck.forget()
 
 
+def _planted_ops(family: str) -> torch.library.Library:
+    """PLANTED_OPS[family] with their results off by 5% (until the library returned is destroyed)."""
+    lib = torch.library.Library("dmfx", "IMPL")  # noqa: TOR901
+
+    def perturb(op):
+        overload = getattr(torch.ops.dmfx, op).default
+
+        def wrong(keyset, *args):
+            return _scale_results(overload.redispatch(keyset & torch._C._after_autograd_keyset, *args), args)
+
+        return wrong
+
+    for op in PLANTED_OPS[family]:
+        lib.impl(op, perturb(op), "AutogradCPU", with_keyset=True)
+    return lib
+
+
 @pytest.fixture
 def planted_cpu(monkeypatch, fresh_verdicts, request):
-    """kernels_for("cpu") returns the native module with `request.param`'s family planted wrong."""
+    """kernels_for("cpu") returns the native module with `request.param`'s family planted wrong, and
+    the family's ops give wrong results."""
     family = request.param
     monkeypatch.setitem(build._loaded, "cpu", planted(build.load("cpu"), family))
-    return family
+    lib = _planted_ops(family)
+    yield family
+    lib._destroy()
 
 
 def _dmfx_ops(gm) -> set[str]:

@@ -24,13 +24,14 @@ import weakref
 
 import pytest
 import torch
+from conftest import compiled_step_matches_eager, rel_err, tiny_bert_layer
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import dmfx
-from conftest import compiled_step_matches_eager, rel_err, tiny_bert_layer
 from dmfx import backend, passes
 from dmfx.passes import PassContext
 from dmfx.passes.backward import BACKWARD_PIPELINE, accumulate_into_gemm
+from dmfx.passes.fusion import record
 from dmfx.passes.graph_utils import insert_call, run_passes, val
 from dmfx.passes.verify import GraphVerificationError, GraphVerifier
 
@@ -343,8 +344,8 @@ def accumulate_into_own_operand(gm, ctx):
             continue
         with g.inserting_before(add):
             acc2d = insert_call(g, ctx, aten.view.default, (acc, list(val(a).shape)))
+        record(ctx, "accumulate_into_gemm", [add])
         _accumulate(gm, add, acc2d, a, w, other.args[1])
-        ctx.record("accumulate_into_gemm", 1)
 
 
 def _step(options, shape=(2, 5, 32)):
@@ -451,8 +452,9 @@ def test_clean_bert_layer_step_passes_after_every_pass(monkeypatch):
     compiled_step_matches_eager(layer, ref, {"verify": "strict", "fallback": False})
     rec = dmfx.records()[-1]
     assert rec.fallback is None and rec.fired.get("accumulate_into_gemm")
-    # the forward pipeline, the joint graph's layout search, the backward pipeline: every pass
-    assert checked == [*passes.PIPELINE, "reshape_fused_views", "layout", *BACKWARD_PIPELINE, "reshape_fused_views"]
+    # the lowering, the forward pipeline, the joint graph's layout search, the backward pipeline: every pass
+    assert checked == [*passes.LOWERING, *passes.PIPELINE, "reshape_fused_views", "layout", *BACKWARD_PIPELINE,
+                       "reshape_fused_views"]
 
 
 def test_clean_llama_step_passes(monkeypatch):

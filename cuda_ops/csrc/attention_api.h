@@ -4,7 +4,8 @@
 // softmax kernels read them (softmax_api.h). What differs per device (the device itself, the dtypes,
 // the head dims) each file checks on top.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <cmath>
 #include <limits>
@@ -78,7 +79,7 @@ inline void check_backward(const Shapes& s, const at::Tensor& grad_out, const at
 inline softmax_impl::SoftmaxArgs row_args(const Shapes& s, double scale, bool causal, int64_t seed, int64_t offset,
                                           double p) {
   TORCH_CHECK(std::isfinite(scale), "dmfx::attention: scale must be finite, got ", scale);
-  softmax_impl::check_p_range("attention", p);
+  check_p("attention", p);
   softmax_impl::SoftmaxArgs a;
   a.Sk = s.Lk;
   a.Sq = s.Lq;

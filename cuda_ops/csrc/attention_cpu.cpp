@@ -19,12 +19,25 @@
 // copies; gemm_rm below); this file is the glue and the row math, which is softmax_cpu.cpp's (same
 // logits, exp, Philox mask: element index = row-major index in the [B, Hq, Lq, Lk] scores), so the
 // dropout mask is bit for bit that of the unfused form.
-// This file is concatenated after softmax_cpu.cpp (cuda_ops/build.py), whose helpers it uses.
+// The row math is softmax_cpu.h's (shared with the softmax kernels).
 // float32 and float64 only: bf16/fp16 attention runs the unfused form (cuda_ops/attention.py).
 
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Dispatch.h>
+
+#include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
 
 #include "attention_api.h"
+#include "cpu_kernels.h"
+#include "softmax_cpu.h"
 
 extern "C" {
 void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,

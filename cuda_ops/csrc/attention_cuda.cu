@@ -37,7 +37,8 @@
 //   shared table (RowTable), not in registers: that is what keeps the kernels near 128 registers.
 // * bias_part (per-(batch, head) column sums of dq, dk, dv) is computed after the kernels with ATen
 //   reductions: same values as the CPU kernel's, not fused.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>

@@ -1,7 +1,9 @@
 // Python bindings of the fused ("flash") attention CUDA kernels (implemented in attention_cuda.cu). The
 // functions have the same names, arguments and semantics as the CPU functions in attention_cpu.cpp
 // (flash_use_blas, a switch of the CPU kernels' GEMMs, has no CUDA twin); stats are float32.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
 namespace dmfx {
 

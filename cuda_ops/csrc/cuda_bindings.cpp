@@ -4,7 +4,8 @@
 // (each .cu is self-contained: device code they share lives in headers, softmax_device.cuh); each
 // family file defines dmfx::bind_<family>(m), which adds its functions to the module.
 // Family internals live in named namespaces (dmfx::<family>_impl) so the files never collide.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 namespace dmfx {
 void bind_norm(pybind11::module_& m);

@@ -2,7 +2,8 @@
 // CUDA bindings of the fused normalization kernels. Error messages name the op, the tensor and what
 // was expected, so bad input never reaches a kernel.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -134,8 +135,9 @@ inline NormArgs make_norm_args(const at::Tensor& x, double p, double eps, bool r
   return a;
 }
 
+// The dropout probability, the one check of it (every family's kernels and ops call it).
 inline void check_p(const char* op, double p) {
-  TORCH_CHECK(p >= 0.0 && p <= 1.0, "dmfx::", op, ": dropout probability must be in [0, 1], got ", p);
+  TORCH_CHECK_VALUE(p >= 0.0 && p <= 1.0, "dmfx::", op, ": dropout probability p must be in [0, 1], got ", p);
 }
 
 inline NormArgs check_norm_args(const char* op, const at::Tensor& x,

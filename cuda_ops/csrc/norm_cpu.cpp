@@ -4,7 +4,10 @@
 // Every tensor is seen as [rows, H] with unit stride along H; the leading dimensions may have any
 // strides (RowIndexer), so permuted/sliced activations are read in place. Outputs are contiguous.
 // Accumulation is in at::opmath_type (float for fp16/bf16/fp32, double for fp64).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Dispatch.h>
@@ -12,6 +15,7 @@
 #include <vector>
 
 #include "dmfx_common.h"
+#include "cpu_kernels.h"
 #include "kernel_api.h"
 #include "philox_cpu.h"
 
@@ -391,3 +395,159 @@ void bind_norm(pybind11::module_& m) {
   m.def("dropout", &dropout_cpu, "Philox inverted dropout (CPU); also its own backward");
 }
 }  // namespace dmfx
+
+#ifndef DMFX_KERNELS_ONLY
+// ------------------------------------------------------------------------------------------------
+// The ops: CPU kernels (through the kernel table: cpu_kernels.h) and the family's autograd formulas
+// ------------------------------------------------------------------------------------------------
+#include "norm_ops.h"
+
+namespace dmfx {
+namespace norm_ops {
+namespace {
+
+struct CpuNorm {
+  template <class... A>
+  static Tensors norm_fwd(A&&... a) { return cpu_kernels().norm_fwd(std::forward<A>(a)...); }
+  template <class... A>
+  static Tensors norm_bwd(A&&... a) { return cpu_kernels().norm_bwd(std::forward<A>(a)...); }
+  template <class... A>
+  static Tensor dropout(A&&... a) { return cpu_kernels().dropout(std::forward<A>(a)...); }
+};
+
+// What a norm forward saved for dmfx::norm_backward.
+struct Saved {
+  Tensor x, bias, residual, weight, mean, rstd, seed;
+  double p = 0.0;
+  bool rms = false;
+};
+
+void save(AutogradContext* ctx, const Saved& s) {
+  ctx->save_for_backward({s.x, s.bias, s.residual, s.weight, s.mean, s.rstd, s.seed});
+  ctx->saved_data["p"] = s.p;
+  ctx->saved_data["rms"] = s.rms;
+}
+
+Saved saved(AutogradContext* ctx) {
+  auto v = ctx->get_saved_variables();
+  return {v[0], v[1], v[2], v[3], v[4], v[5], v[6], ctx->saved_data["p"].toDouble(), ctx->saved_data["rms"].toBool()};
+}
+
+// dmfx::norm_backward for the saved forward; `need` = [x, residual, weight, norm_bias, bias], the
+// gradients returned in that order (undefined where not needed).
+std::array<Tensor, 5> norm_grads(AutogradContext* ctx, const Tensor& grad_out, const Opt& grad_sum,
+                                 std::array<bool, 5> need) {
+  const Saved s = saved(ctx);
+  const bool dropout = s.p > 0.0;
+  // Without dropout dresidual == dx, so compute it once and hand it out twice.
+  const bool want_dres = need[1] && dropout;
+  const bool want_dx = need[0] || need[4] || (need[1] && !dropout);
+  static const auto backward = dmfx_op<NormBackwardSig>("dmfx::norm_backward");
+  auto [dx, dres, dw, dnb, db] = backward.call(
+      grad_out.defined() ? grad_out : at::zeros_like(s.x), grad_sum, s.x, opt(s.bias), opt(s.residual), opt(s.weight),
+      s.rms ? c10::nullopt : opt(s.mean), s.rstd, opt(s.seed), s.p, s.rms,
+      bools({want_dx, want_dres, need[2], need[3], need[4]}), c10::nullopt);
+  const Tensor none;
+  return {need[0] ? dx : none, need[1] ? (dropout ? dres : dx) : none, need[2] ? dw : none, need[3] ? dnb : none,
+          need[4] ? db : none};
+}
+
+struct LayerNormFn : public torch::autograd::Function<LayerNormFn> {
+  static constexpr const char* name = "dmfx::layer_norm";
+  using Sig = decltype(layer_norm<CpuNorm>);
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Opt& weight, const Opt& bias, double eps) {
+    auto out = AutogradKernel<LayerNormFn>::below(x, weight, bias, eps);
+    ctx->saved_data["needs"] = needs_bits(x, weight, bias);
+    save(ctx, {x, {}, {}, weight.value_or(Tensor()), out[1], out[2], {}, 0.0, false});
+    ctx->mark_non_differentiable({out[1], out[2]});
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    auto d = norm_grads(ctx, g[0], c10::nullopt, {needs(ctx, 0), false, needs(ctx, 1), needs(ctx, 2), false});
+    return {d[0], d[2], d[3], Tensor()};
+  }
+};
+
+struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
+  static constexpr const char* name = "dmfx::rms_norm";
+  using Sig = decltype(rms_norm<CpuNorm>);
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Opt& weight, double eps) {
+    auto out = AutogradKernel<RmsNormFn>::below(x, weight, eps);
+    ctx->saved_data["needs"] = needs_bits(x, weight);
+    save(ctx, {x, {}, {}, weight.value_or(Tensor()), {}, out[1], {}, 0.0, true});
+    ctx->mark_non_differentiable({out[1]});
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    auto d = norm_grads(ctx, g[0], c10::nullopt, {needs(ctx, 0), false, needs(ctx, 1), false, false});
+    return {d[0], d[2], Tensor()};
+  }
+};
+
+struct BiasDropoutResidualNormFn : public torch::autograd::Function<BiasDropoutResidualNormFn> {
+  static constexpr const char* name = "dmfx::bias_dropout_residual_norm";
+  using Sig = decltype(bias_dropout_residual_norm<CpuNorm>);
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Opt& bias, const Opt& residual,
+                               const Opt& weight, const Opt& norm_bias, const Opt& seed, double p, double eps,
+                               bool rms, bool return_sum) {
+    auto out = AutogradKernel<BiasDropoutResidualNormFn>::below(x, bias, residual, weight, norm_bias, seed, p, eps,
+                                                                 rms, return_sum);
+    ctx->saved_data["needs"] = needs_bits(x, bias, residual, weight, norm_bias);
+    const Tensor w = weight.value_or(Tensor());
+    if (p == 0.0 && return_sum) {
+      // Without dropout the pre-norm sum the op returns is all the backward needs (dx = dresidual =
+      // d(sum), dbias its column sum): saving it instead of x and the residual keeps the GEMM output
+      // x alive no longer than eager keeps it (pre-norm blocks: ViT, LLaMA).
+      save(ctx, {out[1], {}, {}, w, out[2], out[3], {}, p, rms});
+    } else {
+      save(ctx, {x, bias.value_or(Tensor()), residual.value_or(Tensor()), w, out[2], out[3], seed.value_or(Tensor()),
+                 p, rms});
+    }
+    ctx->mark_non_differentiable({out[2], out[3]});
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const Opt grad_sum = g[1].defined() && g[1].sym_numel() != 0 ? Opt(g[1]) : c10::nullopt;  // (empty: no sum returned)
+    // needs: x 0, bias 1, residual 2, weight 3, norm_bias 4
+    auto d = norm_grads(ctx, g[0], grad_sum, {needs(ctx, 0), needs(ctx, 2), needs(ctx, 3), needs(ctx, 4), needs(ctx, 1)});
+    return {d[0], d[4], d[1], d[2], d[3], Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+struct DropoutFn : public torch::autograd::Function<DropoutFn> {
+  static constexpr const char* name = "dmfx::dropout";
+  using Sig = decltype(dropout<CpuNorm>);
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& seed, double p) {
+    ctx->save_for_backward({seed});
+    ctx->saved_data["p"] = p;
+    return AutogradKernel<DropoutFn>::below(x, seed, p);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    // the same mask on the gradient (regenerated from the seed), through the op: differentiable again
+    return {op_of<DropoutFn>().call(g[0], ctx->get_saved_variables()[0], ctx->saved_data["p"].toDouble()), Tensor(),
+            Tensor()};
+  }
+};
+
+struct NormBackwardOp {
+  static constexpr const char* name = "dmfx::norm_backward";
+  static constexpr const char* hint = "a dmfx normalization";
+  using Sig = NormBackwardSig;
+};
+
+}  // namespace
+}  // namespace norm_ops
+}  // namespace dmfx
+
+TORCH_LIBRARY_IMPL(dmfx, CPU, m) { dmfx::norm_ops::register_kernels<dmfx::norm_ops::CpuNorm>(m); }
+
+TORCH_LIBRARY_IMPL(dmfx, Autograd, m) {
+  using namespace dmfx;
+  using namespace dmfx::norm_ops;
+  m.impl("layer_norm", &AutogradKernel<LayerNormFn>::call);
+  m.impl("rms_norm", &AutogradKernel<RmsNormFn>::call);
+  m.impl("bias_dropout_residual_norm", &AutogradKernel<BiasDropoutResidualNormFn>::call);
+  m.impl("dropout", &AutogradKernel<DropoutFn>::call);
+  m.impl("norm_backward", &AutogradKernel<NoDoubleBackward<NormBackwardOp>>::call);
+}
+#endif  // DMFX_KERNELS_ONLY

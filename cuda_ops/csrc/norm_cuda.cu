@@ -25,7 +25,8 @@
 //   deterministic, no atomics.
 // * Dropout: the element with logical index i = row * H + j (contiguous index for the standalone
 //   kernel) is kept iff word (i & 3) of philox4x32_10(i >> 2, offset, seed) >= threshold.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>
@@ -137,7 +138,7 @@ __device__ __forceinline__ void keep_flags(const DropoutParams& d, uint64_t firs
 }
 
 // s = dropout(x + bias) + residual for the VEC elements starting at column j0 of row `row`
-// (same operation order as load_row in cpu_kernels.cpp).
+// (same operation order as load_row in norm_cpu.cpp).
 template <int VEC, typename scalar_t, typename acc_t>
 __device__ __forceinline__ void load_sum(const scalar_t* xr, const scalar_t* bias, const scalar_t* rr,
                                          const DropoutParams& d, acc_t scale, uint64_t first,
@@ -652,7 +653,7 @@ void check_on_device(const char* op, const char* name, const c10::optional<at::T
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------
-// Entry points (same signatures and checks as the CPU versions in cpu_kernels.cpp)
+// Entry points (same signatures and checks as the CPU versions in norm_cpu.cpp)
 // ------------------------------------------------------------------------------------------------
 
 std::vector<at::Tensor> norm_fwd_cuda(const at::Tensor& x_in, const c10::optional<at::Tensor>& bias_in,

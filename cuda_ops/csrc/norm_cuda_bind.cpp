@@ -1,6 +1,8 @@
 // Python bindings of the fused normalization/dropout CUDA kernels (implemented in norm_cuda.cu). The functions have the
 // same names, signatures and semantics as the CPU functions in norm_cpu.cpp.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
 #include <vector>
 
@@ -32,3 +34,25 @@ void bind_norm(pybind11::module_& m) {
 }
 
 }  // namespace dmfx
+
+#ifndef DMFX_KERNELS_ONLY
+// The ops' CUDA kernels (their autograd formulas are the CPU module's: build.py loads it first).
+#include "norm_ops.h"
+
+namespace dmfx {
+namespace norm_ops {
+namespace {
+struct CudaNorm {
+  template <class... A>
+  static std::vector<at::Tensor> norm_fwd(A&&... a) { return norm_fwd_cuda(std::forward<A>(a)...); }
+  template <class... A>
+  static std::vector<at::Tensor> norm_bwd(A&&... a) { return norm_bwd_cuda(std::forward<A>(a)...); }
+  template <class... A>
+  static at::Tensor dropout(A&&... a) { return dropout_cuda(std::forward<A>(a)...); }
+};
+}  // namespace
+}  // namespace norm_ops
+}  // namespace dmfx
+
+TORCH_LIBRARY_IMPL(dmfx, CUDA, m) { dmfx::norm_ops::register_kernels<dmfx::norm_ops::CudaNorm>(m); }
+#endif  // DMFX_KERNELS_ONLY

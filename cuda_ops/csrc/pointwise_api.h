@@ -1,8 +1,8 @@
 // Per-element math of dmfx's pointwise family (bias + activation + dropout, gated activations),
 // shared by the CPU (C++) and CUDA kernels: the activation functions and their derivatives.
 //
-// Activation codes (the Python layer maps the `act` string to these; keep them in sync with
-// cuda_ops/pointwise.py ACTS):
+// Activation codes (enum Act below is the one table: cuda_ops/pointwise.py reads its names from it,
+// kGeluTanh -> "gelu_tanh"):
 //   0 identity, 1 relu, 2 gelu (erf form, torch gelu approximate='none'),
 //   3 gelu_tanh (torch gelu approximate='tanh'), 4 silu (x * sigmoid(x)), 5 tanh (BERT's pooler).
 //
@@ -15,7 +15,8 @@
 // The second half of this file is host-only: argument checks and input preparation shared by the CPU
 // and CUDA entry points, so both accept and reject exactly the same inputs with the same messages.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <cmath>
 #include <type_traits>

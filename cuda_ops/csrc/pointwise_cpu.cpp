@@ -25,7 +25,9 @@
 #endif
 #endif
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -36,6 +38,7 @@
 #include <vector>
 
 #include "dmfx_common.h"
+#include "cpu_kernels.h"
 #include "kernel_api.h"
 #include "pointwise_api.h"
 #include "philox_cpu.h"

@@ -16,7 +16,8 @@
 // Bias gradient: each thread sums dx of its chunk over its rows in registers and writes one partial
 // row [Y, N] (acc_t); col_sum_kernel then adds the Y partials per column in a fixed order
 // (deterministic, no atomics). dx and dbias come out of one pass over grad_out and x.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>

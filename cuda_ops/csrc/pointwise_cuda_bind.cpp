@@ -1,6 +1,8 @@
 // Python bindings of the pointwise-family CUDA kernels (implemented in pointwise_cuda.cu). The
 // functions have the same names, signatures and semantics as the CPU functions in pointwise_cpu.cpp.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
 #include <vector>
 

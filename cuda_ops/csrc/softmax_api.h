@@ -8,7 +8,8 @@
 // The mask is broadcast to scores' shape as a VIEW (0 strides), never materialized; the kernels read
 // it through a RowIndexer plus a column stride of 0 (one value per row) or 1.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <vector>
 
@@ -46,11 +47,6 @@ inline void check_scores(const char* op, const char* name, const at::Tensor& t,
               "dmfx::", op, ": ", name, " must be float32, float16, bfloat16 or float64, got ", st);
   TORCH_CHECK(t.dim() >= 1, "dmfx::", op, ": ", name,
               " needs at least one dimension (softmax runs over the last), got a 0-dim tensor");
-}
-
-inline void check_p_range(const char* op, double p) {
-  TORCH_CHECK(p >= 0.0 && p <= 1.0, "dmfx::", op, ": dropout probability p must be in [0, 1], got ",
-              p);
 }
 
 // The mask as a broadcast view of scores' shape, after checking device, dtype and shape.
@@ -107,7 +103,7 @@ inline SoftmaxArgs make_fwd_args(const char* op, const at::Tensor& scores, bool 
   a.causal = causal;
   a.scale = scale;
   TORCH_CHECK(std::isfinite(scale), "dmfx::", op, ": scale must be finite, got ", scale);
-  check_p_range(op, p);
+  check_p(op, p);
   a.dropout = make_dropout_params(p, seed, offset);
   a.keep_scale = a.dropout.scale;
   return a;
@@ -126,7 +122,7 @@ inline SoftmaxArgs check_bwd_args(const char* op, const at::Tensor& grad_out, co
   TORCH_CHECK(grad_out.sizes() == probs.sizes(), "dmfx::", op, ": grad_out must have the shape of probs ",
               probs.sizes(), ", got ", grad_out.sizes());
   TORCH_CHECK(std::isfinite(scale), "dmfx::", op, ": scale must be finite, got ", scale);
-  check_p_range(op, p);
+  check_p(op, p);
   SoftmaxArgs a;
   a.Sk = probs.size(-1);
   a.rows = a.Sk == 0 ? 0 : probs.numel() / a.Sk;

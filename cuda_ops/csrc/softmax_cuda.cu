@@ -17,7 +17,8 @@
 // * Math in at::opmath_type (fp32 for half/bfloat16/float, fp64 for double); expf / exp (not the
 //   fast __expf, whose error grows with |x|). max propagates NaN like eager; a row whose max is
 //   -inf (fully masked) is written as zeros.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>

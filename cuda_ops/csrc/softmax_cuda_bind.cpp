@@ -1,6 +1,8 @@
 // Python bindings of the fused attention softmax CUDA kernels (implemented in softmax_cuda.cu). The
 // functions have the same names, signatures and semantics as the CPU functions in softmax_cpu.cpp.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
 #include <vector>
 

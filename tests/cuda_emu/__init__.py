@@ -10,6 +10,9 @@ The source is taken verbatim except for these edits, made by text below:
 
 * ``#include`` lines go (the prelude and the shared headers are included once, up front; the
   headers kernel_api.h, softmax_api.h, attention_api.h and pointwise_api.h go through these edits too);
+* ``DMFX_KERNELS_ONLY`` is defined: the bindings' ``TORCH_LIBRARY_IMPL(dmfx, CUDA, m)`` blocks (which
+  would register the emulated kernels at the real CUDA key) are left out; the module has the kernel
+  functions only;
 * ``at::empty`` / ``at::empty_like`` become ``emu::empty_poisoned`` / ``emu::empty_like_poisoned``:
   every output and workspace the host code allocates starts as NaN (255 for bytes), so an element a
   kernel fails to write, or a workspace entry read before it is written, shows as NaN;
@@ -113,6 +116,7 @@ def source(family: str = "attention", csrc: Path | None = None) -> str:
     cuda_headers = [translate((csrc / h).read_text(), h) for h in _CUDA_HEADER.findall(raw)]
     bind = translate((csrc / f"{family}_cuda_bind.cpp").read_text(), f"{family}_cuda_bind.cpp")
     return "\n".join([
+        "#define DMFX_KERNELS_ONLY",
         "#include <torch/extension.h>",
         "#include <ATen/Dispatch.h>",
         "#include <ATen/OpMathType.h>",

@@ -1,0 +1,396 @@
+"""dmfx::attention / dmfx::qkv_attention and their backwards (cuda_ops/attention.py) on the CPU.
+
+Against reference_attention (pure PyTorch GEMMs in fp32/fp64 around reference_softmax, with the
+kernels' Philox dropout mask): fp32 at relative-norm error 1e-5, fp16/bf16 looser. Gradients: float64
+gradcheck through every output (fixed seed, so the dropout mask is deterministic), the mask gradient
+(T5's position bias) included. Layouts: the output and the gradients come in the projections'
+[B, L, H, D] layout, which is what lets the pass drop eager's transpose copies.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import rel_err
+from torch.library import opcheck
+
+import dmfx  # noqa: F401  (registers the ops)
+from dmfx.cuda_ops import new_seed
+from dmfx.cuda_ops.attention import attention, reference_attention
+
+# Every test here runs on each CPU build of the kernels (conftest.cpu_build: native and AVX2).
+pytestmark = pytest.mark.usefixtures("cpu_build")
+
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float64: 1e-12}
+op = torch.ops.dmfx.attention
+qkv_op = torch.ops.dmfx.qkv_attention
+
+
+def _heads(B, L, H, D, dtype=torch.float32, layout="blhd"):
+    """A [B, H, L, D] tensor laid out as the projections write it ([B, L, H, D]) or contiguous."""
+    if layout == "blhd":
+        return torch.randn(B, L, H, D).to(dtype).transpose(1, 2)
+    return torch.randn(B, H, L, D).to(dtype)
+
+
+def _mask(kind, B, H, Lq, Lk, dtype=torch.float32):
+    if kind == "none":
+        return None
+    if kind == "padding":  # HF BERT: [B, 1, 1, Lk] with finfo.min on padded keys
+        m = torch.zeros(B, 1, 1, Lk)
+        m[-1, ..., Lk // 2 :] = torch.finfo(torch.float32).min
+        return m
+    if kind == "bool":
+        m = torch.rand(Lq, Lk) < 0.8
+        m[:, 0] = True
+        return m
+    if kind == "bias":  # T5: a full [1, H, Lq, Lk] position bias in the scores' dtype
+        return torch.randn(1, H, Lq, Lk).to(dtype)
+    raise ValueError(kind)
+
+
+def _check(outs, refs, dtype):
+    for name, a, b in zip(("out", "probs", "dropped"), outs, refs):
+        assert a.shape == b.shape, name
+        if b.numel():
+            assert rel_err(a, b) < TOL[dtype], (name, rel_err(a, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mask_kind", ["none", "padding", "bool", "bias"])
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_forward_matches_reference(dtype, mask_kind, p):
+    B, H, L, D = 2, 4, 24, 16
+    q, k, v = (_heads(B, L, H, D, dtype) for _ in range(3))
+    mask = _mask(mask_kind, B, H, L, L, dtype)
+    seed = new_seed() if p else None
+    outs = op(q, k, v, mask, 0.25, False, seed, p)
+    _check(outs, reference_attention(q, k, v, mask, 0.25, False, seed, p), dtype)
+
+
+@pytest.mark.parametrize("Hk", [1, 2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_grouped_query_and_cross_attention(Hk, causal):
+    """Hq a multiple of Hk (GQA / MQA without repeat_kv) and key length != query length (cross-
+    attention; causal aligned to the end as SDPA does)."""
+    B, H, Lq, Lk, D, Dv = 2, 4, 5, 9, 8, 12
+    q = _heads(B, Lq, H, D)
+    k = _heads(B, Lk, Hk, D, layout="bhld")
+    v = _heads(B, Lk, Hk, Dv)
+    seed = new_seed()
+    outs = op(q, k, v, None, 0.5, causal, seed, 0.1)
+    _check(outs, reference_attention(q, k, v, None, 0.5, causal, seed, 0.1), torch.float32)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.5, is_causal=causal and Lq == Lk, enable_gqa=True)
+    if not causal or Lq == Lk:
+        assert rel_err(op(q, k, v, None, 0.5, causal and Lq == Lk, None, 0.0)[0], ref) < 1e-5
+
+
+def test_output_and_gradient_layouts():
+    """out is [B, H, L, D] in [B, L, H, D] memory; dq/dk/dv come in the same layout; the stacked
+    op's gradient is one contiguous [B, L, 3*H*D] tensor."""
+    B, H, L, D = 2, 3, 7, 8
+    q, k, v = (_heads(B, L, H, D).requires_grad_() for _ in range(3))
+    out = op(q, k, v, None, 1.0, False, None, 0.0)[0]
+    assert out.shape == (B, H, L, D) and out.transpose(1, 2).is_contiguous()
+    g = torch.randn_like(out)
+    dq, dk, dv, dz = torch.ops.dmfx.attention_backward(g, q, k, v, *op(q, k, v, None, 1.0, False, None, 0.0)[1:], None, 0.0, 1.0, False)
+    for t in (dq, dk, dv):
+        assert t.transpose(1, 2).is_contiguous()
+    assert dz.numel() == 0
+    qkv = torch.randn(B, L, 3 * H * D)
+    outs = qkv_op(qkv, H, None, 1.0, False, None, 0.0)
+    dqkv, _ = torch.ops.dmfx.qkv_attention_backward(g, qkv, H, outs[1], outs[2], None, 0.0, 1.0, False)
+    assert dqkv.shape == qkv.shape and dqkv.is_contiguous()
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_qkv_attention_equals_attention_on_its_blocks(p):
+    B, L, H, D = 2, 11, 4, 8
+    qkv = torch.randn(B, L, 3 * H * D, dtype=torch.float64, requires_grad=True)
+    mask = _mask("padding", B, H, L, L, torch.float64)
+    seed = new_seed()
+    q, k, v = (t.transpose(1, 2) for t in qkv.view(B, L, 3, H, D).unbind(2))
+    a = qkv_op(qkv, H, mask, 0.3, False, seed, p)
+    b = op(q, k, v, mask, 0.3, False, seed, p)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    g = torch.randn_like(a[0])
+    (ga,) = torch.autograd.grad(a[0], qkv, g)
+    (gb,) = torch.autograd.grad(b[0], qkv, g)
+    assert rel_err(ga, gb) < 1e-12
+
+
+@pytest.mark.parametrize("p", [0.0, 0.25])
+@pytest.mark.parametrize("Hk", [1, 2])
+def test_gradcheck_float64_all_outputs(p, Hk):
+    """Gradients of q, k, v and a mask that requires grad, through out, probs and dropped."""
+    B, H, Lq, Lk, D = 2, 2, 4, 5, 3
+    q = _heads(B, Lq, H, D, torch.float64).requires_grad_()
+    k = _heads(B, Lk, Hk, D, torch.float64).requires_grad_()
+    v = _heads(B, Lk, Hk, D, torch.float64).requires_grad_()
+    mask = torch.randn(B, 1, Lq, Lk, dtype=torch.float64, requires_grad=True)
+    seed = new_seed()
+
+    def f(q, k, v, mask):
+        out, probs, dropped = op(q, k, v, mask, 0.7, True, seed, p)
+        return out, probs, dropped
+
+    assert torch.autograd.gradcheck(f, (q, k, v, mask))
+
+
+def test_gradcheck_qkv_float64():
+    B, L, H, D = 2, 5, 2, 3
+    qkv = torch.randn(B, L, 3 * H * D, dtype=torch.float64, requires_grad=True)
+    mask = torch.randn(1, H, L, L, dtype=torch.float64, requires_grad=True)
+    seed = new_seed()
+    assert torch.autograd.gradcheck(lambda x, m: qkv_op(x, H, m, 0.4, False, seed, 0.2), (qkv, mask))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2])
+@pytest.mark.parametrize("form", ["gemm", "flash"])
+def test_opcheck(p, form):
+    """Both forms (dmfx::attention / qkv_attention and the flash ops), separate and packed."""
+    ops = {"gemm": (torch.ops.dmfx.attention, torch.ops.dmfx.qkv_attention),
+           "flash": (torch.ops.dmfx.flash_attention, torch.ops.dmfx.qkv_flash_attention)}[form]
+    B, L, H, D = 2, 6, 2, 4
+    q, k, v = (_heads(B, L, H, D).requires_grad_() for _ in range(3))
+    seed = new_seed() if p else None
+    opcheck(ops[0].default, (q, k, v, _mask("padding", B, H, L, L), 0.5, False, seed, p))
+    qkv = torch.randn(B, L, 3 * H * D, requires_grad=True)
+    opcheck(ops[1].default, (qkv, H, None, 0.5, True, seed, p))
+
+
+def test_dropout_keeps_the_expected_share():
+    B, H, L, D = 2, 4, 64, 8
+    q, k, v = (_heads(B, L, H, D) for _ in range(3))
+    _, probs, dropped = op(q, k, v, None, 0.1, False, new_seed(), 0.25)
+    kept = (dropped != 0).double().mean().item()
+    assert abs(kept - 0.75) < 0.02
+    assert torch.allclose(dropped[dropped != 0], probs[dropped != 0] / 0.75)
+
+
+def test_fully_masked_rows_give_zeros():
+    B, H, L, D = 1, 2, 4, 8
+    q, k, v = (_heads(B, L, H, D) for _ in range(3))
+    mask = torch.ones(L, L, dtype=torch.bool)
+    mask[1] = False
+    out, probs, _ = op(q, k, v, mask, 1.0, False, None, 0.0)
+    assert torch.isfinite(out).all() and (out[:, :, 1] == 0).all() and (probs[:, :, 1] == 0).all()
+
+
+def test_python_api_matches_sdpa():
+    B, H, L, D = 2, 4, 10, 16
+    q, k, v = (_heads(B, L, H, D) for _ in range(3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert rel_err(attention(q, k, v, causal=True), ref) < 1e-5
+    assert rel_err(attention(q, k, v, causal=True, p=0.5, training=False), ref) < 1e-5
+
+
+def test_bad_input_errors():
+    q = _heads(2, 4, 4, 8)
+    with pytest.raises(ValueError, match="q must be 4-D"):
+        op(q[0], q, q, None, 1.0, False, None, 0.0)
+    with pytest.raises(ValueError, match="multiple of k's and v's 3 heads"):
+        k = _heads(2, 4, 3, 8)
+        op(q, k, k, None, 1.0, False, None, 0.0)
+    with pytest.raises(TypeError, match="one dtype"):
+        op(q, q.double(), q, None, 1.0, False, None, 0.0)
+    with pytest.raises(ValueError, match="do not fit"):
+        op(q, _heads(2, 4, 4, 7), q, None, 1.0, False, None, 0.0)
+    with pytest.raises(ValueError, match="not broadcastable"):
+        op(q, q, q, torch.zeros(3, 4), 1.0, False, None, 0.0)
+    with pytest.raises(ValueError, match="needs a seed"):
+        op(q, q, q, None, 1.0, False, None, 0.5)
+    with pytest.raises(ValueError, match="3 \\* heads \\* head_dim"):
+        qkv_op(torch.randn(2, 4, 20), 3, None, 1.0, False, None, 0.0)
+    with pytest.raises(ValueError, match="qkv must be 3-D"):
+        qkv_op(torch.randn(8, 24), 2, None, 1.0, False, None, 0.0)
+
+
+# ------------------------------------------------------------------------------ fused (flash) form
+
+flash = torch.ops.dmfx.flash_attention
+qkv_flash = torch.ops.dmfx.qkv_flash_attention
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("mask_kind", ["none", "padding", "bool", "bias"])
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_flash_matches_the_gemm_form(dtype, mask_kind, p):
+    """Same values and the same dropout mask (the kernels share the Philox element indexing), with
+    a block size that splits the query rows (Lq > rows per block only for long keys: both covered)."""
+    for L in (24, 300):
+        B, H, D = 2, 2, 8
+        q, k, v = (_heads(B, L, H, D, dtype) for _ in range(3))
+        mask = _mask(mask_kind, B, H, L, L, dtype)
+        seed = new_seed() if p else None
+        out, stats = flash(q, k, v, mask, 0.3, False, seed, p)
+        ref = op(q, k, v, mask, 0.3, False, seed, p)
+        assert out.transpose(1, 2).is_contiguous() and stats.shape == (2, B, H, L)
+        assert rel_err(out, ref[0]) < TOL[dtype] * 10
+        qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+        g = torch.randn_like(ref[0])
+        got = torch.autograd.grad(flash(qs, ks, vs, mask, 0.3, False, seed, p)[0], (qs, ks, vs), g)
+        exp = torch.autograd.grad(op(qs, ks, vs, mask, 0.3, False, seed, p)[0], (qs, ks, vs), g)
+        for a, b in zip(got, exp):
+            assert rel_err(a, b) < TOL[dtype] * 10
+
+
+def test_flash_takes_operands_without_a_unit_head_stride():
+    """The op accepts any strides: q, k, v (and the output gradient) whose head dim is not the
+    innermost are copied for the kernel, which reads rows. Same values and gradients as the GEMM form."""
+    B, H, L, D = 2, 3, 10, 8
+    q, k, v = (torch.randn(B, H, D, L).transpose(2, 3).requires_grad_() for _ in range(3))
+    seed = new_seed()
+    out = flash(q, k, v, None, 0.3, False, seed, 0.1)[0]
+    ref = op(q, k, v, None, 0.3, False, seed, 0.1)[0]
+    assert rel_err(out, ref) < 1e-6
+    g = torch.randn(B, H, D, L).transpose(2, 3)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    exp = torch.autograd.grad(ref, (q, k, v), g)
+    for a, b in zip(got, exp):
+        assert rel_err(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("Hk", [1, 2])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_flash_gradcheck_float64(Hk, causal, p):
+    B, H, Lq, Lk, D = 2, 2, 5, 7, 3
+    q = _heads(B, Lq, H, D, torch.float64).requires_grad_()
+    k = _heads(B, Lk, Hk, D, torch.float64).requires_grad_()
+    v = _heads(B, Lk, Hk, D, torch.float64).requires_grad_()
+    mask = torch.randn(B, 1, 1, Lk, dtype=torch.float64)
+    seed = new_seed()
+    assert torch.autograd.gradcheck(lambda q, k, v: flash(q, k, v, mask, 0.7, causal, seed, p)[0], (q, k, v))
+
+
+def test_qkv_flash_gradient_is_one_stacked_tensor():
+    B, L, H, D = 2, 9, 3, 4
+    qkv = torch.randn(B, L, 3 * H * D, dtype=torch.float64, requires_grad=True)
+    seed = new_seed()
+    assert torch.autograd.gradcheck(lambda x: qkv_flash(x, H, None, 0.4, True, seed, 0.2)[0], (qkv,))
+    out, stats = qkv_flash(qkv.detach(), H, None, 0.4, True, seed, 0.2)
+    ref = qkv_op(qkv.detach(), H, None, 0.4, True, seed, 0.2)[0]
+    assert rel_err(out, ref) < 1e-12
+    dqkv, none = torch.ops.dmfx.qkv_flash_attention_backward(torch.ones_like(out), qkv.detach(), H, stats, None, 0.4, True, seed, 0.2)
+    assert dqkv.shape == qkv.shape and dqkv.is_contiguous() and none.numel() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_qkv_flash_bias_gradient(dtype, masked):
+    """bias_grad=True: the kernel also returns the stacked projections' bias gradient (the column sums
+    of dqkv over batch and sequence), equal to summing dqkv afterwards; the fused CPU kernel (fp32,
+    fp64) sums per (batch, head) in cache, other dtypes take the unfused path."""
+    B, L, H, D = 3, 11, 2, 8
+    qkv = torch.randn(B, L, 3 * H * D, dtype=dtype)
+    mask = None
+    if masked:  # padding at the end of one sequence: hidden keys get zero gradient, still summed right
+        mask = torch.zeros(B, 1, 1, L, dtype=dtype)
+        mask[1, ..., 7:] = torch.finfo(dtype).min
+    seed = new_seed()
+    out, stats = qkv_flash(qkv, H, mask, 0.35, False, seed, 0.1)
+    g = torch.randn_like(out)
+    op = torch.ops.dmfx.qkv_flash_attention_backward
+    dqkv, db = op(g, qkv, H, stats, mask, 0.35, False, seed, 0.1, bias_grad=True)
+    ref, _ = op(g, qkv, H, stats, mask, 0.35, False, seed, 0.1)
+    assert torch.equal(dqkv, ref)
+    want = ref.double().sum(dim=(0, 1))
+    assert db.shape == (3 * H * D,) and db.dtype == dtype
+    tol = 1e-12 if dtype == torch.float64 else 1e-5 if dtype == torch.float32 else 2e-2
+    assert ((db.double() - want).abs().max() / want.abs().max()).item() < tol
+    torch.library.opcheck(op, (g, qkv, H, stats, mask, 0.35, False, seed, 0.1), {"bias_grad": True})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_flash_gemm_paths_agree(dtype):
+    """The flash kernels call BLAS directly on raw pointers; without a BLAS in libtorch they run the
+    same GEMMs through at::addmm_out. Both paths give the same values (grouped-query heads, a padding
+    mask that shortens the keys, bias gradients, size-1 dims with free strides)."""
+    from dmfx.cuda_ops.build import kernels_for
+
+    ext = kernels_for(torch.device("cpu"))
+    cases = [(2, 4, 2, 9, 13, 8), (1, 2, 2, 1, 5, 1), (2, 2, 1, 300, 300, 16)]
+    for B, H, Hk, Lq, Lk, D in cases:
+        q, k, v = _heads(B, Lq, H, D, dtype), _heads(B, Lk, Hk, D, dtype), _heads(B, Lk, Hk, D, dtype)
+        mask = torch.zeros(B, 1, 1, Lk, dtype=dtype)
+        mask[-1, ..., Lk - Lk // 3:] = torch.finfo(dtype).min
+        seed = new_seed()
+        g = torch.randn(B, H, Lq, D, dtype=dtype)
+        results = []
+        for use_blas in (True, False):
+            before = ext.flash_use_blas(use_blas)
+            try:
+                out, stats = flash(q, k, v, mask, 0.3, False, seed, 0.1)
+                grads = torch.ops.dmfx.flash_attention_backward(g, q, k, v, stats, mask, 0.3, False, seed, 0.1,
+                                                                bias_grad=H == Hk)
+            finally:
+                ext.flash_use_blas(before)
+            results.append([out, *grads])
+        for a, b in zip(*results):
+            assert a.shape == b.shape
+            if b.numel():
+                assert rel_err(a, b) < TOL[dtype], (B, H, Hk, Lq, Lk, D)
+
+
+def test_flash_fully_masked_rows_and_empty_keys():
+    B, H, L, D = 1, 2, 4, 8
+    q, k, v = (_heads(B, L, H, D).requires_grad_() for _ in range(3))
+    mask = torch.ones(L, L, dtype=torch.bool)
+    mask[2] = False
+    out, stats = flash(q, k, v, mask, 1.0, False, None, 0.0)
+    assert (out[:, :, 2] == 0).all() and torch.isinf(stats[0, :, :, 2]).all()
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    empty = torch.zeros(B, H, 0, D)
+    o, _ = flash(q.detach(), empty, empty, None, 1.0, False, None, 0.0)
+    assert o.shape == (B, H, L, D) and (o == 0).all()
+
+
+def test_flash_mask_gradient_is_a_clear_error():
+    B, L, H, D = 1, 4, 2, 4
+    q, k, v = (_heads(B, L, H, D).requires_grad_() for _ in range(3))
+    bias = torch.randn(1, H, L, L, requires_grad=True)
+    out, _ = flash(q, k, v, bias, 1.0, False, None, 0.0)
+    with pytest.raises(NotImplementedError, match="mask requires grad"):
+        out.sum().backward()
+
+
+def test_flash_kernel_errors():
+    from dmfx.cuda_ops.build import load
+
+    m = load("cpu")
+    q = _heads(1, 4, 2, 8)
+    out = torch.empty(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        m.flash_fwd(q.half(), q.half(), q.half(), None, 1.0, False, 0, 0, 0.0, out.half())
+    with pytest.raises(RuntimeError, match="out must be"):
+        m.flash_fwd(q, q, q, None, 1.0, False, 0, 0, 0.0, torch.empty(1, 2, 4, 7))
+    with pytest.raises(RuntimeError, match="unit stride in the head dim"):
+        m.flash_fwd(q.transpose(2, 3), q.transpose(2, 3), q.transpose(2, 3), None, 1.0, False, 0, 0, 0.0, out.transpose(2, 3))
+
+
+@pytest.mark.parametrize("kind", ["float", "bool"])
+def test_flash_skips_padded_keys_exactly(kind):
+    """HF padding ([B, 1, 1, Lk], finfo.min or False past each sequence's end) lets the fused kernel
+    skip the padded keys: results equal the unfused form's, hidden keys get exactly zero gradient,
+    and a batch element whose keys are all hidden still gets the softmax over equal values."""
+    B, H, L, D = 3, 2, 40, 8
+    q, k, v = (_heads(B, L, H, D).requires_grad_() for _ in range(3))
+    keep = torch.ones(B, 1, 1, L, dtype=torch.bool)
+    keep[0, ..., 25:] = False
+    keep[2] = False  # everything hidden
+    mask = keep if kind == "bool" else torch.where(keep, 0.0, torch.finfo(torch.float32).min)
+    seed = new_seed()
+    a = flash(q, k, v, mask, 0.3, False, seed, 0.1)[0]
+    b = op(q, k, v, mask, 0.3, False, seed, 0.1)[0]
+    if kind == "bool":  # every key hidden: NaN-free zeros in both (fully masked rows)
+        assert (a[2] == 0).all() and (b[2] == 0).all()
+    assert rel_err(a, b) < 1e-5
+    g = torch.randn_like(a)
+    ga = torch.autograd.grad(a, (q, k, v), g)
+    gb = torch.autograd.grad(b, (q, k, v), g)
+    for x, y in zip(ga, gb):
+        assert rel_err(x, y) < 1e-5
+    assert (ga[1][0, :, 25:] == 0).all() and (ga[2][0, :, 25:] == 0).all()

@@ -1,0 +1,152 @@
+"""``torch.compile(dynamic=True)`` keeps dmfx's fusions.
+
+Under dynamic=True Dynamo passes floats it would otherwise bake in (``math.pi`` in GPT-2's
+tanh-GELU, a module's ``self.scaling``) as graph inputs. dmfx reads such a float as the constant a
+pattern needs only with a guard (graph_utils.number_near), so a changed value recompiles instead of
+giving a wrong answer; a residual broadcast over symbolic sizes still fuses; and each compiled
+graph has one record although Dynamo restarts its analysis once."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import rel_err
+
+import dmfx
+
+transformers = pytest.importorskip("transformers")
+from dmfx.models import small_model  # noqa: E402
+
+
+class TanhGeluMLP(torch.nn.Module):
+    """GPT-2's MLP with transformers' NewGELUActivation: ``0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715
+    x^3)))``, ``math.pi`` read from transformers' module (Dynamo lifts it to a graph input there)."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        from transformers.activations import NewGELUActivation
+
+        self.up, self.act, self.down = torch.nn.Linear(h, 4 * h), NewGELUActivation(), torch.nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x)))
+
+
+class AttributeGelu(torch.nn.Module):
+    """The tanh-GELU with its coefficient a module attribute (a float input under dynamic=True)."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.up = torch.nn.Linear(h, 4 * h)
+        self.c = math.sqrt(2.0 / math.pi)
+
+    def forward(self, x):
+        y = self.up(x)
+        return 0.5 * y * (1.0 + torch.tanh(self.c * (y + 0.044715 * torch.pow(y, 3.0))))
+
+
+class ScaledAttention(torch.nn.Module):
+    """Attention scaled by a module attribute, as HF writes ``attn_weights * self.scaling``."""
+
+    def __init__(self, h=32, heads=4, scaling=None):
+        super().__init__()
+        self.heads, self.d = heads, h // heads
+        self.q, self.k, self.v = (torch.nn.Linear(h, h) for _ in range(3))
+        self.scaling = self.d ** -0.5 if scaling is None else scaling
+
+    def forward(self, x):
+        B, L, H = x.shape
+        q, k, v = (f(x).view(B, L, self.heads, self.d).transpose(1, 2) for f in (self.q, self.k, self.v))
+        w = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * self.scaling, dim=-1)
+        return torch.matmul(w, v).transpose(1, 2).reshape(B, L, H)
+
+
+def _tensor(out):
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out
+
+
+def _compile_and_run(model, inputs, dynamic, train):
+    torch._dynamo.reset()
+    dmfx.reset()
+    f = torch.compile(model, backend="dmfx", dynamic=dynamic)
+    call = (lambda: f(**inputs)) if isinstance(inputs, dict) else (lambda: f(inputs))
+    if train:
+        out = _tensor(call())
+        (out * torch.randn_like(out)).sum().backward()
+    else:
+        with torch.no_grad():
+            out = _tensor(call())
+    return f, out, dmfx.records()
+
+
+def test_math_pi_under_dynamic_true_is_read_as_a_constant():
+    torch.manual_seed(0)
+    m = TanhGeluMLP()
+    x = torch.randn(2, 7, 32)
+    _, _, static = _compile_and_run(m, x, dynamic=False, train=False)
+    _, out, dynamic = _compile_and_run(m, x, dynamic=True, train=False)
+    assert [r.fired for r in dynamic] == [r.fired for r in static]
+    assert dynamic[0].fired.get("bias_act_dropout") == 1
+    with torch.no_grad():
+        assert rel_err(out, m(x)) < 1e-5
+
+
+def test_a_float_input_read_as_a_constant_is_guarded():
+    """The coefficient is a module attribute: read as the tanh-GELU's constant, it must be guarded,
+    so changing it gives the new answer (a recompile), never the fused GELU's."""
+    torch.manual_seed(0)
+    m = AttributeGelu()
+    x = torch.randn(2, 7, 32)
+    f, out, records = _compile_and_run(m, x, dynamic=True, train=False)
+    assert records[-1].fired.get("bias_act_dropout") == 1
+    with torch.no_grad():
+        assert rel_err(out, m(x)) < 1e-5
+        m.c = 0.3  # no longer GELU's constant
+        assert rel_err(f(x), m(x)) < 1e-5
+        assert "bias_act_dropout" not in dmfx.records()[-1].fired  # recompiled, and not fused
+
+
+def test_attention_scale_input_is_guarded_and_folded():
+    torch.manual_seed(0)
+    m = ScaledAttention()
+    x = torch.randn(2, 9, 32)
+    f, out, records = _compile_and_run(m, x, dynamic=True, train=False)
+    assert records[-1].fired.get("attention") == 1
+    with torch.no_grad():
+        assert rel_err(out, m(x)) < 1e-5
+        m.scaling = 0.7
+        assert rel_err(f(x), m(x)) < 1e-5  # the guard recompiled
+
+
+def test_other_run_time_scales_stay_run_time():
+    """A scale that is not 1/sqrt(head_dim) (a temperature) is not guarded: it stays an input, and a
+    new value needs no recompile."""
+    torch.manual_seed(0)
+    m = ScaledAttention(scaling=0.123)
+    x = torch.randn(2, 9, 32)
+    f, out, records = _compile_and_run(m, x, dynamic=True, train=False)
+    with torch.no_grad():
+        assert rel_err(out, m(x)) < 1e-5
+        n = len(dmfx.records())
+        m.scaling = 0.456
+        assert rel_err(f(x), m(x)) < 1e-5
+        assert len(dmfx.records()) == n  # no recompile
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_gpt2_fuses_the_same_under_dynamic_true(train):
+    torch.manual_seed(0)
+    model = small_model("gpt2", attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    model.train(train)
+    inputs = {"input_ids": torch.randint(0, 100, (2, 16)), "use_cache": False}
+    ref = model(**inputs).last_hidden_state
+    _, _, static = _compile_and_run(model, inputs, dynamic=False, train=train)
+    model.zero_grad(set_to_none=True)
+    _, out, dynamic = _compile_and_run(model, inputs, dynamic=True, train=train)
+    # one record per compiled graph (Dynamo's restart to specialize a float leaves no second one)
+    assert len(dynamic) == len(static) == 1, [r.summary() for r in dynamic]
+    assert static[0].fired.get("bias_act_dropout") and static[0].fired.get("bias_dropout_residual_norm")
+    assert dynamic[0].fired == static[0].fired
+    assert rel_err(out.detach(), ref.detach()) < 1e-4

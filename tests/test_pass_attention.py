@@ -1,0 +1,261 @@
+"""The attention fusion (passes/attention.py) on small hand-built graphs and compiled modules:
+attention in the forms models write it becomes dmfx::flash_attention / dmfx::attention, with no
+transpose copy left in the forward or the backward graph (noop_clones), or PyTorch's SDPA where the
+cost model (choose_form; tuned with options={"tune": True}) says so; near misses are left to the
+softmax fusion. The shapes, modules and helpers here are shared by test_pass_qkv_attention.py and
+test_pass_lower_sdpa_calls.py."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import check_same, rel_err, rewrite, targets, tiny_bert_layer
+
+import dmfx
+
+dmfx_ops = torch.ops.dmfx
+aten = torch.ops.aten
+
+
+B, L, H, D = 2, 6, 3, 4
+
+
+E = H * D
+
+
+def _heads(t, Lx=L):
+    return t.view(B, Lx, H, D).transpose(1, 2)
+
+
+def bert_self_attention(x, wq, bq, wk, bk, wv, bv, mask):
+    """HF BERT's eager self-attention: three linears, head views, matmul / sqrt(d) + mask, softmax,
+    matmul, transpose back and .contiguous().view()."""
+    q, k, v = (_heads(F.linear(x, w, b)) for w, b in ((wq, bq), (wk, bk), (wv, bv)))
+    s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(D) + mask
+    p = torch.softmax(s, dim=-1)
+    ctx = torch.matmul(p, v)
+    return ctx.permute(0, 2, 1, 3).contiguous().view(B, L, E)
+
+
+def _params():
+    x = torch.randn(B, L, E)
+    ws = [torch.randn(E, E) * 0.3 for _ in range(3)]
+    bs = [torch.randn(E) for _ in range(3)]
+    mask = torch.zeros(B, 1, 1, L)
+    mask[1, ..., 4:] = torch.finfo(torch.float32).min
+    return x, ws[0], bs[0], ws[1], bs[1], ws[2], bs[2], mask
+
+
+class _SelfAttention(torch.nn.Module):
+    def __init__(self, p=0.0, bias=True):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(E, E, bias=bias) for _ in range(3))
+        self.o = torch.nn.Linear(E, E)
+        self.drop = torch.nn.Dropout(p)
+
+    def forward(self, x, mask):
+        q, k, v = (_heads(m(x)) for m in (self.q, self.k, self.v))
+        s = q @ k.transpose(-1, -2) / math.sqrt(D) + mask
+        ctx = self.drop(torch.softmax(s, -1)) @ v
+        return self.o(ctx.transpose(1, 2).contiguous().view(B, L, E))
+
+
+def _forms(model, *inputs, **options):
+    torch._dynamo.reset()
+    dmfx.reset()
+    torch.compile(model, backend="dmfx", options=options)(*inputs)
+    return sorted(f for r in dmfx.records() for f, _ in r.attention_forms.values())
+
+
+@pytest.mark.parametrize("form", ["gemm", "flash"])
+def test_attention_on_plain_inputs_has_no_copies(form):
+    q, k, v = (torch.randn(B, L, H, D).transpose(1, 2) for _ in range(3))
+
+    def fn(q, k, v):
+        return (torch.softmax(q @ k.transpose(-1, -2) * 0.5, -1) @ v).transpose(1, 2).contiguous()
+
+    gm, ctx = rewrite(fn, q, k, v, attention=form)
+    assert ctx.fired.get("attention") == 1 and "qkv_attention" not in ctx.fired and not ctx.missed
+    assert aten.clone.default not in targets(gm) and aten.bmm.default not in targets(gm)
+    check_same(fn, gm, q, k, v)
+
+
+@pytest.mark.parametrize("form", ["gemm", "flash", "sdpa"])
+def test_cross_attention_other_key_length(form):
+    q = torch.randn(B, H, L, D)
+    k, v = torch.randn(B, H, 9, D), torch.randn(B, H, 9, 5)
+    mask = torch.randn(B, 1, L, 9)
+
+    def fn(q, k, v, mask):
+        return torch.softmax(q @ k.transpose(-1, -2) + mask, -1) @ v
+
+    gm, ctx = rewrite(fn, q, k, v, mask, attention=form)
+    assert ctx.fired.get("attention") == 1
+    assert [f for f, _ in ctx.forms.values()] == [form]
+    check_same(fn, gm, q, k, v, mask)
+
+
+def test_returned_attention_weights_read_the_fused_ops_probs():
+    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+
+    def fn(q, k, v):
+        p = torch.softmax(q @ k.transpose(-1, -2) * 0.5, -1)
+        return p @ v, p
+
+    gm, ctx = rewrite(fn, q, k, v, attention="flash")
+    assert ctx.fired.get("attention") == 1
+    assert [f for f, _ in ctx.forms.values()] == ["gemm"]  # only the unfused form has the probabilities
+    check_same(fn, gm, q, k, v)
+
+
+def test_near_misses_are_left_to_the_softmax_fusion():
+    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+
+    def scores_returned(q, k, v):
+        s = q @ k.transpose(-1, -2)
+        return torch.softmax(s * 0.5, -1) @ v, s
+
+    gm, ctx = rewrite(scores_returned, q, k, v)
+    assert "attention" not in ctx.fired and ctx.fired.get("attention_softmax") == 1
+    assert any(m.startswith("attention at") for m in ctx.missed)
+    check_same(scores_returned, gm, q, k, v)
+
+    def no_second_gemm(q, k):
+        return torch.softmax(q @ k.transpose(-1, -2), -1).sum(-1)
+
+    gm, ctx = rewrite(no_second_gemm, q, k)
+    assert "attention" not in ctx.fired
+    check_same(no_second_gemm, gm, q, k)
+
+    def softmax_over_queries(q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2), -2) @ v
+
+    gm, ctx = rewrite(softmax_over_queries, q, k, v)
+    assert not ctx.fired.get("attention")
+    check_same(softmax_over_queries, gm, q, k, v)
+
+    def mask_from_scores(q, k, v):  # the scores are read twice: no attention op (softmax still fuses)
+        s = q @ k.transpose(-1, -2)
+        return torch.softmax(s + (s > 0).float() * -1e4, -1) @ v
+
+    gm, ctx = rewrite(mask_from_scores, q, k, v)
+    assert "attention" not in ctx.fired and any(m.startswith("attention at") for m in ctx.missed)
+    check_same(mask_from_scores, gm, q, k, v)
+
+
+def test_grouped_query_attention_reads_k_and_v_before_repeat_kv():
+    """LLaMA's repeat_kv (unsqueeze, expand, reshape: a copy) is bypassed: the ops index kv heads."""
+    q = torch.randn(B, H, L, D)
+    k, v = torch.randn(B, 1, L, D), torch.randn(B, 1, L, D)
+
+    def gqa_repeat_kv(q, k, v):
+        k2 = k[:, :, None].expand(B, 1, H, L, D).reshape(B, H, L, D)
+        v2 = v[:, :, None].expand(B, 1, H, L, D).reshape(B, H, L, D)
+        return torch.softmax(q @ k2.transpose(-1, -2) * 0.5, -1) @ v2
+
+    for form in ("flash", "gemm", "sdpa"):
+        gm, ctx = rewrite(gqa_repeat_kv, q, k, v, attention=form)
+        assert ctx.fired.get("attention") == 1, ctx.missed
+        assert aten.clone.default not in targets(gm) and aten.expand.default not in targets(gm)
+        (att,) = [n for n in gm.graph.nodes if n.op == "call_function" and "attention" in str(n.target)]
+        assert att.args[1].meta["val"].shape[1] == 1  # k with its one kv head
+        check_same(gqa_repeat_kv, gm, q, k, v)
+
+
+def test_dropout_in_training_uses_the_fused_ops_mask():
+    torch.manual_seed(0)
+    model = _SelfAttention(p=0.5).train()
+    x, mask = torch.randn(B, L, E), _params()[-1]
+    out = torch.compile(model, backend="dmfx")(x, mask)
+    (rec,) = dmfx.records()
+    (node,) = [n for n in rec.forward_graph.graph.nodes if n.target is dmfx_ops.qkv_flash_attention.default]
+    assert node.args[-1] == 0.5 and torch.isfinite(out).all()
+    with torch.no_grad():
+        model.eval()
+        ref = _SelfAttention()
+        ref.load_state_dict(model.state_dict())
+        assert rel_err(torch.compile(model, backend="dmfx")(x, mask), ref(x, mask)) < 1e-5
+
+
+def test_cost_model_picks_per_case():
+    """auto: dropout on the CPU -> dmfx's fused kernel; training without dropout -> the same (a tie
+    with SDPA, and the bias gradients fold); fp32 inference -> the same (0.99-1.11x SDPA,
+    bench/RESULTS.md); bf16 inference -> PyTorch's SDPA; bf16 with dropout -> the GEMM form; a mask
+    that requires grad -> the GEMM form."""
+    torch.manual_seed(0)
+    x, mask = torch.randn(B, L, E), _params()[-1]
+    assert _forms(_SelfAttention(p=0.1).train(), x, mask) == ["flash"]
+    assert _forms(_SelfAttention(p=0.0).train(), x.requires_grad_(), mask) == ["flash"]  # ties SDPA, folds the bias grads
+    x.requires_grad_(False)
+    with torch.no_grad():
+        assert _forms(_SelfAttention(p=0.1).eval(), x, mask) == ["flash"]
+        assert _forms(_SelfAttention(p=0.1).eval().to(torch.bfloat16), x.bfloat16(), mask.bfloat16()) == ["sdpa"]
+    assert _forms(_SelfAttention(p=0.1).train().to(torch.bfloat16), x.bfloat16(), mask.bfloat16()) == ["gemm"]
+    bias = torch.nn.Parameter(torch.randn(1, H, L, L))
+    assert _forms(_SelfAttention(p=0.1).train(), x, bias) == ["gemm"]
+    assert _forms(_SelfAttention(p=0.1).train(), x, mask, attention="sdpa") == ["sdpa"]
+
+
+def test_sdpa_form_matches_eager_in_training():
+    torch.manual_seed(0)
+    model, ref = _SelfAttention(), _SelfAttention()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(B, L, E, requires_grad=True)
+    mask = _params()[-1]
+    torch.compile(model, backend="dmfx", options={"attention": "sdpa"})(x, mask).square().sum().backward()
+    gx, x.grad = x.grad, None
+    ref(x, mask).square().sum().backward()
+    assert rel_err(gx, x.grad) < 1e-5
+    (rec,) = dmfx.records()
+    assert [f for f, _ in rec.attention_forms.values()] == ["sdpa"]
+
+
+def test_bad_attention_option_is_a_clear_error():
+    with pytest.raises(ValueError, match="'attention' must be"):
+        dmfx.Options.from_user({"attention": "fast"})
+    with pytest.raises(ValueError, match="'stack_qkv' must be"):
+        dmfx.Options.from_user({"stack_qkv": "yes"})
+
+
+def test_tune_times_each_case_once_and_caches_it(tmp_path, monkeypatch):
+    """options={"tune": True}: the feasible forms are timed on this machine, the fastest runs, and
+    the result is cached on disk, so a second compile of the same case times nothing."""
+    from dmfx.passes import tuning
+
+    path = tmp_path / tuning.FILE
+    monkeypatch.setattr(tuning, "_path", lambda: path)
+    torch.manual_seed(0)
+    x, mask = torch.randn(B, L, E), _params()[-1]
+    model = _SelfAttention(p=0.1).train()
+    (first,) = _forms(model, x, mask, tune=True)
+    (rec,) = dmfx.records()
+    (why,) = [w for _, w in rec.attention_forms.values()]
+    assert why.startswith("tuned: ") and all(f in why for f in ("flash", "gemm", "sdpa")), why
+    cached = [v for v in json.loads(path.read_text()).values() if "best" in v]  # (the rest: the layout search's)
+    assert len(cached) == 1 and cached[0]["best"] == first
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a cached case was timed again")
+
+    monkeypatch.setattr(tuning, "_time", no_timing)
+    assert _forms(model, x, mask, tune=True) == [first]
+    # a corrupt cache file is ignored: the case is timed again (here: timing fails -> the cost model)
+    path.write_text("{not json")
+    assert _forms(model, x, mask, tune=True) == ["flash"]
+
+
+def test_dynamic_true_runtime_scale_moves_onto_q():
+    """torch.compile(dynamic=True) turns HF's 1/sqrt(d) into a run-time scalar: it multiplies q, and the
+    attention still fuses (without stacking, q being scaled), matching eager over several lengths."""
+    layer, ref = tiny_bert_layer()
+    f = torch.compile(layer, backend="dmfx", dynamic=True, options={"attention": "flash", "fallback": False})
+    for L in (9, 13):
+        x = torch.randn(2, L, 32, requires_grad=True)
+        R = torch.randn(2, L, 32)
+        (f(x)[0] * R).sum().backward()
+        gx, x.grad = x.grad, None
+        (ref(x)[0] * R).sum().backward()
+        assert rel_err(gx, x.grad) < 1e-5
+    assert any(r.fired.get("attention") for r in dmfx.records()), [r.missed for r in dmfx.records()]

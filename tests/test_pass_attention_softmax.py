@@ -1,0 +1,171 @@
+"""The attention_softmax fusion (passes/attention_softmax.py, the paper's SM) on small hand-built ATen
+graphs: scale + mask + softmax + dropout over attention scores become dmfx::attention_softmax (the
+rewritten graph computes the same values); near-misses are left alone."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import check_same, count, rewrite, targets
+
+from dmfx.passes import PIPELINE
+
+dmfx_ops = torch.ops.dmfx
+aten = torch.ops.aten
+
+
+# The softmax tests look at the attention_softmax pass alone: the attention pass would take each of
+# these chains over (tests/test_pass_attention.py).
+SOFTMAX_PASSES = [n for n in PIPELINE if n not in ("attention", "qkv_attention")]
+
+
+def _qk(B=2, H=3, S=5, D=8, Sk=None):
+    Sk = Sk or S
+    return torch.randn(B, H, S, D), torch.randn(B, H, Sk, D), torch.randn(B, H, Sk, D)
+
+
+def bert_eager(q, k, v, mask):  # HF BERT/ViT eager: matmul, / sqrt(d), + mask, softmax, dropout(eval)
+    s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    p = torch.softmax(s + mask, dim=-1)
+    return torch.matmul(p, v)
+
+
+def test_softmax_fires_on_scale_mask_softmax():
+    q, k, v = _qk()
+    mask = torch.zeros(2, 1, 1, 5)
+    mask[1, ..., 3:] = torch.finfo(torch.float32).min
+    gm, ctx = rewrite(bert_eager, q, k, v, mask, passes=SOFTMAX_PASSES)
+    assert ctx.fired.get("attention_softmax") == 1
+    assert count(gm, dmfx_ops.attention_softmax) == 1 and aten._softmax.default not in targets(gm)
+    (sm,) = [n for n in gm.graph.nodes if n.target is dmfx_ops.attention_softmax.default]
+    assert sm.args[2] == pytest.approx(1 / math.sqrt(8)) and sm.args[1] is not None
+    check_same(bert_eager, gm, q, k, v, mask)
+
+
+@pytest.mark.parametrize("form", ["mul_then_mask", "mask_first", "mask_left", "no_scale", "no_mask"])
+def test_softmax_semantic_variants(form):
+    q, k, v = _qk()
+    mask = torch.randn(2, 1, 5, 5)
+
+    def fn(q, k, v, mask):
+        s = q @ k.transpose(-1, -2)
+        if form == "mul_then_mask":
+            z = s * 0.125 + mask
+        elif form == "mask_first":  # softmax((s + m) / c): the mask is scaled too, still exact
+            z = (s + mask) / 8.0
+        elif form == "mask_left":
+            z = mask + s * 0.125
+        elif form == "no_scale":
+            z = s + mask
+        else:
+            z = s * 0.125
+        return F.softmax(z, dim=-1) @ v
+
+    gm, ctx = rewrite(fn, q, k, v, mask, passes=SOFTMAX_PASSES)
+    assert ctx.fired.get("attention_softmax") == 1, ctx.missed
+    check_same(fn, gm, q, k, v, mask)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_two_masks_as_t5_adds_them_fuse(scale):
+    """T5 (transformers 5): ``softmax((s * scaling + position_bias) + mask)``, scaling 1.0; the inner
+    add is part of the chain (a regression: it was left out, so the scaled scores looked read outside
+    the pattern and T5's attention stopped fusing)."""
+    q, k, v = _qk()
+    bias, mask = torch.randn(1, 3, 5, 5), torch.zeros(2, 1, 1, 5)
+    mask[1, ..., 3:] = -1e9
+
+    def fn(q, k, v, bias, mask):
+        return F.softmax((q @ k.transpose(-1, -2) * scale + bias) + mask, dim=-1) @ v
+
+    gm, ctx = rewrite(fn, q, k, v, bias, mask, passes=SOFTMAX_PASSES)
+    assert ctx.fired.get("attention_softmax") == 1, ctx.missed
+    assert aten._softmax.default not in targets(gm)
+    check_same(fn, gm, q, k, v, bias, mask)
+
+
+def test_sdpa_math_path_bool_mask_and_split_scale_are_folded():
+    """SDPA's math decomposition (what aot_export gives for a bool mask) scales q and k by sqrt(c)
+    and turns the bool mask into where(m, 0, -inf): both fold into the fused op."""
+    q, k, v = _qk()
+    mask = torch.rand(2, 1, 5, 5) > 0.3
+    mask[..., 0] = True
+    fn = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)  # noqa: E731
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        gm, ctx = rewrite(fn, q, k, v, mask, passes=SOFTMAX_PASSES)
+        expected = fn(q, k, v, mask)
+    if aten._softmax.default not in targets(gm) and ctx.fired.get("attention_softmax") is None:
+        pytest.skip("this torch lowers SDPA to a fused kernel here, not to the math path")
+    assert ctx.fired.get("attention_softmax") == 1, ctx.missed
+    (sm,) = [n for n in gm.graph.nodes if n.target is dmfx_ops.attention_softmax.default]
+    assert sm.args[1].meta["val"].dtype == torch.bool  # the bool mask itself, not a float copy
+    assert aten.where.self not in targets(gm)
+    assert sm.args[2] == pytest.approx(1 / math.sqrt(8))
+    assert (gm(q, k, v, mask)[0] - expected).norm() / expected.norm() < 1e-5
+
+
+def test_causal_tril_mask_becomes_causal_flag():
+    q, k, v = _qk()
+
+    def fn(q, k, v):
+        S = q.shape[-2]
+        keep = torch.ones(S, S, dtype=torch.bool).tril()
+        s = (q @ k.transpose(-1, -2)) * 0.3 + torch.where(keep, 0.0, float("-inf"))
+        return torch.softmax(s, -1) @ v
+
+    gm, ctx = rewrite(fn, q, k, v, passes=SOFTMAX_PASSES)
+    (sm,) = [n for n in gm.graph.nodes if n.target is dmfx_ops.attention_softmax.default]
+    assert sm.args[1] is None and sm.args[3] is True
+    check_same(fn, gm, q, k, v)
+
+
+def test_softmax_dropout_is_absorbed_and_probs_readers_get_probs():
+    q, k, v = _qk()
+
+    def fn(q, k, v):
+        p = torch.softmax(q @ k.transpose(-1, -2) * 0.5, -1)
+        return F.dropout(p, 0.1, training=True) @ v, p  # p is also returned (output_attentions)
+
+    gm, ctx = rewrite(fn, q, k, v, passes=SOFTMAX_PASSES)
+    assert ctx.fired.get("attention_softmax") == 1
+    assert aten.native_dropout.default not in targets(gm) and dmfx_ops.dropout.default not in targets(gm)
+    (sm,) = [n for n in gm.graph.nodes if n.target is dmfx_ops.attention_softmax.default]
+    assert sm.args[5] == pytest.approx(0.1) and sm.args[4] is not None
+    out, probs = gm(q, k, v)
+    torch.testing.assert_close(probs, torch.softmax(q @ k.transpose(-1, -2) * 0.5, -1), rtol=1e-5, atol=1e-6)
+
+
+def test_softmax_autocast_style_casts_are_absorbed():
+    q, k, v = (t.to(torch.bfloat16) for t in _qk())
+
+    def fn(q, k, v):
+        s = q @ k.transpose(-1, -2) * 0.25
+        return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+    gm, ctx = rewrite(fn, q, k, v, passes=SOFTMAX_PASSES)
+    assert ctx.fired.get("attention_softmax") == 1
+    assert aten._to_copy.default not in targets(gm)
+    check_same(fn, gm, q, k, v, tol=2e-2)
+
+
+def test_softmax_near_misses():
+    q, k, v = _qk()
+    # softmax over a non-last dim
+    fn1 = lambda q, k: torch.softmax(q @ k.transpose(-1, -2), dim=-2)  # noqa: E731
+    gm, ctx = rewrite(fn1, q, k, passes=SOFTMAX_PASSES)
+    assert "attention_softmax" not in ctx.fired
+    # the scaled scores are read elsewhere: the scale stays outside, the rest still fuses
+    def fn2(q, k):
+        s = (q @ k.transpose(-1, -2)) * 0.5
+        return torch.softmax(s + 1.0 * s.detach().sign(), -1), s
+
+    gm, ctx = rewrite(fn2, q, k, passes=SOFTMAX_PASSES)
+    check_same(fn2, gm, q, k)
+    # a mask that depends on the scores: still correct whatever fires
+    def fn3(q, k):
+        s = q @ k.transpose(-1, -2)
+        return torch.softmax(s + (s > 0).float() * -1e4, -1)
+
+    gm, ctx = rewrite(fn3, q, k, passes=SOFTMAX_PASSES)
+    check_same(fn3, gm, q, k)
