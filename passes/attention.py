@@ -268,10 +268,11 @@ def match_attention(sm: Node, ctx: PassContext) -> Match | Miss | None:
         return Miss("the scores do not come from a batched GEMM read only by the softmax")
     a, b = bmm1.args[:2]
     D = tensor_meta(a).shape[-1]
-    if q_scale is not None and _head_dim_scale(q_scale, D):
+    runtime = float_input(q_scale) if q_scale is not None else None  # (read before a guard specializes it)
+    if runtime is not None and _head_dim_scale(q_scale, D):
         # HF's 1/sqrt(head_dim), a float input under dynamic=True: specialized with a guard
         # (graph_utils.number_near), it is a constant like any other and joins the softmax's scale
-        scale, q_scale = scale * float_input(q_scale).node.hint, None
+        scale, q_scale = scale * float(runtime.node.hint), None
     q4 = _unflatten_of(a, (B, H, Lq, D))
     kt4 = _unflatten_of(b, (B, H, D, Lk))
     if q4 is None or kt4 is None:

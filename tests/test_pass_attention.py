@@ -246,9 +246,11 @@ def test_tune_times_each_case_once_and_caches_it(tmp_path, monkeypatch):
     assert _forms(model, x, mask, tune=True) == ["flash"]
 
 
-def test_dynamic_true_runtime_scale_moves_onto_q():
-    """torch.compile(dynamic=True) turns HF's 1/sqrt(d) into a run-time scalar: it multiplies q, and the
-    attention still fuses (without stacking, q being scaled), matching eager over several lengths."""
+def test_dynamic_true_head_dim_scale_is_read_under_a_guard():
+    """torch.compile(dynamic=True) passes HF's 1/sqrt(d) as a run-time float: dmfx reads it as the
+    attention's constant scale under a guard (passes/attention.py, _head_dim_scale), and the attention
+    fuses, matching eager over several lengths. (Other run-time scales multiply q instead:
+    tests/test_dynamic_shapes.py.)"""
     layer, ref = tiny_bert_layer()
     f = torch.compile(layer, backend="dmfx", dynamic=True, options={"attention": "flash", "fallback": False})
     for L in (9, 13):
