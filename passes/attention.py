@@ -137,11 +137,15 @@ def _runtime_scale(scores: Node) -> bool:
     return isinstance(c, Node) and isinstance(c.meta.get("val"), (torch.SymFloat, torch.SymInt, float, int))
 
 
-def _head_dim_scale(c: Node, D: object) -> bool:
-    """`c` is a float input whose value is 1/sqrt(D) now (HF's attention scaling; a static head dim
-    `D`): it is then specialized with a guard (number_near), so a model that changes it recompiles.
-    Any other run-time scale (a temperature that changes every step) stays a run-time scale."""
-    return isinstance(D, int) and D > 0 and number_near(c, D ** -0.5, rel=1e-6)
+def _head_dim_scale(c: Node, D: object) -> float | None:
+    """The value of `c` when it is a float input whose value is 1/sqrt(D) now (HF's attention scaling;
+    a static head dim `D`): it is then specialized with a guard (number_near), so a model that
+    changes it recompiles. None for any other run-time scale (a temperature that changes every step
+    stays a run-time scale)."""
+    v = float_input(c)  # (read before the guard: it specializes the symbol away)
+    if v is None or not (isinstance(D, int) and D > 0) or not number_near(c, D ** -0.5, rel=1e-6):
+        return None
+    return float(v.node.hint)
 
 
 def _bmm_of(s: Node) -> Node | None:
@@ -268,11 +272,11 @@ def match_attention(sm: Node, ctx: PassContext) -> Match | Miss | None:
         return Miss("the scores do not come from a batched GEMM read only by the softmax")
     a, b = bmm1.args[:2]
     D = tensor_meta(a).shape[-1]
-    runtime = float_input(q_scale) if q_scale is not None else None  # (read before a guard specializes it)
-    if runtime is not None and _head_dim_scale(q_scale, D):
+    head_dim_scale = _head_dim_scale(q_scale, D) if q_scale is not None else None
+    if head_dim_scale is not None:
         # HF's 1/sqrt(head_dim), a float input under dynamic=True: specialized with a guard
         # (graph_utils.number_near), it is a constant like any other and joins the softmax's scale
-        scale, q_scale = scale * float(runtime.node.hint), None
+        scale, q_scale = scale * head_dim_scale, None
     q4 = _unflatten_of(a, (B, H, Lq, D))
     kt4 = _unflatten_of(b, (B, H, D, Lk))
     if q4 is None or kt4 is None:

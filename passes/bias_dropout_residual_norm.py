@@ -154,7 +154,7 @@ def match_bias_dropout_residual_norm(norm: Node, ctx: PassContext) -> Match | Mi
         nodes = {"x": x, "bias": bias, "gemm": gemm, "residual": residual, "expand_residual": expand_residual,
                  "expand_to": expand_to, "upcast": upcast, "p": p, "rms": rms, "weight": weight, "norm_bias": norm_bias,
                  "eps": norm.args[2] if rms else norm.args[3], "anchor": anchor, "sum": s, "outs": outs,
-                 "return_sum": return_sum, "dtype": sm.dtype, "shape": list(sm.shape)}
+                 "return_sum": return_sum, "dtype": sm.dtype}
         return Match(nodes, [*chain, s, norm, *outs], returned=outs + ((s,) if return_sum else ()), notes=tuple(notes))
     return Miss(*notes) if notes else None
 
