@@ -66,7 +66,9 @@ class GraphRecord:
     aten_ops_after: int = 0
     compiled: dict[str, int] = field(default_factory=dict)  # "forward"/"backward"/"inference" -> node count
     fallback: str | None = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # dmfx's compile of the graph (lowering, passes, AOTAutograd's forward), Inductor's included
+    compiler: str = "fx"  # what runs the rewritten graphs: "inductor" or "fx" (option compiler; "fx" after a failure)
+    inductor_seconds: float = 0.0  # Inductor's compile time of them (the backward's, compiled at its first run, too)
     # "forward"/"backward"/"inference" -> its GraphModule, or a weak reference to it once the record
     # is no longer among the GRAPHS_KEPT most recent (read them as forward_graph, ...)
     _graphs: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -97,6 +99,7 @@ class GraphRecord:
         text = (
             f"graph {self.graph_id} [{'/'.join(self.devices) or 'no tensors'}]: fused {fused} "
             f"(absorbed {absorbed} ATen ops; {self.aten_ops_before} -> {self.aten_ops_after} ops) in {self.seconds:.2f}s"
+            f", run by {'Inductor' if self.compiler == 'inductor' else 'FX'}"
         )
         sdpa = sorted({why for form, why in self.attention_forms.values() if form == "sdpa"})
         if sdpa:
@@ -328,9 +331,41 @@ def _compiler(kind: str, record: GraphRecord, opts: Options, rewritten: GraphMod
         record.compiled[kind] = _count_ops(gm)
         setattr(record, f"{kind}_graph", gm)
         log.debug("dmfx: graph %d %s graph:\n%s", record.graph_id, kind, gm.code)
+        if opts.compiler == "inductor":
+            compiled = _inductor(gm, example_inputs, kind, record, opts, rewritten)
+            if compiled is not None:
+                return compiled
         return _boxed(gm)
 
     return compile_fn
+
+
+def _inductor(gm: GraphModule, example_inputs: Sequence[Any], kind: str, record: GraphRecord, opts: Options,
+              rewritten: GraphModule) -> Callable | None:
+    """`gm` compiled by Inductor (dmfx/inductor.py); on failure (with opts.fallback) one warning and
+    None: the caller runs it as a GraphModule, with dmfx's rewrites."""
+    from .inductor import compile_graph
+
+    start = time.perf_counter()
+    try:
+        compiled = compile_graph(gm, example_inputs, kind, record.graph_id, _output_count(rewritten),
+                                 max_autotune=opts.max_autotune)
+    except Exception as e:
+        if not opts.fallback:
+            raise
+        _warn_once(f"inductor:{type(e).__name__}", "dmfx: Inductor could not compile graph %d's %s graph (%s: %s); "
+                   "it runs as an FX GraphModule (compiler='fx')", record.graph_id, kind, type(e).__name__,
+                   str(e).splitlines()[0][:300] if str(e) else "")
+        record.missed.append(f"compiler: Inductor failed on the {kind} graph ({type(e).__name__}); ran it as FX")
+        record.compiler = "fx"
+        return None
+    record.inductor_seconds += time.perf_counter() - start
+    return compiled
+
+
+def _output_count(gm: GraphModule) -> int:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return len(out.args[0]) if isinstance(out.args[0], (list, tuple)) else 1
 
 
 def _boxed(gm: GraphModule) -> Callable:
@@ -371,9 +406,20 @@ def _partitioner(opts: Options, record: GraphRecord) -> Callable:
     return partition
 
 
-# torch.compile's modes (HF's CompileConfig passes mode="reduce-overhead" for generation): accepted;
-# dmfx runs the same graphs under each (it does not capture CUDA graphs or autotune).
+# torch.compile's modes (HF's CompileConfig passes mode="reduce-overhead" for generation). dmfx's meaning
+# of each: "max-autotune" and "max-autotune-no-cudagraphs" time dmfx's choices (option tune) and let
+# Inductor autotune its kernels (max_autotune); "reduce-overhead" runs as "default" (dmfx does not
+# capture CUDA graphs yet).
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _apply_mode(opts: Options, mode: str | None) -> Options:
+    if mode in ("max-autotune", "max-autotune-no-cudagraphs"):
+        return replace(opts, tune=True, max_autotune=True)
+    if mode == "reduce-overhead":
+        _log_once(f"mode:{mode}", "dmfx: mode='reduce-overhead' accepted; it runs as the default mode (dmfx does not "
+                  "capture CUDA graphs yet)")
+    return opts
 
 
 def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict | None = None, mode: str | None = None,
@@ -383,10 +429,7 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
         raise ValueError(f"dmfx: unexpected arguments {sorted(kwargs)}; pass settings as options={{...}}")
     if mode not in MODES:
         raise ValueError(f"dmfx: unknown mode {mode!r}; torch.compile's modes are {', '.join(map(repr, MODES[1:]))}")
-    if mode not in (None, "default"):
-        _log_once(f"mode:{mode}", "dmfx: mode=%r accepted; dmfx compiles the same graphs in every mode "
-                  "(it does not capture CUDA graphs or autotune)", mode)
-    opts = Options.from_user(options)
+    opts = _apply_mode(Options.from_user(options), mode)
     record = GraphRecord(graph_id=next(_graph_ids), devices=_devices(example_inputs))
     record.training = torch.is_grad_enabled() and any(input_requires_grad(example_inputs))
     if opts.disable:
@@ -422,6 +465,7 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
 
     from torch._dynamo.backends.common import aot_autograd
 
+    record.compiler = opts.compiler
     compiler = aot_autograd(
         fw_compiler=_compiler("forward", record, opts, rewritten),
         bw_compiler=_compiler("backward", record, opts, rewritten),

@@ -76,11 +76,21 @@ SMALL = {
 }
 
 
-def small_model(family: str, impl: str = "eager", model_kwargs: dict | None = None, **config: Any) -> torch.nn.Module:
+# family -> its language-model head model (the loss computed from `labels` inside the model)
+LM_HEADS = {"bert": "BertForMaskedLM", "roberta": "RobertaForMaskedLM", "distilbert": "DistilBertForMaskedLM",
+            "gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bart": "BartForConditionalGeneration"}
+
+
+def small_model(family: str, impl: str = "eager", model_kwargs: dict | None = None, lm_head: bool = False,
+                **config: Any) -> torch.nn.Module:
     """The model of `family` (SMALL) from its small config, `config` overriding it, with the attention
-    implementation `impl` ("eager" or "sdpa"); `model_kwargs` go to the model class."""
+    implementation `impl` ("eager" or "sdpa"); `model_kwargs` go to the model class. `lm_head`: the
+    family's language-model head model instead (LM_HEADS: masked or causal LM, its loss from
+    ``labels``)."""
     transformers = _transformers()
     cfg_name, model_name, small = SMALL[family]
+    if lm_head:
+        model_name = LM_HEADS[family]
     cfg = getattr(transformers, cfg_name)(**{**small, **config})
     cfg._attn_implementation = impl
     return getattr(transformers, model_name)(cfg, **(model_kwargs or {}))

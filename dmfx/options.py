@@ -40,6 +40,15 @@ class Options:
     #: stale or missing fake values, lint): True warns and falls back like a failing pass (raises with
     #: fallback=False), "strict" always raises. Also env DMFX_VERIFY=1 / strict (the stronger wins).
     verify: bool | str = False
+    #: What runs the rewritten graphs: "inductor" (PyTorch Inductor compiles each forward, backward
+    #: and inference graph after dmfx's passes, with dmfx's ops as extern kernels, so the element-wise
+    #: glue dmfx does not fuse is fused by Inductor and no Python runs per op) or "fx" (the graphs run
+    #: as FX GraphModules, op by op from Python: compiles in seconds). Env DMFX_COMPILER sets the
+    #: default (the test suite runs "fx" unless a test asks for Inductor).
+    compiler: str = field(default_factory=lambda: os.environ.get("DMFX_COMPILER", "").strip().lower() or "inductor")
+    #: Let Inductor autotune the kernels it generates (its max_autotune); torch.compile's
+    #: mode="max-autotune" sets it, with tune.
+    max_autotune: bool = False
     extra: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -76,6 +85,10 @@ class Options:
             raise ValueError(
                 f"dmfx: option 'attention' must be 'auto', 'flash', 'gemm' or 'sdpa', got {options['attention']!r}"
             )
+        compiler = options.get("compiler", os.environ.get("DMFX_COMPILER", "").strip().lower() or "inductor")
+        if compiler not in ("inductor", "fx"):
+            where = "option 'compiler'" if "compiler" in options else "env DMFX_COMPILER"
+            raise ValueError(f"dmfx: {where} must be 'inductor' or 'fx', got {compiler!r}")
         if options.get("verify", False) not in (False, True, "strict"):
             raise ValueError(f"dmfx: option 'verify' must be False, True or 'strict', got {options['verify']!r}")
         opts = cls(**options)

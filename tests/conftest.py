@@ -8,6 +8,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 # The graph verifier (passes/verify.py) checks the graph after every pass in every test, and a
 # violation fails the test (strict: it raises even under fallback=True). DMFX_VERIFY=0 runs without.
 os.environ.setdefault("DMFX_VERIFY", "strict")
+# The suite runs dmfx's rewritten graphs as FX GraphModules (seconds to compile) unless a test asks for
+# Inductor (compiler="inductor", the default users get: tests/test_inductor.py); DMFX_COMPILER=inductor
+# runs the whole suite under Inductor.
+os.environ.setdefault("DMFX_COMPILER", "fx")
 
 from dmfx.cuda_ops import build  # noqa: E402  (after DMFX_VERIFY is set)
 

@@ -1,0 +1,85 @@
+"""Inductor as the executor of dmfx's rewritten graphs (option ``compiler="inductor"``, the default).
+
+dmfx's passes leave a graph of its fused ``dmfx::`` ops and the ATen ops they did not absorb: the
+loss, embeddings, the residual glue, reshapes. Run as an FX GraphModule, each of those is one ATen
+call from Python; Inductor fuses them into generated kernels and calls dmfx's ops as extern kernels.
+So after every dmfx pass has run (the forward pipeline, the joint layout search, the backward
+passes), each forward, backward and inference graph AOTAutograd hands dmfx is compiled here by
+Inductor's inner compiler, ``compile_fx_inner`` (its entry point for one already-partitioned ATen
+graph, in torch 2.11 through 2.14), as Inductor's own ``compile_fx`` would call it:
+
+* the graph is traced once more with Inductor's decomposition table (its lowerings assume those
+  decompositions: an undecomposed ``aten.t`` is rejected), functionalized, so the in-place GEMM
+  accumulations dmfx's backward passes emit (``addmm_`` into a gradient buffer) become functional
+  ops Inductor can schedule; dmfx's ops have no decompositions and stay whole;
+* dmfx's ops get their inputs with the strides they were traced with (Inductor's
+  ``needs_exact_strides`` constraint for custom ops, set for the compile whatever the user's
+  ``torch._functorch.config`` says), so Inductor's layouts cannot break a kernel's contract or
+  undo dmfx's layout choices;
+* the outputs the user sees keep the strides eager gives them (Inductor's ``user_visible_output_idxs``
+  convention); the strides of the activations the forward saves reach the backward through
+  AOTAutograd's own record of the compiled forward's output strides.
+
+Inductor's graph-level passes that pattern-match attention (its SDPA rewrites) run in its
+``compile_fx`` before AOTAutograd, not here, so they never see dmfx's graphs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.fx import GraphModule, Node
+
+
+def decompose(gm: GraphModule, example_inputs: Sequence[Any]) -> GraphModule:
+    """`gm` traced again, functionalized (mutations only: views stay views) and with Inductor's
+    decompositions applied, under the fake mode of `example_inputs` (AOTAutograd's)."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def run(*args: Any) -> Any:
+        return torch.fx.Interpreter(gm).run(*args)
+
+    functional = torch.func.functionalize(run, remove="mutations")
+    fake_mode = detect_fake_mode(example_inputs)
+    with fake_mode if fake_mode is not None else torch._C._DisableTorchDispatch():  # (no fake mode: real inputs)
+        return make_fx(functional, decomposition_table=select_decomp_table())(*example_inputs)
+
+
+def _output_node(gm: GraphModule) -> Node:
+    return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+
+
+def mark_user_visible_outputs(gm: GraphModule, kind: str, user_outputs: int) -> None:
+    """Tell Inductor which outputs the user sees (their strides are kept as eager has them): in an
+    inference or backward graph every output; in a forward graph the `user_outputs` outputs after
+    the updated values of mutated inputs (AOTAutograd's layout: mutated inputs, user outputs, then
+    the activations saved for the backward)."""
+    outputs = list(_output_node(gm).args[0])
+    start, end = 0, len(outputs)
+    if kind == "forward":
+        context = torch._guards.TracingContext.try_get()
+        meta = getattr(context, "fw_metadata", None)
+        start = getattr(meta, "num_mutated_inp_runtime_indices", 0) if meta is not None else 0
+        end = min(start + user_outputs, len(outputs))
+    _output_node(gm).meta["user_visible_output_idxs"] = [i for i in range(start, end) if isinstance(outputs[i], Node)]
+
+
+def compile_graph(gm: GraphModule, example_inputs: Sequence[Any], kind: str, graph_id: int, user_outputs: int,
+                  max_autotune: bool = False) -> Callable:
+    """`gm` (one of AOTAutograd's "forward", "backward" or "inference" graphs, after dmfx's passes)
+    compiled by Inductor: a boxed callable. `user_outputs`: how many outputs the graph dmfx handed
+    AOTAutograd returns (see mark_user_visible_outputs). Raises what Inductor raises."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.utils import BoxedBool
+
+    decomposed = decompose(gm, example_inputs)
+    mark_user_visible_outputs(decomposed, kind, user_outputs)
+    with config.patch(max_autotune=max_autotune), \
+            functorch_config.patch(custom_op_default_layout_constraint="needs_exact_strides"):
+        return compile_fx_inner(decomposed, list(example_inputs), is_backward=kind == "backward",
+                                is_inference=kind == "inference", cudagraphs=BoxedBool(False), graph_id=graph_id)

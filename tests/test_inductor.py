@@ -1,0 +1,135 @@
+"""compiler="inductor" (the default users get; the rest of the suite runs compiler="fx", see conftest):
+dmfx's passes, then Inductor compiles each forward / backward / inference graph with dmfx's ops as
+extern kernels (dmfx/inductor.py). The same answers as eager, dmfx's kernels still running inside
+Inductor's code, and a clear fallback to FX when Inductor cannot compile a graph."""
+
+import copy
+
+import pytest
+import torch
+
+import dmfx
+from dmfx.models import small_model, zoo_case
+from tests.conftest import rel_err
+
+INDUCTOR = {"compiler": "inductor", "fallback": False}
+
+
+def dmfx_ops_run(step) -> set[str]:
+    """The dmfx:: ops the profiler sees while `step()` runs."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    return {e.key for e in prof.key_averages() if e.key.startswith("dmfx::")}
+
+
+def grads_match(model, ref, tol=1e-4):
+    """Every parameter gradient of `model` is within `tol` of `ref`'s, relative to the largest
+    gradient (some, e.g. a key bias's, are zero analytically)."""
+    scale = max(q.grad.abs().max().item() for q in ref.parameters() if q.grad is not None)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is None:
+            assert p.grad is None or p.grad.abs().max() == 0, name
+            continue
+        assert (p.grad - q.grad).abs().max().item() / scale < tol, name
+
+
+def test_bert_layer_training_matches_eager_and_runs_dmfx_kernels():
+    m = dmfx.models.bert_layer(hidden=64, heads=4, ffn=128, dropout=0.0).train()
+    ref = copy.deepcopy(m)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    c = torch.compile(m, backend="dmfx", options=INDUCTOR)
+    out = c(x)[0]
+    R = torch.randn_like(out)
+    (out * R).sum().backward()
+    expect = ref(x2)[0]
+    (expect * R).sum().backward()
+    assert rel_err(out, expect) < 1e-5
+    assert rel_err(x.grad, x2.grad) < 1e-5
+    grads_match(m, ref)
+    rec = dmfx.records()[-1]
+    assert rec.compiler == "inductor" and rec.fallback is None
+    assert {"bias_dropout_residual_norm", "attention"} <= set(rec.fired)
+    assert "run by Inductor" in rec.summary()
+
+    def step():
+        c(x)[0].sum().backward()
+
+    ran = dmfx_ops_run(step)
+    assert {"dmfx::bias_dropout_residual_norm", "dmfx::norm_backward"} <= ran, ran
+
+
+def test_causal_lm_with_its_loss_matches_eager():
+    """LLaMA with labels: the loss (log_softmax + nll_loss over [tokens, vocab]), embeddings and the
+    head's glue are left to Inductor; dmfx's RMSNorm, rotary, SwiGLU and attention kernels run."""
+    m = small_model("llama", lm_head=True).train()
+    ref = copy.deepcopy(m)
+    ids = torch.randint(0, 100, (2, 16))
+    c = torch.compile(m, backend="dmfx", options=INDUCTOR)
+    loss = c(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    expect = ref(input_ids=ids, labels=ids, use_cache=False).loss
+    expect.backward()
+    assert abs(loss.item() - expect.item()) < 1e-5 * abs(expect.item())
+    grads_match(m, ref)
+    assert {"rope", "glu"} <= set(dmfx.records()[-1].fired)
+    ran = dmfx_ops_run(lambda: c(input_ids=ids, labels=ids, use_cache=False).loss.backward())
+    assert {"dmfx::rope", "dmfx::glu", "dmfx::glu_backward"} <= ran, ran
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2", "t5"])
+def test_inference_matches_eager(family):
+    m, kwargs = zoo_case(family)
+    m.eval()
+    with torch.no_grad():
+        expect = m(**kwargs)[0]
+        out = torch.compile(m, backend="dmfx", options=INDUCTOR)(**kwargs)[0]
+    assert rel_err(out, expect) < 1e-5
+    rec = dmfx.records()[-1]
+    assert rec.compiler == "inductor" and "inference" in rec.compiled and rec.fired
+
+
+def test_dynamic_sequence_length_compiles_once():
+    m = dmfx.models.bert_layer(hidden=32, heads=4, ffn=64, dropout=0.0).eval()
+    c = torch.compile(m, backend="dmfx", options=INDUCTOR, dynamic=True)
+    with torch.no_grad():
+        for seq in (8, 13, 21):
+            x = torch.randn(2, seq, 32)
+            assert rel_err(c(x)[0], m(x)[0]) < 1e-5
+    assert len(dmfx.records()) == 1
+
+
+def test_an_inductor_failure_runs_the_graph_as_fx(monkeypatch, caplog):
+    import dmfx.inductor
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted Inductor failure")
+
+    monkeypatch.setattr(dmfx.inductor, "compile_graph", broken)
+    m = small_model("bert").eval()
+    ids = torch.randint(0, 100, (2, 8))
+    with torch.no_grad(), caplog.at_level("WARNING", logger="dmfx"):
+        out = torch.compile(m, backend="dmfx", options={"compiler": "inductor"})(input_ids=ids)[0]
+        assert rel_err(out, m(input_ids=ids)[0]) < 1e-5
+    rec = dmfx.records()[-1]
+    assert rec.compiler == "fx" and rec.fired and rec.fallback is None
+    assert any("Inductor failed on the inference graph" in r for r in rec.missed)
+    assert "planted Inductor failure" in caplog.text and "compiler='fx'" in caplog.text
+
+
+def test_compiler_option_and_env_are_checked(monkeypatch):
+    with pytest.raises(ValueError, match="option 'compiler' must be 'inductor' or 'fx'"):
+        dmfx.Options.from_user({"compiler": "tvm"})
+    monkeypatch.setenv("DMFX_COMPILER", "nvfuser")
+    with pytest.raises(ValueError, match="env DMFX_COMPILER must be"):
+        dmfx.Options.from_user({})
+    monkeypatch.setenv("DMFX_COMPILER", "")
+    assert dmfx.Options.from_user({}).compiler == "inductor"
+
+
+def test_max_autotune_mode_turns_on_tuning():
+    from dmfx.backend import _apply_mode
+
+    opts = _apply_mode(dmfx.Options.from_user({}), "max-autotune")
+    assert opts.tune and opts.max_autotune
+    assert _apply_mode(dmfx.Options.from_user({}), "reduce-overhead") == dmfx.Options.from_user({})
