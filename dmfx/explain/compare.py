@@ -43,10 +43,12 @@ class _Compiled:
 
 def _recording_backend(options: dict, compiled: list[_Compiled]) -> Callable:
     """dmfx_backend under `options` (recording on), keeping each graph's record and the real inputs of
-    its first call (for measure=True) in `compiled`."""
+    its first call (for measure=True) in `compiled`. The graphs run as FX GraphModules (compiler
+    "fx"): explain counts the bytes each dispatched op moves, and Inductor's generated kernels are not
+    dispatched ops; dmfx's rewrites are the same under either compiler."""
 
     def compile_fn(gm, example_inputs):
-        fn = dmfx_backend(gm, example_inputs, options={**options, "record": True})
+        fn = dmfx_backend(gm, example_inputs, options={**options, "record": True, "compiler": "fx"})
         entry = _Compiled(records()[-1])  # (dmfx_backend keeps each graph's record as it starts: this one)
         compiled.append(entry)
 

@@ -1,0 +1,155 @@
+"""Whole language models with their heads and losses (issue 16): a training step (forward with
+``labels``, the model's own loss, backward) or an inference forward, eager vs Inductor vs dmfx (its
+default, compiler="inductor") vs dmfx with compiler="fx", and the step's GEMMs replayed alone (the
+floor), interleaved in one process, medians; first-call (compile) time of each.
+
+Models (random weights from HF configs, eager attention, dropout as the config has it):
+
+* ``bert-mlm``: ``BertForMaskedLM``, BERT-base sizes (``--layers`` of them), B=8 L=128;
+* ``gpt2-lm``: ``GPT2LMHeadModel`` (768 hidden, vocab 50257), B=4 L=256;
+* ``llama-lm``: ``LlamaForCausalLM`` (hidden 512, 8 heads / 4 kv heads, vocab 32000), B=4 L=256;
+* ``llama-small``: ``LlamaForCausalLM`` (hidden 256, vocab 4096), B=4 L=128.
+
+``--clock cpu`` times with the process's CPU time instead of the wall clock: on a machine shared
+with other work (these 2-core machines often run at a load of 4-8) the wall clock measures the
+queue, CPU time measures the work; use it with ``--threads 1``. Report which clock a number used.
+
+Usage: ``python -m bench.lm_step [--models llama-small,bert-mlm] [--layers 4] [--train/--infer]
+[--rounds 5] [--threads 2] [--clock wall|cpu] [--candidates eager,inductor,dmfx,dmfx-fx,floor]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+
+import torch
+
+from .bert_layer import GemmRecorder, gemm_flops, make_floor_step
+from .common import environment, interleaved, log, median
+
+MODELS = {
+    "bert-mlm": ("BertConfig", "BertForMaskedLM", dict(), 8, 128),
+    "gpt2-lm": ("GPT2Config", "GPT2LMHeadModel", dict(use_cache=False), 4, 256),
+    "llama-lm": ("LlamaConfig", "LlamaForCausalLM", dict(hidden_size=512, intermediate_size=1376, num_attention_heads=8,
+                                                        num_key_value_heads=4, vocab_size=32000, use_cache=False), 4, 256),
+    "llama-small": ("LlamaConfig", "LlamaForCausalLM", dict(hidden_size=256, intermediate_size=688, num_attention_heads=4,
+                                                           num_key_value_heads=4, vocab_size=4096, use_cache=False), 4, 128),
+}
+LAYER_KEY = {"GPT2Config": "n_layer"}
+
+
+def build(name: str, layers: int, seed: int = 0):
+    """The model `name` (MODELS) with `layers` layers and its keyword inputs (token ids, labels)."""
+    import transformers
+
+    cfg_name, cls_name, extra, batch, seq = MODELS[name]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, cfg_name)(**{**extra, LAYER_KEY.get(cfg_name, "num_hidden_layers"): layers})
+    cfg._attn_implementation = "eager"
+    model = getattr(transformers, cls_name)(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def step_of(module, kwargs, train: bool):
+    if train:
+        def step():
+            module.zero_grad(set_to_none=True)
+            loss = module(**kwargs).loss
+            loss.backward()
+            return loss
+    else:
+        def step():
+            with torch.no_grad():
+                return module(**kwargs).logits
+    return step
+
+
+def floor_step(model, kwargs, train: bool):
+    """The GEMMs of one eager step, recorded and replayed alone on random operands."""
+    step = step_of(model, kwargs, train)
+    with GemmRecorder() as rec:
+        step()
+    model.zero_grad(set_to_none=True)
+    log(f"  floor: {len(rec.records)} GEMMs, {sum(gemm_flops(a) for _, a, _ in rec.records) / 1e9:.1f} GFLOP")
+    return make_floor_step(rec.records)[0]
+
+
+def candidates(names, base, kwargs, train: bool) -> dict:
+    steps = {}
+    for name in names:
+        m = copy.deepcopy(base).train(train)
+        if name == "floor":
+            steps[name] = floor_step(m, kwargs, train)
+            continue
+        if name == "inductor":
+            m = torch.compile(m)
+        elif name == "dmfx":
+            m = torch.compile(m, backend="dmfx")
+        elif name == "dmfx-fx":
+            m = torch.compile(m, backend="dmfx", options={"compiler": "fx"})
+        elif name != "eager":
+            raise ValueError(f"unknown candidate {name!r}")
+        steps[name] = step_of(m, kwargs, train)
+    return steps
+
+
+def run(name: str, layers: int, train: bool, names: list[str], rounds: int, clock) -> dict:
+    torch._dynamo.reset()
+    base, kwargs = build(name, layers)
+    steps = candidates(names, base, kwargs, train)
+    first = {}
+
+    def timed(n, step):
+        def once():
+            t0 = clock()
+            step()
+            dt = clock() - t0
+            first.setdefault(n, dt)
+            return {"total": dt}
+        return once
+
+    times = interleaved({n: timed(n, s) for n, s in steps.items()}, rounds, 2,
+                        lambda n, e: log(f"  {n} failed: {type(e).__name__}: {e}"))
+    med = {n: median(t["total"]) for n, t in times.items()}
+    res = {"model": name, "layers": layers, "mode": "train" if train else "infer", "median_ms": med,
+           "range_ms": {n: (min(t["total"]), max(t["total"])) for n, t in times.items()},
+           "first_call_s": first}
+    for ref in ("eager", "inductor", "floor"):
+        if ref in med:
+            res[f"vs_{ref}"] = {n: (med[ref] / t if ref != "floor" else t / med[ref]) for n, t in med.items()}
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="llama-small,bert-mlm")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--infer", action="store_true", help="inference forward instead of a training step")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    p.add_argument("--candidates", default="eager,inductor,dmfx,dmfx-fx,floor")
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    clock = time.process_time if a.clock == "cpu" else time.perf_counter
+    out = {"env": {**environment("cpu"), "clock": a.clock}, "results": []}
+    for name in a.models.split(","):
+        r = run(name, a.layers, not a.infer, a.candidates.split(","), a.rounds, clock)
+        out["results"].append(r)
+        for n, t in r["median_ms"].items():
+            lo, hi = r["range_ms"][n]
+            extra = "  ".join(f"{k} {v[n]:.3f}" for k, v in r.items() if k.startswith("vs_") and n in v)
+            print(f"{name} x{a.layers} {r['mode']} {n:9s} {t:9.1f} ms [{lo:.0f}-{hi:.0f}]  {extra}  "
+                  f"first call {r['first_call_s'].get(n, float('nan')):.1f} s", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
