@@ -363,6 +363,33 @@ def _inductor(gm: GraphModule, example_inputs: Sequence[Any], kind: str, record:
     return compiled
 
 
+def _whole_graph_to_inductor(gm: GraphModule, example_inputs: Sequence[Any], aten_gm: GraphModule, record: GraphRecord,
+                             opts: Options, start: float) -> Callable | None:
+    """The Dynamo graph compiled by Inductor alone (its compile_fx: its decompositions, partitioner
+    and passes), where dmfx's fusions would not pay under it (dmfx/inductor.py leave_to_inductor);
+    None where they do, or when Inductor fails (then dmfx compiles the graph as usual)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from .inductor import leave_to_inductor
+
+    why = leave_to_inductor(aten_gm, record.devices)
+    if why is None:
+        return None
+    try:
+        compiled = compile_fx(gm, example_inputs)
+    except Exception as e:
+        if not opts.fallback:
+            raise
+        _warn_once(f"inductor-whole:{type(e).__name__}", "dmfx: Inductor could not compile graph %d (%s: %s); dmfx "
+                   "compiles it", record.graph_id, type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
+        return None
+    record.fallback = f"left to Inductor: {why}"
+    record.compiler = "inductor"
+    record.seconds = time.perf_counter() - start
+    _finish(record, opts)
+    return compiled
+
+
 def _output_count(gm: GraphModule) -> int:
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     return len(out.args[0]) if isinstance(out.args[0], (list, tuple)) else 1
@@ -452,6 +479,10 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
         _finish(record, opts)
         return gm.forward
     record.aten_ops_before = _count_ops(aten_gm)
+    if opts.compiler == "inductor" and opts.fuse == "auto":
+        compiled = _whole_graph_to_inductor(gm, example_inputs, aten_gm, record, opts, start)
+        if compiled is not None:
+            return compiled
     from .cuda_ops.selfcheck import passes_to_skip  # kernel families that failed their self-check here
 
     off = passes_to_skip(t.device for t in example_inputs if isinstance(t, torch.Tensor)) - set(opts.skip)

@@ -31,6 +31,36 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.fx import GraphModule, Node
 
+WHY_LEFT = ("no dropout in this graph: on the CPU, Inductor fuses its norms, element-wise chains and attention "
+            "as fast as dmfx's kernels (measured: bench/RESULTS.md, issue 16), and each dmfx op would be a "
+            "fusion barrier for it, so the graph is Inductor's (option fuse='all' fuses it anyway)")
+
+
+def has_dropout(gm: GraphModule) -> bool:
+    """Whether the ATen graph `gm` drops out anywhere: a training ``native_dropout`` with p > 0, or a
+    scaled_dot_product_attention call with dropout_p > 0."""
+    from .passes.attention import sdpa_call
+    from .passes.graph_utils import aten, is_op
+
+    for n in gm.graph.nodes:
+        if is_op(n, aten.native_dropout) and n.args[2] is not False and float(n.args[1]) > 0:
+            return True
+        call = sdpa_call(n) if n.op == "call_function" else None
+        if call is not None and isinstance(call["dropout"], (int, float)) and call["dropout"] > 0:
+            return True
+    return False
+
+
+def leave_to_inductor(aten_gm: GraphModule, devices: tuple[str, ...]) -> str | None:
+    """Why a graph is better compiled by Inductor alone (None: dmfx rewrites it). On the CPU, dmfx's
+    fusions pay under Inductor where a graph drops out (fused Philox dropout whose mask is
+    regenerated in the backward, the norm backward with its folded gradients: BERT MLM training
+    1.03-1.05x Inductor) and lose 3-9% where it does not (LLaMA causal-LM training; BERT inference at
+    parity), measured in bench/RESULTS.md. On CUDA no measurement exists yet: dmfx rewrites."""
+    if devices != ("cpu",) or has_dropout(aten_gm):
+        return None
+    return WHY_LEFT
+
 
 def decompose(gm: GraphModule, example_inputs: Sequence[Any]) -> GraphModule:
     """`gm` traced again, functionalized (mutations only: views stay views) and with Inductor's

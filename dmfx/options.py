@@ -46,6 +46,10 @@ class Options:
     #: as FX GraphModules, op by op from Python: compiles in seconds). Env DMFX_COMPILER sets the
     #: default (the test suite runs "fx" unless a test asks for Inductor).
     compiler: str = field(default_factory=lambda: os.environ.get("DMFX_COMPILER", "").strip().lower() or "inductor")
+    #: Which fusions to make: "auto" (where they pay under the compiler: with compiler="inductor" on
+    #: the CPU, a graph without dropout is left to Inductor whole, see dmfx/inductor.py
+    #: leave_to_inductor) or "all" (every fusion whose pattern matches).
+    fuse: str = "auto"
     #: Let Inductor autotune the kernels it generates (its max_autotune); torch.compile's
     #: mode="max-autotune" sets it, with tune.
     max_autotune: bool = False
@@ -89,6 +93,8 @@ class Options:
         if compiler not in ("inductor", "fx"):
             where = "option 'compiler'" if "compiler" in options else "env DMFX_COMPILER"
             raise ValueError(f"dmfx: {where} must be 'inductor' or 'fx', got {compiler!r}")
+        if options.get("fuse", "auto") not in ("auto", "all"):
+            raise ValueError(f"dmfx: option 'fuse' must be 'auto' or 'all', got {options['fuse']!r}")
         if options.get("verify", False) not in (False, True, "strict"):
             raise ValueError(f"dmfx: option 'verify' must be False, True or 'strict', got {options['verify']!r}")
         opts = cls(**options)

@@ -12,7 +12,9 @@ import dmfx
 from dmfx.models import small_model, zoo_case
 from tests.conftest import rel_err
 
-INDUCTOR = {"compiler": "inductor", "fallback": False}
+# fuse="all": dmfx fuses even where, under Inductor, it would leave the graph to Inductor alone (a
+# graph without dropout on the CPU), so these tests see dmfx's kernels inside Inductor's code
+INDUCTOR = {"compiler": "inductor", "fuse": "all", "fallback": False}
 
 
 def dmfx_ops_run(step) -> set[str]:
@@ -109,7 +111,7 @@ def test_an_inductor_failure_runs_the_graph_as_fx(monkeypatch, caplog):
     m = small_model("bert").eval()
     ids = torch.randint(0, 100, (2, 8))
     with torch.no_grad(), caplog.at_level("WARNING", logger="dmfx"):
-        out = torch.compile(m, backend="dmfx", options={"compiler": "inductor"})(input_ids=ids)[0]
+        out = torch.compile(m, backend="dmfx", options={"compiler": "inductor", "fuse": "all"})(input_ids=ids)[0]
         assert rel_err(out, m(input_ids=ids)[0]) < 1e-5
     rec = dmfx.records()[-1]
     assert rec.compiler == "fx" and rec.fired and rec.fallback is None
@@ -117,9 +119,49 @@ def test_an_inductor_failure_runs_the_graph_as_fx(monkeypatch, caplog):
     assert "planted Inductor failure" in caplog.text and "compiler='fx'" in caplog.text
 
 
+def test_a_graph_without_dropout_is_left_to_inductor_on_the_cpu():
+    """fuse="auto" (the default): dmfx's fusions do not pay under Inductor without dropout on the CPU
+    (bench/RESULTS.md), so the graph is Inductor's, and the record says why."""
+    m = small_model("llama", lm_head=True).train()
+    ref = copy.deepcopy(m)
+    ids = torch.randint(0, 100, (2, 16))
+    loss = torch.compile(m, backend="dmfx", options={"compiler": "inductor"})(input_ids=ids, labels=ids).loss
+    loss.backward()
+    expect = ref(input_ids=ids, labels=ids).loss
+    expect.backward()
+    assert abs(loss.item() - expect.item()) < 1e-5 * abs(expect.item())
+    grads_match(m, ref)
+    rec = dmfx.records()[-1]
+    assert rec.fallback.startswith("left to Inductor: no dropout in this graph") and not rec.fired
+    assert "fuse='all'" in rec.summary()
+
+
+def test_a_graph_with_dropout_is_fused_under_inductor_and_reproducible():
+    m = dmfx.models.bert_layer(hidden=64, heads=4, ffn=128, dropout=0.1).train()
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    c = torch.compile(m, backend="dmfx", options={"compiler": "inductor", "fallback": False})
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        out = c(x)[0]
+        out.sum().backward()
+        outs.append((out.detach(), x.grad.clone()))
+        x.grad = None
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    rec = dmfx.records()[-1]
+    assert rec.fallback is None and rec.compiler == "inductor"
+    assert {"bias_dropout_residual_norm", "attention"} <= set(rec.fired)
+    m.eval()  # dropout off: the same layer's compiled output equals eager's
+    with torch.no_grad():
+        c_eval = torch.compile(m, backend="dmfx", options={"compiler": "inductor", "fuse": "all"})
+        assert rel_err(c_eval(x)[0], m(x)[0]) < 1e-5
+
+
 def test_compiler_option_and_env_are_checked(monkeypatch):
     with pytest.raises(ValueError, match="option 'compiler' must be 'inductor' or 'fx'"):
         dmfx.Options.from_user({"compiler": "tvm"})
+    with pytest.raises(ValueError, match="option 'fuse' must be 'auto' or 'all'"):
+        dmfx.Options.from_user({"fuse": "some"})
     monkeypatch.setenv("DMFX_COMPILER", "nvfuser")
     with pytest.raises(ValueError, match="env DMFX_COMPILER must be"):
         dmfx.Options.from_user({})
