@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -79,16 +79,19 @@ class Epilogue:
         return lines
 
 
-def functional_body(gm: GraphModule, example_inputs: Sequence[Any], training: bool) -> tuple[GraphModule, Epilogue]:
-    """The Dynamo graph `gm` traced by AOTAutograd's functionalization (no decompositions, under
+def functional_body(gm: Callable, example_inputs: Sequence[Any], training: bool) -> tuple[GraphModule, Epilogue]:
+    """The Dynamo graph `gm` (or any function of tensors) traced by AOTAutograd's functionalization (no decompositions, under
     no_grad: an inference graph with the same inputs), and the epilogue that makes it `gm` again.
     `training`: a backward will be derived from the result (then a grad-mode region inside the graph,
     or a mutated input that requires grad, cannot be kept and raises)."""
     from torch._functorch.aot_autograd import _aot_export_function
 
-    names = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
-    if training:
-        _refuse_grad_mode_changes(gm)
+    if isinstance(gm, GraphModule):
+        names = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
+        if training:
+            _refuse_grad_mode_changes(gm)
+    else:  # a function (the pass tests lower plain functions)
+        names = tuple(f"input {i}" for i in range(len(example_inputs)))
     with torch.no_grad():
         body, meta, in_spec, out_spec = _aot_export_function(gm, tuple(example_inputs), trace_joint=False)
     _check_flat(in_spec.children()[0], out_spec)
