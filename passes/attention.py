@@ -177,7 +177,9 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | Non
       projection and folds the bias gradients (passes/backward/fold_bias_grads.py), which SDPA's
       backward cannot; in inference it is 0.99-1.11x SDPA's (its GEMMs call BLAS directly).
 
-    * "sdpa": PyTorch's own scaled_dot_product_attention, for causal attention without dropout (a tie
+    * "sdpa": PyTorch's own scaled_dot_product_attention, for one query row in inference (a decode
+      step: dmfx's kernel, built for blocks of query rows, is about 3x slower there), for causal
+      attention without dropout (a tie
       at best for dmfx's kernel, which gains nothing there: no bias to fold in the models that use
       it), for other dtypes without dropout, and on CUDA (its flash / efficient / cuDNN kernels run on
       tensor cores; dmfx's CUDA flash kernel, csrc/attention_cuda.cu, on CUDA cores, and it has not run
@@ -219,6 +221,9 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | Non
         if flash_auto:
             return "flash", "dropout on the CPU: no fused PyTorch kernel"
         return "gemm", f"dropout on the CPU in {qm.dtype}: no fused kernel"
+    if qm.device.type == "cpu" and isinstance(qm.shape[2], int) and qm.shape[2] == 1 and not ctx.needs_grad(q4) and sdpa_ok:
+        return "sdpa", ("one query row (a decode step): PyTorch's SDPA kernel is about 3x faster than dmfx's "
+                        "here (0.10 vs 0.28 ms per call, LLaMA hidden 512 with a 64-row static cache: bench/generate.py)")
     if qm.device.type == "cpu" and qm.dtype == torch.float32 and not causal and flash_auto:
         if ctx.needs_grad(q4):
             return "flash", ("training without dropout on the CPU: dmfx's fused kernel ties SDPA's forward+backward "

@@ -50,9 +50,16 @@ def test_static_cache_generate_with_a_compile_config():
     assert torch.equal(got, want)
     (decode,) = _compiled_records()
     assert sum("in place" in line for line in decode.epilogue) >= 4, decode.epilogue  # keys and values per layer
-    for name in ("rope", "glu", "bias_dropout_residual_norm", "lower_sdpa_calls"):
+    for name in ("rope", "glu", "bias_dropout_residual_norm"):
         assert decode.fired.get(name, 0) >= 2, decode.fired
-    assert [form for form, _ in decode.attention_forms.values()] == ["flash", "flash"]  # one query row vs the cache
+    _decode_attention_stays_sdpa(decode)
+
+
+def _decode_attention_stays_sdpa(decode: dmfx.GraphRecord) -> None:
+    """One query row against the cache: the cost model leaves it to PyTorch's SDPA, and says so."""
+    assert "lower_sdpa_calls" not in decode.fired, decode.fired
+    why = [m for m in decode.missed if "lower_sdpa_calls" in m]
+    assert len(why) == 2 and all("one query row" in m for m in why), decode.missed
 
 
 @pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "automatic-dynamic"])
@@ -78,7 +85,7 @@ def test_compiled_forward_with_the_dynamic_cache(dynamic):
     assert prefill.fired.get("rope") == 2 and decode.fired.get("glu") == 2
     # the prefill's causal SDPA stays PyTorch's, with the cost model's reason in the record
     assert any("left to PyTorch's scaled_dot_product_attention: causal" in m for m in prefill.missed), prefill.missed
-    assert decode.fired.get("lower_sdpa_calls") == 2
+    _decode_attention_stays_sdpa(decode)
 
 
 def test_causal_prefill_in_dmfx_kernel_when_asked():
