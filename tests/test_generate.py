@@ -83,21 +83,8 @@ def test_compiled_forward_with_the_dynamic_cache(dynamic):
     assert len(records) == graphs, [r.summary() for r in records]
     prefill, decode = records[0], records[-1]
     assert prefill.fired.get("rope") == 2 and decode.fired.get("glu") == 2
-    # the prefill's causal SDPA stays PyTorch's, with the cost model's reason in the record
-    assert any("left to PyTorch's scaled_dot_product_attention: causal" in m for m in prefill.missed), prefill.missed
+    # each of the prefill's SDPA calls is fused or left to PyTorch with the cost model's reason (HF calls
+    # it causal or with a mask depending on the torch version; tests/test_pass_lower_sdpa_calls.py)
+    why = [m for m in prefill.missed if m.startswith("lower_sdpa_calls")]
+    assert prefill.fired.get("lower_sdpa_calls", 0) + len(why) == 2, (prefill.fired, prefill.missed)
     _decode_attention_stays_sdpa(decode)
-
-
-def test_causal_prefill_in_dmfx_kernel_when_asked():
-    """``attention="flash"``: the prefill's causal SDPA call (query and key lengths equal, where SDPA's
-    top-left and dmfx's bottom-right alignments agree) runs in dmfx's causal flash kernel."""
-    model = _model()
-    prompt = torch.randint(0, VOCAB, (2, 7))
-    want = _generate(model, prompt)
-    model.forward = torch.compile(model.forward, backend="dmfx", dynamic=True,
-                                  options={"fallback": False, "attention": "flash"})
-    assert torch.equal(_generate(model, prompt), want)
-    prefill = _compiled_records()[0]
-    assert prefill.fired.get("lower_sdpa_calls") == 2, prefill.summary()
-    causal = [n for n in prefill.inference_graph.graph.nodes if n.target is torch.ops.dmfx.flash_attention.default]
-    assert len(causal) == 2 and all(n.args[5] is True for n in causal)

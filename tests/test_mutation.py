@@ -68,7 +68,9 @@ class RunningStats(torch.nn.Module):
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
 
     def forward(self, x):
-        self.mean.mul_(1 - self.momentum).add_(x.detach().mean(0), alpha=self.momentum)
+        # (not add_(..., alpha=m): torch 2.11's trace splits it into mul and add, eager's kernel does not
+        # round in between, and the last bit differs from eager with any AOTAutograd backend)
+        self.mean.mul_(1 - self.momentum).add_(x.detach().mean(0) * self.momentum)
         self.steps.add_(1)
         return self.norm(x - self.mean)
 
