@@ -3,8 +3,10 @@
 Flow of one Dynamo graph::
 
     Dynamo FX graph
-      -> ATen forward graph (aot_export_joint_simple, trace_joint=False: functional, no decompositions
-         beyond what ATen itself does, same signature and SymInts as the Dynamo graph)
+      -> ATen forward graph (AOTAutograd's functionalization, as aot_export_joint_simple does it:
+         functional, no decompositions beyond what ATen itself does, same inputs and SymInts as the
+         Dynamo graph; writes into inputs and outputs aliasing inputs go to an epilogue appended
+         after the passes, dmfx/functionalize.py)
       -> pass pipeline (dmfx.passes.PIPELINE): chains of memory-bound ops -> dmfx:: fused ops
       -> AOTAutograd (aot_module_simplified): derives the backward from each op's autograd formula,
          so a fused forward op gets its fused backward op; in training the layout search runs on
@@ -66,6 +68,9 @@ class GraphRecord:
     aten_ops_after: int = 0
     compiled: dict[str, int] = field(default_factory=dict)  # "forward"/"backward"/"inference" -> node count
     fallback: str | None = None
+    # what the graph's epilogue does after the rewritten body: inputs written in place, outputs that
+    # are inputs or views of them (dmfx/functionalize.py)
+    epilogue: list[str] = field(default_factory=list)
     seconds: float = 0.0  # dmfx's compile of the graph (lowering, passes, AOTAutograd's forward), Inductor's included
     compiler: str = "fx"  # what runs the rewritten graphs: "inductor" or "fx" (option compiler; "fx" after a failure)
     inductor_seconds: float = 0.0  # Inductor's compile time of them (the backward's, compiled at its first run, too)
@@ -204,22 +209,45 @@ def _copy(gm: GraphModule) -> GraphModule:
 
 def lower_to_aten(gm: GraphModule, example_inputs: Sequence[Any], opts: Options | None = None,
                  record: GraphRecord | None = None) -> GraphModule:
-    """The Dynamo graph as a functional ATen forward graph with the same signature, and the LOWERING
+    """The Dynamo graph as a functional ATen forward graph with the same inputs, and the LOWERING
     passes run on it (passes/__init__.py: restore_sdpa, in training), under `opts` (default: the
-    default options). What they did is added to `record`."""
-    from torch._functorch.aot_autograd import aot_export_joint_simple
+    default options). What they did is added to `record`.
 
+    A graph that writes its inputs or returns views of them is lowered to its functional body
+    (dmfx/functionalize.py): the graph returned then also returns the new value of each mutated input
+    first, and ``meta["dmfx_epilogue"]`` holds what `with_epilogue` appends after the passes."""
+    from .functionalize import attach_epilogue, functional_body
     from .passes import run_lowering
 
-    with torch.no_grad():
-        aten_gm = aot_export_joint_simple(gm, list(example_inputs), trace_joint=False)
     opts = opts or Options()
     training = torch.is_grad_enabled() and any(input_requires_grad(example_inputs))
+    aten_gm, epilogue = functional_body(gm, list(example_inputs), training)
     ctx = pass_context(example_inputs, opts, training)
     run_lowering(aten_gm, ctx, opts.skip, verify=opts.verify)
+    if not epilogue.empty:
+        attach_epilogue(aten_gm, epilogue)  # raises now (the graph falls back) if the lowering broke a view
+        aten_gm.meta["dmfx_epilogue"] = epilogue
     if record is not None:
         _add_to_record(record, ctx, "lowering")
+        record.epilogue = epilogue.describe()
     return aten_gm
+
+
+def with_epilogue(rewritten: GraphModule, aten_gm: GraphModule, record: GraphRecord) -> GraphModule:
+    """`rewritten` (the passes' result on `aten_gm`, the functional body lower_to_aten returned) with
+    the body's epilogue appended: the writes into mutated inputs and the outputs that alias inputs.
+    Where the passes removed a node the epilogue needs, the unrewritten body is used (and recorded)."""
+    from .functionalize import UnsupportedGraph, attach_epilogue
+
+    epilogue = aten_gm.meta.get("dmfx_epilogue")
+    if epilogue is None:
+        return rewritten
+    try:
+        return attach_epilogue(rewritten, epilogue)
+    except UnsupportedGraph as e:
+        _warn_once(f"epilogue:{e}", "dmfx: graph %d runs unrewritten: %s", record.graph_id, e)
+        record.fallback = f"the rewritten graph lost what its input writes need: {e}"
+        return attach_epilogue(aten_gm, epilogue)
 
 
 def rewrite(aten_gm: GraphModule, example_inputs: Sequence[Any], opts: Options, record: GraphRecord) -> GraphModule:
@@ -318,7 +346,10 @@ def _compiler(kind: str, record: GraphRecord, opts: Options, rewritten: GraphMod
     """AOTAutograd's compiler for the `kind` graph ("forward", "backward", "inference"): what the
     fused nodes of `rewritten` (the graph the forward pipeline made) absorbed is carried onto the
     nodes of this graph that compute them (passes/fusion.py); the backward passes run on the backward
-    graph; the graph is kept in `record`."""
+    graph; the graph is kept in `record`, then compiled by Inductor (compiler="inductor") or run as a
+    GraphModule, whose inference graph's writes into inputs are made in place again
+    (functionalize.reinplace_input_writes; Inductor reinplaces them itself)."""
+    from .functionalize import reinplace_input_writes
     from .passes.fusion import carry_absorbed, carry_to_backward
 
     def compile_fn(gm: GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -332,9 +363,11 @@ def _compiler(kind: str, record: GraphRecord, opts: Options, rewritten: GraphMod
         setattr(record, f"{kind}_graph", gm)
         log.debug("dmfx: graph %d %s graph:\n%s", record.graph_id, kind, gm.code)
         if opts.compiler == "inductor":
-            compiled = _inductor(gm, example_inputs, kind, record, opts, rewritten)
+            compiled = _inductor(gm, example_inputs, kind, record, opts, rewritten)  # (Inductor reinplaces itself)
             if compiled is not None:
                 return compiled
+        if kind == "inference":
+            reinplace_input_writes(gm)
         return _boxed(gm)
 
     return compile_fn
@@ -469,7 +502,7 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
 
     try:
         aten_gm = lower_to_aten(gm, example_inputs, opts, record)
-    except Exception as e:  # input mutation, aliased outputs, list inputs, ...
+    except Exception as e:  # metadata mutations, grad-mode regions in training, list inputs, ...
         if not opts.fallback or isinstance(e, GraphVerificationError) and e.strict:
             raise
         record.fallback = f"could not lower to a functional ATen graph: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -493,6 +526,7 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
         )
     rewritten = rewrite(aten_gm, example_inputs, opts, record)
     record.aten_ops_after = _count_ops(rewritten)
+    rewritten = with_epilogue(rewritten, aten_gm, record)
 
     from torch._dynamo.backends.common import aot_autograd
 

@@ -58,6 +58,7 @@ def summarize(record: Any) -> dict:
         "aten_ops_after": getattr(record, "aten_ops_after", None),
         "compiled": dict(getattr(record, "compiled", {}) or {}),
         "fallback": getattr(record, "fallback", None),
+        "epilogue": list(getattr(record, "epilogue", []) or []),
         "seconds": round(float(getattr(record, "seconds", 0.0) or 0.0), 4),
         "kernels_loaded": _kernels(),
         "kernel_build_failures": _kernel_failures(),

@@ -177,7 +177,9 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | Non
       projection and folds the bias gradients (passes/backward/fold_bias_grads.py), which SDPA's
       backward cannot; in inference it is 0.99-1.11x SDPA's (its GEMMs call BLAS directly).
 
-    * "sdpa": PyTorch's own scaled_dot_product_attention, for causal attention without dropout (a tie
+    * "sdpa": PyTorch's own scaled_dot_product_attention, for one query row in inference (a decode
+      step: dmfx's kernel, built for blocks of query rows, is about 3x slower there), for causal
+      attention without dropout (a tie
       at best for dmfx's kernel, which gains nothing there: no bias to fold in the models that use
       it), for other dtypes without dropout, and on CUDA (its flash / efficient / cuDNN kernels run on
       tensor cores; dmfx's CUDA flash kernel, csrc/attention_cuda.cu, on CUDA cores, and it has not run
@@ -219,6 +221,9 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | Non
         if flash_auto:
             return "flash", "dropout on the CPU: no fused PyTorch kernel"
         return "gemm", f"dropout on the CPU in {qm.dtype}: no fused kernel"
+    if qm.device.type == "cpu" and isinstance(qm.shape[2], int) and qm.shape[2] == 1 and not ctx.needs_grad(q4) and sdpa_ok:
+        return "sdpa", ("one query row (a decode step): PyTorch's SDPA kernel is about 3x faster than dmfx's "
+                        "here (0.10 vs 0.28 ms per call, LLaMA hidden 512 with a 64-row static cache: bench/generate.py)")
     if qm.device.type == "cpu" and qm.dtype == torch.float32 and not causal and flash_auto:
         if ctx.needs_grad(q4):
             return "flash", ("training without dropout on the CPU: dmfx's fused kernel ties SDPA's forward+backward "
@@ -387,8 +392,11 @@ def match_sdpa_call(n: Node, ctx: PassContext) -> Match | Miss | None:
     ``dmfx::flash_attention`` with the same q, k, v, mask (bool: True = attend, as in SDPA) and scale
     (SDPA's default 1/sqrt(D) made explicit); elsewhere it stays PyTorch's. With dropout on the CPU
     the call never reaches the graph as one op: SDPA runs its math path, whose ops the softmax and
-    attention fusions take. A causal call stays PyTorch's (its mask is top-left aligned when the
-    lengths differ, dmfx's bottom-right)."""
+    attention fusions take. A causal call (a decoder's prefill) over equal query and key lengths goes
+    to the cost model as causal attention (which leaves it to SDPA unless ``attention="flash"`` or
+    tuning picks dmfx's causal kernel); over different lengths it stays PyTorch's (SDPA aligns its
+    mask top-left, dmfx's kernel bottom-right). A call left to PyTorch is a near-miss with the cost
+    model's reason, so the record says why each attention was not fused."""
     call = sdpa_call(n)
     if call is None:
         return None
@@ -396,9 +404,12 @@ def match_sdpa_call(n: Node, ctx: PassContext) -> Match | Miss | None:
     qm, km, vm = (tensor_meta(t) for t in (q4, k4, v4))
     if any(m is None or m.dim() != 4 for m in (qm, km, vm)):
         return Miss("scaled_dot_product_attention on tensors that are not 4-D [B, H, L, D]")
-    if p != 0.0 or causal:
-        log.debug("dmfx: %s stays PyTorch's (%s)", n.name, "dropout inside the call" if p else "causal")
+    if p != 0.0:
+        log.debug("dmfx: %s stays PyTorch's (dropout inside the call)", n.name)
         return None
+    if causal and not _equal_sizes(qm.shape[2], km.shape[2]):
+        return Miss("causal scaled_dot_product_attention over different query and key lengths: SDPA aligns "
+                    "its mask top-left, dmfx's kernel bottom-right")
     if call["extra_outputs"] and any(not (u.target is operator.getitem and u.args[1] == 0) for u in n.users):
         return None  # its logsumexp is read: PyTorch's kernel must run
     heads, kv_heads = qm.shape[1], km.shape[1]
@@ -410,20 +421,27 @@ def match_sdpa_call(n: Node, ctx: PassContext) -> Match | Miss | None:
         if not isinstance(d, int):
             return None  # a symbolic head size: the scale is not a float at compile time
         scale = d**-0.5
-    form, why = choose_form(ctx, q4, k4, v4, mask, False, 0.0, float(scale), probs_read=False)
+    form, why = choose_form(ctx, q4, k4, v4, mask, bool(causal), 0.0, float(scale), probs_read=False)
     if form != "flash":
-        log.debug("dmfx: %s stays PyTorch's scaled_dot_product_attention: %s", n.name, why)
-        return None
+        return Miss(f"left to PyTorch's scaled_dot_product_attention: {why}")
     outs = tuple(n.users) if call["extra_outputs"] else (n,)  # (its getitems of the output, or itself)
-    nodes = {"call": n, "q4": q4, "k4": k4, "v4": v4, "mask": mask, "scale": float(scale), "why": why}
+    nodes = {"call": n, "q4": q4, "k4": k4, "v4": v4, "mask": mask, "scale": float(scale), "causal": bool(causal),
+             "why": why}
     return Match(nodes, list(dict.fromkeys([n, *outs])), returned=outs)
+
+
+def _equal_sizes(a: object, b: object) -> bool:
+    """Whether two sizes are equal for every value their symbols take (no guard added)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and a.node.expr == b.node.expr
 
 
 def rewrite_sdpa_call(graph: Graph, m: Match, ctx: PassContext) -> Replacement:
     n = m["call"]
     with graph.inserting_before(n):
         fused = insert_call(graph, ctx, torch.ops.dmfx.flash_attention.default,
-                            (m["q4"], m["k4"], m["v4"], m["mask"], m["scale"], False, None, 0.0))
+                            (m["q4"], m["k4"], m["v4"], m["mask"], m["scale"], m["causal"], None, 0.0))
         out, _ = insert_getitems(graph, fused, 2)
     ctx.forms[fused.name] = ("flash", m["why"])
     log.debug("dmfx: scaled_dot_product_attention %s runs in the flash form: %s", n.name, m["why"])

@@ -1,6 +1,7 @@
 """The lower_sdpa_calls fusion (passes/attention.py): a model's own scaled_dot_product_attention calls
 go through the attention cost model and become dmfx::flash_attention where it picks dmfx's fused
-kernel (gradients equal eager's, the bias gradients fold); causal and bf16 calls stay PyTorch's."""
+kernel (gradients equal eager's, the bias gradients fold); causal calls over different lengths and
+bf16 calls stay PyTorch's, and one query row in inference (a decode step) too."""
 
 import pytest
 import torch
@@ -111,3 +112,37 @@ def test_sdpa_call_near_misses_stay_pytorchs():
         for rec in dmfx.records():
             assert any("scaled_dot_product" in str(n.target) for n in rec.inference_graph.graph.nodes)
         assert _forms(_SdpaAttention(), x, mask) == ["flash"]
+
+
+def _causal(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("attention", ["auto", "flash"])
+def test_causal_sdpa_call_over_equal_lengths(attention):
+    """A decoder's prefill: causal attention over equal query and key lengths (SDPA's top-left and
+    dmfx's bottom-right alignments agree). The cost model leaves it to SDPA and says why;
+    ``attention="flash"`` runs it in dmfx's causal kernel, with SDPA's result."""
+    q, k, v = torch.randn(2, 4, 24, 16), torch.randn(2, 2, 24, 16), torch.randn(2, 2, 24, 16)
+    k, v = (t.repeat_interleave(2, dim=1) for t in (k, v))
+    with torch.no_grad():
+        want = _causal(q, k, v)
+        got = torch.compile(_causal, backend="dmfx", options={"fallback": False, "attention": attention})(q, k, v)
+    assert rel_err(got, want) < 1e-5
+    (rec,) = dmfx.records()
+    if attention == "flash":
+        (fused,) = [n for n in rec.inference_graph.graph.nodes if n.target is torch.ops.dmfx.flash_attention.default]
+        assert fused.args[5] is True  # causal
+    else:
+        assert "lower_sdpa_calls" not in rec.fired
+        assert any("left to PyTorch's scaled_dot_product_attention: causal" in m for m in rec.missed), rec.missed
+
+
+def test_causal_sdpa_call_over_different_lengths_stays_pytorchs():
+    q, k, v = torch.randn(2, 4, 3, 16), torch.randn(2, 4, 24, 16), torch.randn(2, 4, 24, 16)
+    with torch.no_grad():
+        want = _causal(q, k, v)
+        got = torch.compile(_causal, backend="dmfx", options={"fallback": False, "attention": "flash"})(q, k, v)
+    assert torch.equal(got, want)
+    (rec,) = dmfx.records()
+    assert any("different query and key lengths" in m for m in rec.missed), rec.missed

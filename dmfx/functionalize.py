@@ -1,0 +1,358 @@
+"""Lowering graphs that write their inputs or return views of them: a functional body and an epilogue.
+
+A Dynamo graph may update a tensor it is given (a static KV cache's ``index_copy_``, BatchNorm's
+running statistics, ``copy_`` into an input) or return a view of one (``x.t()``, ``cache[:, :n]``).
+AOTAutograd's functionalization (the tracer behind ``aot_export_joint_simple``, which refuses both)
+traces such a graph into a functional one whose outputs are the new value of each mutated input,
+then the user outputs, and describes the mutations and aliases in its ``ViewAndMutationMeta``.
+
+`functional_body` keeps that graph as the **body** the passes rewrite: it writes nothing, so the
+passes and the graph verifier see an ordinary functional graph (a fused op that wrote an input in
+place would break the verifier's rule, as anywhere). `attach_epilogue` then appends, after the
+rewritten body, what the body left out:
+
+* ``aten.copy_(input, new_value)`` for each mutated input (AOTAutograd's second trace, in the backend,
+  turns these back into its own input-mutation handling: kept in the inference graph, applied after
+  the forward in training). In training, body nodes that may require grad read a clone of a mutated
+  input instead of the input: autograd saves what they read (BatchNorm's backward saves the running
+  statistics), and the write would invalidate it ("modified by an inplace operation") where eager's
+  op wrote its input before autograd saved it;
+* each output that is an input, or a view of one, rebuilt from that input by replaying the view ops
+  the functional graph applied (AOTAutograd's ``replay_views``), so the caller gets a real alias, as
+  in eager.
+
+What cannot be lowered this way raises `UnsupportedGraph` naming the input or output and the kind of
+mutation; the backend then leaves the graph to PyTorch with that reason in its record.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+aten = torch.ops.aten
+
+
+class UnsupportedGraph(RuntimeError):
+    """The graph cannot be lowered to a functional body and an epilogue (the message says why)."""
+
+
+@dataclass(frozen=True)
+class AliasedOutput:
+    """A user output that is input `base` (`chain` empty) or a view of it: the view ops the functional
+    graph applied, first to last, as ``(target, args after the viewed tensor, kwargs)`` with the body's
+    nodes named by name (the body the epilogue is attached to is a rewritten copy)."""
+
+    base: int
+    chain: tuple[tuple[Any, tuple, dict], ...]
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """What the functional body leaves to the end of the graph.
+
+    The body returns ``(*new values of `mutated`, *user outputs)``; `outputs` says, per user output,
+    whether the body's value is returned (None) or the output is rebuilt from an input (an
+    `AliasedOutput`)."""
+
+    mutated: tuple[int, ...]  # input index of each leading body output
+    outputs: tuple[AliasedOutput | None, ...]
+    input_names: tuple[str, ...]  # the Dynamo graph's placeholder names (for messages and records)
+    # per input, whether it requires grad; None: no backward will be derived (inference)
+    input_requires_grad: tuple[bool, ...] | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.mutated and all(o is None for o in self.outputs)
+
+    def describe(self) -> list[str]:
+        """One line per mutation and per aliased output, for the graph's record."""
+        lines = [f"writes input {self.input_names[i]} in place (copy_ after the graph)" for i in self.mutated]
+        for k, out in enumerate(self.outputs):
+            if out is not None:
+                what = "is" if not out.chain else "is a view of"
+                lines.append(f"output {k} {what} input {self.input_names[out.base]}")
+        return lines
+
+
+def functional_body(gm: Callable, example_inputs: Sequence[Any], training: bool) -> tuple[GraphModule, Epilogue]:
+    """The Dynamo graph `gm` (or any function of tensors) traced by AOTAutograd's functionalization (no decompositions, under
+    no_grad: an inference graph with the same inputs), and the epilogue that makes it `gm` again.
+    `training`: a backward will be derived from the result (then a grad-mode region inside the graph,
+    or a mutated input that requires grad, cannot be kept and raises)."""
+    from torch._functorch.aot_autograd import _aot_export_function
+
+    if isinstance(gm, GraphModule):
+        names = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
+        if training:
+            _refuse_grad_mode_changes(gm)
+    else:  # a function (the pass tests lower plain functions)
+        names = tuple(f"input {i}" for i in range(len(example_inputs)))
+    with torch.no_grad():
+        body, meta, in_spec, out_spec = _aot_export_function(gm, tuple(example_inputs), trace_joint=False)
+    _check_flat(in_spec.children()[0], out_spec)
+    if getattr(meta, "tokens", None):
+        raise UnsupportedGraph("the graph calls ops with side effects (effect tokens)")
+    mutated = _mutated_inputs(meta, names)
+    n_user = len(meta.output_info)
+    _keep_outputs(body, len(mutated) + n_user)  # (drops AOTAutograd's intermediate bases: autograd only)
+    outputs = _output_nodes(body)
+    new_values = dict(zip(mutated, outputs[:len(mutated)]))
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    aliased = tuple(
+        _aliased_output(k, info, outputs[len(mutated) + k], placeholders, new_values, names)
+        for k, info in enumerate(meta.output_info)
+    )
+    requires_grad = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs) if training else None
+    epilogue = Epilogue(tuple(mutated), aliased, names, requires_grad)
+    attach_epilogue(body, epilogue)  # raises here, not after the passes, if a view cannot be replayed
+    return body, epilogue
+
+
+def _refuse_grad_mode_changes(gm: GraphModule) -> None:
+    """The functional body is traced under no_grad and loses ``torch.no_grad()`` / ``enable_grad()``
+    regions; in training that would give gradients where eager gives none."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
+            raise UnsupportedGraph(f"the graph changes grad mode inside it ({n.name}: a torch.no_grad() or "
+                                   "enable_grad() region) and trains; dmfx's lowering would lose the region")
+
+
+def _check_flat(in_spec: Any, out_spec: Any) -> None:
+    """Dynamo graphs take and return flat tuples of tensors and scalars (as aot_export_joint_simple asks)."""
+    if in_spec.is_leaf() or not all(c.is_leaf() for c in in_spec.children()):
+        raise UnsupportedGraph(f"the graph's inputs are not a flat list ({in_spec})")
+    if out_spec is None or out_spec.is_leaf() or not all(c.is_leaf() for c in out_spec.children()):
+        raise UnsupportedGraph(f"the graph's outputs are not a flat tuple ({out_spec})")
+
+
+def _mutated_inputs(meta: Any, names: Sequence[str]) -> list[int]:
+    """The inputs whose data the graph writes, in the order of the functional graph's leading outputs;
+    raises on a mutation the epilogue cannot apply."""
+    mutated = []
+    for i, info in enumerate(meta.input_info):
+        if not (info.mutates_data or info.mutates_metadata):
+            continue
+        if info.mutates_metadata or info.mutates_storage_metadata or info.mutation_inductor_storage_resize:
+            raise UnsupportedGraph(f"input {names[i]} has its metadata or storage changed in place "
+                                   "(t_, transpose_, resize_, as_strided_, set_ or a storage resize)")
+        mutated.append(i)
+    if list(getattr(meta, "mutated_inp_runtime_indices", mutated)) != mutated:
+        raise UnsupportedGraph(f"AOTAutograd reports mutated inputs {meta.mutated_inp_runtime_indices}, "
+                               f"dmfx expected {mutated}")
+    return mutated
+
+
+def _output_nodes(gm: GraphModule) -> list[Any]:
+    return list(_output(gm).args[0])
+
+
+def _output(gm: GraphModule) -> Node:
+    return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+
+
+def _keep_outputs(gm: GraphModule, count: int) -> None:
+    """Return only the first `count` outputs of `gm`."""
+    out = _output(gm)
+    if len(out.args[0]) != count:
+        out.args = (tuple(out.args[0][:count]),)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+
+
+def _aliased_output(k: int, info: Any, node: Any, placeholders: list[Node], new_values: dict[int, Any],
+                    names: Sequence[str]) -> AliasedOutput | None:
+    """How user output `k` (AOTAutograd's OutputAliasInfo `info`, the functional graph's `node`) is
+    rebuilt after the graph: None when the body's value is returned as it is."""
+    from torch._functorch._aot_autograd.schemas import OutputType
+
+    kind = info.output_type
+    if kind == OutputType.is_input:
+        return AliasedOutput(info.base_idx, ())
+    if kind == OutputType.alias_of_input:
+        base = info.base_idx
+        root, chain = _view_chain(node)
+        if root is placeholders[base] or root is new_values.get(base):
+            return AliasedOutput(base, tuple((n.target, tuple(n.args[1:]), dict(n.kwargs)) for n in chain))
+        raise UnsupportedGraph(f"output {k} is a view of input {names[base]} that dmfx cannot replay "
+                               f"(its view ops lead to {getattr(root, 'name', root)})")
+    if kind == OutputType.custom_function_view:
+        raise UnsupportedGraph(f"output {k} is a view made by a custom autograd.Function")
+    return None  # a fresh tensor, or a view of an intermediate (the body returns that view itself)
+
+
+def _view_chain(node: Any) -> tuple[Any, list[Node]]:
+    """The tensor `node` is a view of through view ops (and getitems of multi-output views such as
+    split), and those ops, first to last."""
+    chain = []
+    while isinstance(node, Node) and node.op == "call_function" and (_is_view(node) or _is_view_item(node)):
+        chain.append(node)
+        node = node.args[0]
+    return node, chain[::-1]
+
+
+def _is_view(n: Node) -> bool:
+    return isinstance(n.target, torch._ops.OpOverload) and n.target.is_view
+
+
+def _is_view_item(n: Node) -> bool:
+    return n.target is operator.getitem and isinstance(n.args[0], Node) and _is_view(n.args[0])
+
+
+def attach_epilogue(body: GraphModule, epilogue: Epilogue) -> GraphModule:
+    """A new GraphModule: `body` (the functional body, maybe rewritten by the passes), then the
+    epilogue's input writes, then the user outputs (aliased ones rebuilt from their inputs). `body`
+    is left as it is. Raises `UnsupportedGraph` when a node a view replay needs is gone from `body`."""
+    graph = Graph()
+    env: dict[Node, Node] = {}
+    body_outputs = graph.graph_copy(body.graph, env)
+    body_outputs = list(body_outputs) if isinstance(body_outputs, (tuple, list)) else [body_outputs]
+    graph._codegen = body.graph._codegen
+    inputs = [env[n] for n in body.graph.nodes if n.op == "placeholder"]
+    by_name = {old.name: new for old, new in env.items()}
+    if epilogue.input_requires_grad is not None:
+        _clone_read_for_autograd(graph, [inputs[i] for i in epilogue.mutated], epilogue.input_requires_grad)
+    n_mut = len(epilogue.mutated)
+    written = {inputs[i] for i in epilogue.mutated}
+    values = [_unaliased(graph, v, written) for v in body_outputs[:n_mut]]
+    results = [_unaliased(graph, v, set(inputs)) if out is None else None
+               for v, out in zip(body_outputs[n_mut:], epilogue.outputs)]
+    for i, value in zip(epilogue.mutated, values):
+        if value is not inputs[i]:
+            graph.call_function(aten.copy_.default, (inputs[i], value)).meta.update(_meta_of(inputs[i]))
+    for k, out in enumerate(epilogue.outputs):
+        if out is not None:
+            results[k] = _replay(graph, inputs[out.base], out.chain, by_name, k)
+    graph.output(tuple(results))
+    graph.eliminate_dead_code()
+    return GraphModule(body, graph)
+
+
+def _clone_read_for_autograd(graph: Graph, mutated: list[Node], input_requires_grad: tuple[bool, ...]) -> None:
+    """Make the nodes of `graph` (the body, no epilogue yet) that may require grad and read one of the
+    `mutated` inputs read a clone of it, made before any of them runs."""
+    from .passes.graph_utils import grad_dependent_nodes
+
+    needs_grad = grad_dependent_nodes(graph, input_requires_grad)
+    last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    for x in mutated:
+        readers = [u for u in x.users if u in needs_grad]
+        if not readers:
+            continue
+        with graph.inserting_after(last_input):
+            clone = graph.call_function(aten.clone.default, (x,))
+        clone.meta.update(_meta_of(x))
+        for u in readers:
+            u.replace_input_with(x, clone)
+
+
+def _unaliased(graph: Graph, value: Any, inputs: set[Node]) -> Any:
+    """`value`, or a clone of it where it is (a view of) one of `inputs`: a value the epilogue writes
+    over, or an output AOTAutograd traced as fresh. (The functional body never makes such a value; a
+    pass could, by dropping a copy.)"""
+    if _view_chain(value)[0] not in inputs:
+        return value
+    node = graph.call_function(aten.clone.default, (value,))
+    node.meta.update(_meta_of(value))
+    return node
+
+
+def _meta_of(n: Any) -> dict:
+    return {"val": n.meta["val"]} if isinstance(n, Node) and "val" in n.meta else {}
+
+
+def _replay(graph: Graph, base: Node, chain: tuple, by_name: dict[str, Node], k: int) -> Node:
+    """`chain`'s view ops applied to `base` again, their node arguments (SymInts) found in `graph` by name."""
+
+    def mapped(x: Any) -> Any:
+        if not isinstance(x, Node):
+            return x
+        found = by_name.get(x.name)
+        if found is None or found.op != x.op or found.target != x.target:
+            raise UnsupportedGraph(f"output {k}: the view replay needs {x.name}, which the passes removed")
+        return found
+
+    node = base
+    for target, args, kwargs in chain:
+        args = torch.fx.node.map_aggregate(args, mapped)
+        kwargs = torch.fx.node.map_aggregate(kwargs, mapped)
+        node = graph.call_function(target, (node, *args), kwargs)
+    return node
+
+
+def reinplace_input_writes(gm: GraphModule) -> int:
+    """Turn ``w = op(x, ...)`` followed by the write-back ``copy_(x, w)`` (or ``copy_(x, copy(x, w))``)
+    into ``op_(x, ...)`` where `x` is a graph input, as eager ran it: a static cache's
+    ``index_copy(cache, ...)`` then writes one row instead of copying the whole cache twice.
+
+    AOTAutograd's trace of a graph that writes its inputs (kept in the inference graph) is functional
+    with the writes at the end; Inductor reinplaces such graphs itself, dmfx's GraphModules run them
+    as they are, hence this. Safe only where nothing reads `x`, or a view of it, after `op` (it would
+    see the new values), `op`'s other arguments do not alias `x`, and `w` has `x`'s size and strides;
+    otherwise the graph is left as it is. Returns how many writes were reinplaced."""
+    done = 0
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for write in [n for n in gm.graph.nodes if n.target is aten.copy_.default]:
+        x, value = write.args
+        if x.op != "placeholder" or write.users:
+            continue
+        copy = value if isinstance(value, Node) and value.target is aten.copy.default and value.args[0] is x else None
+        w = copy.args[1] if copy is not None else value
+        inplace = _inplace_variant(w)
+        if inplace is None or w.args[0] is not x or (copy is not None and len(copy.users) > 1):
+            continue
+        if not _same_layout(w, x) or _reads_after(x, w, {w, copy, write}, order) or \
+                any(_view_chain(a)[0] is x for a in w.all_input_nodes[1:]):
+            continue
+        with gm.graph.inserting_before(w):
+            new = gm.graph.call_function(inplace, w.args, w.kwargs)
+        new.meta.update(w.meta)
+        gm.graph.erase_node(write)
+        if copy is not None:
+            gm.graph.erase_node(copy)
+        w.replace_all_uses_with(new)
+        gm.graph.erase_node(w)
+        order[new] = order[w]
+        done += 1
+    if done:
+        gm.recompile()
+    return done
+
+
+def _inplace_variant(n: Any) -> Any:
+    """The in-place overload of `n`'s ATen op (``index_copy`` -> ``index_copy_``), or None."""
+    if not isinstance(n, Node) or not isinstance(n.target, torch._ops.OpOverload) or n.target.is_view:
+        return None
+    packet = getattr(aten, n.target.overloadpacket.__name__ + "_", None)
+    op = getattr(packet, n.target._overloadname, None) if packet is not None else None
+    if op is None or not op._schema.arguments or op._schema.arguments[0].alias_info is None:
+        return None
+    return op
+
+
+def _same_layout(w: Node, x: Node) -> bool:
+    from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+    a, b = w.meta.get("val"), x.meta.get("val")
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+            and a.shape == b.shape and a.stride() == b.stride() and is_non_overlapping_and_dense_or_false(b))
+
+
+def _reads_after(x: Node, w: Node, allowed: set, order: dict[Node, int]) -> bool:
+    """Whether a node after `w` (other than `allowed`) reads `x` or a view of it."""
+    aliases, frontier = set(), [x]
+    while frontier:
+        n = frontier.pop()
+        aliases.add(n)
+        for u in n.users:
+            if u in allowed:
+                continue
+            if u.op == "call_function" and (_is_view(u) or _is_view_item(u) or u.target is aten._unsafe_view.default):
+                frontier.append(u)
+            elif order.get(u, -1) > order[w] or u.op == "output":
+                return True
+    return False

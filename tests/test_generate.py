@@ -1,0 +1,90 @@
+"""Compiled generation with HF's generate(), greedy: the tokens are eager's, a whole generate compiles
+at most two graphs (prefill and decode: none per token), and none is left to PyTorch.
+
+Two ways users compile it: HF's own (``cache_implementation="static"`` and a ``CompileConfig``, which
+compiles the decode step; the static cache is written in place, dmfx/functionalize.py), and
+``model.forward = torch.compile(model.forward, ...)`` with the default dynamic cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dmfx
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 256
+
+
+def _model():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _generate(model, prompt, new_tokens=6, **kwargs):
+    return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, do_sample=False,
+                          **kwargs)
+
+
+def _compiled_records() -> list[dmfx.GraphRecord]:
+    records = dmfx.records()
+    assert records and all(r.fallback is None for r in records), [r.summary() for r in records]
+    return records
+
+
+def test_static_cache_generate_with_a_compile_config():
+    """HF's documented compiled decoding. On the CPU generate() compiles only where the (private)
+    ``CompileConfig._compile_all_devices`` is set; CompileConfig's default mode is
+    "reduce-overhead", which dmfx accepts. The prefill runs eagerly (HF compiles the decode step
+    only): one graph, written cache rows and all, reused for every token."""
+    model = _model()
+    prompt = torch.randint(0, VOCAB, (2, 7))
+    want = _generate(model, prompt, cache_implementation="static")
+    config = transformers.CompileConfig(backend=dmfx.with_options(fallback=False))  # (options= and mode= exclude each other)
+    assert config.mode == "reduce-overhead"
+    config._compile_all_devices = True
+    got = _generate(model, prompt, cache_implementation="static", compile_config=config)
+    assert torch.equal(got, want)
+    (decode,) = _compiled_records()
+    assert sum("in place" in line for line in decode.epilogue) >= 4, decode.epilogue  # keys and values per layer
+    for name in ("rope", "glu", "bias_dropout_residual_norm"):
+        assert decode.fired.get(name, 0) >= 2, decode.fired
+    _decode_attention_stays_sdpa(decode)
+
+
+def _decode_attention_stays_sdpa(decode: dmfx.GraphRecord) -> None:
+    """One query row against the cache: the cost model leaves it to PyTorch's SDPA, and says so."""
+    assert "lower_sdpa_calls" not in decode.fired, decode.fired
+    why = [m for m in decode.missed if "lower_sdpa_calls" in m]
+    assert len(why) == 2 and all("one query row" in m for m in why), decode.missed
+
+
+@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "automatic-dynamic"])
+def test_compiled_forward_with_the_dynamic_cache(dynamic):
+    """``dynamic=True``: two graphs, the prefill (any prompt length) and the decode step (one token
+    against a cache of any length), and a second generate with another prompt length and more tokens
+    compiles nothing more. The default (Dynamo's automatic dynamic shapes) compiles the first decode
+    step for its cache length and recompiles it once, dynamic, at the second: three graphs, and a
+    prompt of another length recompiles the prefill once more (Dynamo's choice, not dmfx's)."""
+    model = _model()
+    prompt = torch.randint(0, VOCAB, (2, 7))
+    other = torch.randint(0, VOCAB, (2, 5)) if dynamic else torch.randint(0, VOCAB, (2, 7))
+    want = (_generate(model, prompt), _generate(model, other, new_tokens=9))
+    model.forward = torch.compile(model.forward, backend="dmfx", dynamic=dynamic, options={"fallback": False})
+    got = _generate(model, prompt)
+    graphs = len(_compiled_records())
+    assert graphs == (2 if dynamic else 3), [r.summary() for r in dmfx.records()]
+    got_other = _generate(model, other, new_tokens=9)
+    assert torch.equal(got, want[0]) and torch.equal(got_other, want[1])
+    records = _compiled_records()
+    assert len(records) == graphs, [r.summary() for r in records]
+    prefill, decode = records[0], records[-1]
+    assert prefill.fired.get("rope") == 2 and decode.fired.get("glu") == 2
+    # each of the prefill's SDPA calls is fused or left to PyTorch with the cost model's reason (HF calls
+    # it causal or with a mask depending on the torch version; tests/test_pass_lower_sdpa_calls.py)
+    why = [m for m in prefill.missed if m.startswith("lower_sdpa_calls")]
+    assert prefill.fired.get("lower_sdpa_calls", 0) + len(why) == 2, (prefill.fired, prefill.missed)
+    _decode_attention_stays_sdpa(decode)
