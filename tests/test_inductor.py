@@ -175,3 +175,59 @@ def test_max_autotune_mode_turns_on_tuning():
     opts = _apply_mode(dmfx.Options.from_user({}), "max-autotune")
     assert opts.tune and opts.max_autotune
     assert _apply_mode(dmfx.Options.from_user({}), "reduce-overhead") == dmfx.Options.from_user({})
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_a_module_that_writes_its_buffers_under_inductor(training):
+    """Input writes (dmfx/functionalize.py's epilogue) reach Inductor as copy_ into graph inputs."""
+    from tests.test_mutation import RunningStats
+
+    with torch.no_grad():
+        for p in (ref := RunningStats()).parameters():
+            p.normal_()
+    mine = copy.deepcopy(ref)
+    compiled = torch.compile(mine, backend="dmfx", options=INDUCTOR)
+    for _ in range(2):
+        x = torch.randn(16, 48, requires_grad=training)
+        with torch.set_grad_enabled(training):
+            want, got = ref(x), compiled(x)
+        assert rel_err(mine.mean, ref.mean) < 1e-6 and torch.equal(mine.steps, ref.steps)
+        assert rel_err(got, want) < 1e-5
+        if training:
+            cot = torch.randn(16, 48)
+            assert rel_err(torch.autograd.grad((got * cot).sum(), x)[0], torch.autograd.grad((want * cot).sum(), x)[0]) < 1e-5
+    (record,) = dmfx.records()
+    assert record.fallback is None and record.compiler == "inductor" and record.fired.get("layer_norm") == 1
+
+
+@pytest.mark.parametrize("fuse", ["auto", "all"])
+def test_a_static_cache_decode_step_under_inductor(fuse):
+    """The decode step of HF's static cache (index_copy_ into the cache at cache_position): left to
+    Inductor whole by default (no dropout), or dmfx's fusions inside Inductor's code with fuse="all";
+    both match the Dynamo graph run op by op and write the same cache rows."""
+    from tests.test_mutation import _tiny_llama
+
+    transformers, model = _tiny_llama()
+    batch, prompt_len, max_len = 2, 7, 16
+    prompt = torch.randint(0, 256, (batch, prompt_len))
+
+    def prefilled():
+        cache = transformers.StaticCache(config=model.config, max_cache_len=max_len)
+        model(input_ids=prompt, cache=cache, cache_position=torch.arange(prompt_len), use_cache=True)
+        return cache
+
+    with torch.no_grad():
+        ref_cache, cache = prefilled(), prefilled()
+        reference = torch.compile(model.forward, backend="eager")
+        compiled = torch.compile(model.forward, backend="dmfx", options={**INDUCTOR, "fuse": fuse})
+        for pos in (prompt_len, prompt_len + 1):
+            ids = torch.randint(0, 256, (batch, 1))
+            kw = dict(input_ids=ids, cache_position=torch.tensor([pos]), use_cache=True)
+            assert rel_err(compiled(cache=cache, **kw).logits, reference(cache=ref_cache, **kw).logits) < 1e-5
+    for mine, ref in zip(cache.layers, ref_cache.layers):
+        assert rel_err(mine.keys, ref.keys) < 1e-6 and rel_err(mine.values, ref.values) < 1e-6
+    (record,) = dmfx.records()
+    if fuse == "auto":
+        assert record.fallback.startswith("left to Inductor")
+    else:
+        assert record.fallback is None and record.compiler == "inductor" and record.fired.get("rope", 0) >= 2
