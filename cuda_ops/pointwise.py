@@ -185,7 +185,7 @@ def _acc_dtype(t: Tensor) -> torch.dtype:
 def reference_act(v: Tensor, act: str) -> Tensor:
     """The activation by name, in plain PyTorch."""
     if act not in ACTS:
-        raise ValueError(f"dmfx: unknown activation {act!r}; valid activations are {', '.join(ACTS)}")
+        raise ValueError(f"dmfx::reference_act: unknown activation {act!r}; valid activations are {', '.join(ACTS)}")
     if act == "identity":
         return v
     if act == "relu":
