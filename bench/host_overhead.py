@@ -35,6 +35,10 @@ def _cases() -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
     xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
     s = torch.randn(2, 2, 8, 8)
     q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    # rope: cos/sin [1, 1, S, D] broadcast to q, k [B, H, S, D]; HF's q/k are transposed views of [B, S, H, D]
+    cos, sin = torch.randn(1, 1, 8, 16), torch.randn(1, 1, 8, 16)
+    qt, kt = (torch.randn(1, 8, 2, 16).transpose(1, 2) for _ in range(2))
+    qg, kg = q.clone().requires_grad_(), k.clone().requires_grad_()
     seed, eps = new_seed(), 1e-5
     dm, at = torch.ops.dmfx, torch.ops.aten
     return {
@@ -45,6 +49,10 @@ def _cases() -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
         "bias_act_dropout gelu": (lambda: dm.bias_act_dropout(x, b, "gelu", None, 0.0), lambda: at.gelu(x)),
         "bias_act_dropout gelu grad": (lambda: dm.bias_act_dropout(xg, bg, "gelu", None, 0.0), lambda: at.gelu(xg)),
         "glu silu": (lambda: dm.glu(x, x, "silu"), lambda: at.silu(x)),
+        "glu silu grad": (lambda: dm.glu(xg, xg, "silu"), lambda: at.silu(xg)),
+        "rope": (lambda: dm.rope(q, k, cos, sin, False), lambda: at.mul(q, cos)),
+        "rope transposed": (lambda: dm.rope(qt, kt, cos, sin, False), lambda: at.mul(qt, cos)),
+        "rope grad": (lambda: dm.rope(qg, kg, cos, sin, False), lambda: at.mul(qg, cos)),
         "attention_softmax": (lambda: dm.attention_softmax(s, None, 1.0, False, None, 0.0), lambda: at._softmax(s, -1, False)),
         "flash_attention": (lambda: dm.flash_attention(q, k, v, None, 0.25, False, None, 0.0),
                             lambda: at._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=0.25)),

@@ -1,8 +1,13 @@
 """dmfx's fused pointwise ops: bias + activation + dropout, gated activations, rotary embedding.
 
-Ops (``torch.library`` fragment of the ``dmfx::`` namespace; kernels in csrc/pointwise_cpu.cpp and
-csrc/pointwise_cuda.cu, per-element math shared in csrc/pointwise_api.h)
---------------------------------------------------------------------------------------------------
+The ops' schemas and fake implementations (for tracing) are here; their CPU and CUDA kernels, their
+argument checks and their autograd formulas (each backward is itself a fused op) are registered in
+C++: csrc/pointwise_ops.h (the ops on top of the kernels, any device), csrc/pointwise_cpu.cpp (the CPU
+kernels, the registration of them and of the autograd formulas), csrc/pointwise_cuda.cu +
+pointwise_cuda_bind.cpp (CUDA); the per-element math is shared in csrc/pointwise_api.h.
+
+Ops
+---
 ``dmfx::bias_act_dropout(x, bias?, act, seed?, p) -> out``: the paper's BRD,
     ``out = dropout(act(x + bias), p)`` over x [..., N] with bias [N]; ``seed`` None requires p == 0.
 ``dmfx::bias_act_dropout_backward(grad_out, x, bias?, act, seed?, p, output_mask, mask?=None,
@@ -19,8 +24,10 @@ csrc/pointwise_cuda.cu, per-element math shared in csrc/pointwise_api.h)
     backward). cos/sin broadcast to q and k through strides (never materialized).
 
 Activations (``act``): "identity", "relu", "gelu" (erf form), "gelu_tanh" (tanh approximation),
-"silu", "tanh" (BERT's pooler). Dropout seeds are int64 CPU tensors ``[seed, offset]`` (``ops.new_seed()``); the mask of
-element i (row-major logical index in x's shape) is the Philox mask of dmfx_common.h.
+"silu", "tanh" (BERT's pooler). Dropout seeds are int64 CPU tensors ``[seed, offset]`` (``new_seed()``,
+_library.py); the mask of element i (row-major logical index in x's shape) is the Philox mask of
+dmfx_common.h. Autograd: double backward through ``bias_act_dropout_backward`` or ``glu_backward``
+raises NotImplementedError; ``rope``'s backward is ``rope`` again (differentiable).
 
 Determinism (CPU; tests/test_determinism.py): every op is bit-reproducible run to run with the
 thread count fixed; all outputs but ``bias_act_dropout_backward``'s dbias are also independent of
@@ -39,16 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import reference as R
-from ._library import (
-    LIB as _lib,
-    check_dropout_p,
-    check_stored_mask as _check_stored_mask,
-    check_tensor as _check_tensor,
-    new_seed,
-    no_double_backward,
-    seed_values as _seed_values,
-)
-from .build import kernels_for
+from ._library import LIB as _lib, check_tensor as _check_tensor, kernels_in_cxx, new_seed
 
 _lib.define("bias_act_dropout(Tensor x, Tensor? bias, str act, Tensor? seed, float p) -> Tensor")
 _lib.define(
@@ -62,7 +60,7 @@ _lib.define(
 _lib.define("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool inverse) -> (Tensor, Tensor)")
 
 OPS = ("bias_act_dropout", "bias_act_dropout_backward", "glu", "glu_backward", "rope")
-
+kernels_in_cxx(OPS)
 
 
 def _activations_of_the_kernels() -> tuple[str, ...]:
@@ -78,60 +76,10 @@ def _activations_of_the_kernels() -> tuple[str, ...]:
 
 # Activation names, indexed by the codes the kernels take.
 ACTS = _activations_of_the_kernels()
-_ACT_CODES = {name: i for i, name in enumerate(ACTS)}
 
 
-# ----------------------------------------------------------------------------------------- checks
-
-
-def _act_code(act: object, op: str) -> int:
-    code = _ACT_CODES.get(act) if isinstance(act, str) else None
-    if code is None:
-        raise ValueError(f"dmfx::{op}: unknown activation {act!r}; valid activations are {', '.join(ACTS)}")
-    return code
-
-
-def _check_dropout(seed: Tensor | None, p: float, op: str) -> None:
-    check_dropout_p(op, p, seed)
-
-
-def _check_mask(output_mask, op: str, names: str) -> list[bool]:
-    m = list(output_mask)
-    if len(m) != 2:
-        raise ValueError(f"dmfx::{op}: output_mask needs 2 entries {names}, got {m}")
-    return m
-
-
-# ----------------------------------------------------------------------------------------- kernels
-
-
-def _bias_act_dropout_kernel(x, bias, act, seed, p):
-    op = "bias_act_dropout"
-    code = _act_code(act, op)
-    _check_dropout(seed, p, op)
-    s, o = _seed_values(seed, op)
-    return kernels_for(x.device).bias_act_fwd(x, bias, code, s, o, p)
-
-
-def _bias_act_dropout_backward_kernel(grad_out, x, bias, act, seed, p, output_mask, mask=None, mask_scale=1.0):
-    op = "bias_act_dropout_backward"
-    code = _act_code(act, op)
-    _check_dropout(seed, p, op)
-    m = _check_mask(output_mask, op, "[dx, dbias]")
-    _check_stored_mask(op, mask, "x", x, p)
-    s, o = _seed_values(seed, op)
-    return tuple(kernels_for(x.device).bias_act_bwd(grad_out, x, bias, code, s, o, p, m, mask, mask_scale))
-
-
-def _glu_kernel(gate, up, act):
-    return kernels_for(gate.device).glu_fwd(gate, up, _act_code(act, "glu"))
-
-
-def _glu_backward_kernel(grad_out, gate, up, act, output_mask):
-    op = "glu_backward"
-    code = _act_code(act, op)
-    m = _check_mask(output_mask, op, "[dgate, dup]")
-    return tuple(kernels_for(gate.device).glu_bwd(grad_out, gate, up, code, m))
+# rope's output layout, which the fake has to describe as the kernel makes it (csrc/pointwise_ops.h:
+# memory_order, rope_layout).
 
 
 def _memory_order(t: Tensor) -> list[int] | None:
@@ -153,31 +101,6 @@ def _rope_layout(q: Tensor, k: Tensor) -> list[int] | None:
     return order if order is not None and _memory_order(k) == order else None
 
 
-def _permuted(t: Tensor, order: list[int], rank: int) -> Tensor:
-    return t.reshape((1,) * (rank - t.dim()) + tuple(t.shape)).permute(order) if t.dim() <= rank else t
-
-
-def _rope_kernel(q, k, cos, sin, inverse):
-    order = _rope_layout(q, k)
-    if order is None:
-        return tuple(kernels_for(q.device).rope(q, k, cos, sin, inverse))
-    # run on the memory-order views (contiguous outputs there), hand back the logical views
-    back = sorted(range(len(order)), key=order.__getitem__)
-    r = q.dim()
-    qo, ko = kernels_for(q.device).rope(
-        q.permute(order), k.permute(order), _permuted(cos, order, r), _permuted(sin, order, r), inverse
-    )
-    return qo.permute(back), ko.permute(back)
-
-
-for _dev in ("CPU", "CUDA"):
-    _lib.impl("bias_act_dropout", _bias_act_dropout_kernel, _dev)
-    _lib.impl("bias_act_dropout_backward", _bias_act_dropout_backward_kernel, _dev)
-    _lib.impl("glu", _glu_kernel, _dev)
-    _lib.impl("glu_backward", _glu_backward_kernel, _dev)
-    _lib.impl("rope", _rope_kernel, _dev)
-
-
 # ----------------------------------------------------------------------------------------- fakes
 
 
@@ -191,16 +114,12 @@ def _nothing(t: Tensor) -> Tensor:
 
 @torch.library.register_fake("dmfx::bias_act_dropout")
 def _bias_act_dropout_fake(x, bias, act, seed, p):
-    _act_code(act, "bias_act_dropout")
-    _check_dropout(seed, p, "bias_act_dropout")
     return _like(x)
 
 
 @torch.library.register_fake("dmfx::bias_act_dropout_backward")
 def _bias_act_dropout_backward_fake(grad_out, x, bias, act, seed, p, output_mask, mask=None, mask_scale=1.0):
-    _act_code(act, "bias_act_dropout_backward")
-    m = _check_mask(output_mask, "bias_act_dropout_backward", "[dx, dbias]")
-    _check_stored_mask("bias_act_dropout_backward", mask, "x", x, p)
+    m = list(output_mask)
     dx = _like(x) if m[0] else _nothing(x)
     dbias = x.new_empty((x.shape[-1],)) if m[1] else _nothing(x)
     return dx, dbias
@@ -208,14 +127,12 @@ def _bias_act_dropout_backward_fake(grad_out, x, bias, act, seed, p, output_mask
 
 @torch.library.register_fake("dmfx::glu")
 def _glu_fake(gate, up, act):
-    _act_code(act, "glu")
     return _like(gate)
 
 
 @torch.library.register_fake("dmfx::glu_backward")
 def _glu_backward_fake(grad_out, gate, up, act, output_mask):
-    _act_code(act, "glu_backward")
-    m = _check_mask(output_mask, "glu_backward", "[dgate, dup]")
+    m = list(output_mask)
     return (_like(gate) if m[0] else _nothing(gate)), (_like(gate) if m[1] else _nothing(gate))
 
 
@@ -229,102 +146,6 @@ def _rope_fake(q, k, cos, sin, inverse):
         q.new_empty([q.shape[d] for d in order]).permute(back),
         k.new_empty([k.shape[d] for d in order]).permute(back),
     )
-
-
-# ----------------------------------------------------------------------------------------- autograd
-
-
-def _setup_bias_act_dropout(ctx, inputs, output):
-    x, bias, act, seed, p = inputs
-    ctx.act, ctx.p, ctx.has_bias = act, p, bias is not None
-    ctx.save_for_backward(x, bias, seed)
-
-
-def _backward_bias_act_dropout(ctx, grad):
-    x, bias, seed = ctx.saved_tensors
-    nx, nb = ctx.needs_input_grad[:2]
-    mask = [nx, nb and ctx.has_bias]
-    if not any(mask):
-        return None, None, None, None, None
-    dx, db = torch.ops.dmfx.bias_act_dropout_backward(grad, x, bias, ctx.act, seed, ctx.p, mask)
-    return (dx if mask[0] else None), (db if mask[1] else None), None, None, None
-
-
-torch.library.register_autograd(
-    "dmfx::bias_act_dropout", _backward_bias_act_dropout, setup_context=_setup_bias_act_dropout
-)
-
-
-def _setup_glu(ctx, inputs, output):
-    gate, up, act = inputs
-    ctx.act = act
-    ctx.save_for_backward(gate, up)
-
-
-def _backward_glu(ctx, grad):
-    gate, up = ctx.saved_tensors
-    mask = list(ctx.needs_input_grad[:2])
-    if not any(mask):
-        return None, None, None
-    dgate, dup = torch.ops.dmfx.glu_backward(grad, gate, up, ctx.act, mask)
-    return (dgate if mask[0] else None), (dup if mask[1] else None), None
-
-
-torch.library.register_autograd("dmfx::glu", _backward_glu, setup_context=_setup_glu)
-
-
-def _rotate_half(t: Tensor) -> Tensor:
-    h = t.shape[-1] // 2
-    return torch.cat((-t[..., h:], t[..., :h]), dim=-1)
-
-
-def _setup_rope(ctx, inputs, output):
-    q, k, cos, sin, inverse = inputs
-    ctx.inverse = inverse
-    # cos/sin rarely need gradients; only then are q and k kept (for the plain-torch formulas).
-    ctx.need_tables = bool(ctx.needs_input_grad[2] or ctx.needs_input_grad[3])
-    ctx.q_meta = (q.shape, q.dtype, q.device)
-    ctx.k_meta = (k.shape, k.dtype, k.device)
-    ctx.save_for_backward(cos, sin, q if ctx.need_tables else None, k if ctx.need_tables else None)
-
-
-def _backward_rope(ctx, gq, gk):
-    cos, sin, q, k = ctx.saved_tensors
-    if gq is None:
-        shape, dtype, device = ctx.q_meta
-        gq = torch.zeros(shape, dtype=dtype, device=device)
-    if gk is None:
-        shape, dtype, device = ctx.k_meta
-        gk = torch.zeros(shape, dtype=dtype, device=device)
-    dq = dk = dcos = dsin = None
-    if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-        # The map is linear in (q, k): its backward is the transpose map, i.e. the other direction.
-        dq, dk = torch.ops.dmfx.rope(gq, gk, cos, sin, not ctx.inverse)
-    if ctx.need_tables:
-        # forward: out = x c + rot(x) s       -> dc = g x, ds = g rot(x)
-        # inverse: out = x c - rot(x s)       -> dc = g x, ds = x rot(g)   (rot^T = -rot)
-        def tables(g, x):
-            ds = x * _rotate_half(g) if ctx.inverse else g * _rotate_half(x)
-            return g * x, ds
-
-        cq, sq = tables(gq, q)
-        ck, sk = tables(gk, k)
-        dcos = cq.sum_to_size(cos.shape) + ck.sum_to_size(cos.shape)
-        dsin = sq.sum_to_size(sin.shape) + sk.sum_to_size(sin.shape)
-    return (
-        dq if ctx.needs_input_grad[0] else None,
-        dk if ctx.needs_input_grad[1] else None,
-        dcos if ctx.needs_input_grad[2] else None,
-        dsin if ctx.needs_input_grad[3] else None,
-        None,
-    )
-
-
-torch.library.register_autograd("dmfx::rope", _backward_rope, setup_context=_setup_rope)
-
-
-no_double_backward("bias_act_dropout_backward", "dmfx.bias_act_dropout")
-no_double_backward("glu_backward", "dmfx.glu")
 
 
 # ----------------------------------------------------------------------------------------- Python API
@@ -363,7 +184,8 @@ def _acc_dtype(t: Tensor) -> torch.dtype:
 
 def reference_act(v: Tensor, act: str) -> Tensor:
     """The activation by name, in plain PyTorch."""
-    _act_code(act, "reference_act")
+    if act not in ACTS:
+        raise ValueError(f"dmfx::reference_act: unknown activation {act!r}; valid activations are {', '.join(ACTS)}")
     if act == "identity":
         return v
     if act == "relu":
@@ -392,6 +214,11 @@ def reference_bias_act_dropout(x: Tensor, bias: Tensor | None, act: str, seed: T
 def reference_glu(gate: Tensor, up: Tensor, act: str) -> Tensor:
     acc = _acc_dtype(gate)
     return (reference_act(gate.to(acc), act) * up.to(acc)).to(gate.dtype)
+
+
+def _rotate_half(t: Tensor) -> Tensor:
+    h = t.shape[-1] // 2
+    return torch.cat((-t[..., h:], t[..., :h]), dim=-1)
 
 
 def reference_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:

@@ -279,6 +279,19 @@ def test_bias_act_dropout_errors():
         P.bias_act_dropout([1.0, 2.0])
 
 
+@pytest.mark.parametrize("op", P.OPS)
+def test_the_ops_kernels_and_autograd_are_the_extensions_cxx_ones(op):
+    """No Python runs between the dispatcher and a pointwise kernel: once the extension is loaded, each
+    op's CPU and Autograd kernels are the ones pointwise_cpu.cpp registers (not a Python function)."""
+    from dmfx.cuda_ops.build import load
+
+    load("cpu")
+    dump = torch._C._dispatch_dump(f"dmfx::{op}").splitlines()
+    for key in ("CPU", "Autograd[alias]"):
+        (line,) = [ln for ln in dump if ln.startswith(f"{key}: ")]
+        assert "pointwise_cpu.cpp" in line and "unboxed" in line, line
+
+
 def test_kernel_rejects_bad_activation_code():
     from dmfx.cuda_ops.build import load
 

@@ -6,6 +6,7 @@
 //
 // kernel_table / use_kernel_table: the table of kernel pointers the registered kernels call
 // (cpu_kernels.h), so build.using_cpu_build can run the ops on another CPU build's kernels.
+// (The pointwise family's bind_pointwise is the exception, defined below: see there why.)
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -37,6 +38,24 @@ int64_t use_kernel_table(int64_t address) {
 }  // namespace
 
 const CpuKernels& cpu_kernels() { return *active_kernels.load(std::memory_order_acquire); }
+}  // namespace dmfx
+
+// ------------------------------------------------------------------------------------ pointwise
+// The pointwise family's kernel functions are bound here rather than in pointwise_cpu.cpp, so that
+// translation unit does not parse torch's pybind header (about 4.5 s per translation unit here).
+namespace dmfx {
+void bind_pointwise(pybind11::module_& m) {
+  m.def("bias_act_fwd", &bias_act_fwd_cpu, "fused bias + activation + dropout forward (CPU)");
+  m.def("bias_act_bwd", &bias_act_bwd_cpu,
+        "fused bias + activation + dropout backward with the bias gradient (CPU); a stored bool mask "
+        "(native_dropout's) replaces the Philox one",
+        pybind11::arg("grad_out"), pybind11::arg("x"), pybind11::arg("bias"), pybind11::arg("act"),
+        pybind11::arg("seed"), pybind11::arg("offset"), pybind11::arg("p"), pybind11::arg("output_mask"),
+        pybind11::arg("mask") = pybind11::none(), pybind11::arg("mask_scale") = 1.0);
+  m.def("glu_fwd", &glu_fwd_cpu, "gated activation act(gate) * up (CPU)");
+  m.def("glu_bwd", &glu_bwd_cpu, "gated activation backward [dgate, dup] (CPU)");
+  m.def("rope", &rope_cpu, "rotary position embedding of q and k; inverse=True is its backward (CPU)");
+}
 }  // namespace dmfx
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -153,4 +153,19 @@ inline c10::optional<at::Tensor> opt(const at::Tensor& t) {
   return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt;
 }
 
+// ------------------------------------------------------------------ a stored dropout mask (pointwise)
+// An op's check of a dropout mask a forward that was not dmfx's stored (native_dropout's bool mask,
+// of `ref`'s shape; p must then be 0): ValueError, as the ops' Python checks raised. The kernels check
+// the same again for callers that bypass the op (kernel_api.h check_stored_mask: RuntimeError).
+inline void check_stored_mask_arg(const char* op, const c10::optional<at::Tensor>& mask, const char* ref_name,
+                                  const at::Tensor& ref, double p) {
+  if (!present(mask)) return;
+  TORCH_CHECK_VALUE(mask->scalar_type() == at::kBool, "dmfx::", op,
+                    ": mask must be a bool tensor (the mask native_dropout returns), got ", mask->scalar_type());
+  TORCH_CHECK_VALUE(mask->sizes() == ref.sizes(), "dmfx::", op, ": mask must have the shape of ", ref_name, " ",
+                    ref.sizes(), ", got ", mask->sizes());
+  TORCH_CHECK_VALUE(p == 0.0, "dmfx::", op, ": a stored mask and p = ", p,
+                    " > 0 would be two dropout masks; pass p = 0 with a mask");
+}
+
 }  // namespace dmfx

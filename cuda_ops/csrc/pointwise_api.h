@@ -2,7 +2,7 @@
 // shared by the CPU (C++) and CUDA kernels: the activation functions and their derivatives.
 //
 // Activation codes (enum Act below is the one table: cuda_ops/pointwise.py reads its names from it,
-// kGeluTanh -> "gelu_tanh"):
+// kGeluTanh -> "gelu_tanh"; kActNames beside it spells the same names for the ops' `str act`):
 //   0 identity, 1 relu, 2 gelu (erf form, torch gelu approximate='none'),
 //   3 gelu_tanh (torch gelu approximate='tanh'), 4 silu (x * sigmoid(x)), 5 tanh (BERT's pooler).
 //
@@ -15,10 +15,10 @@
 // The second half of this file is host-only: argument checks and input preparation shared by the CPU
 // and CUDA entry points, so both accept and reject exactly the same inputs with the same messages.
 #pragma once
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
 
 #include <cmath>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -30,6 +30,11 @@ namespace pointwise_impl {
 
 enum Act : int { kIdentity = 0, kRelu = 1, kGelu = 2, kGeluTanh = 3, kSilu = 4, kTanh = 5 };
 constexpr int kNumActs = 6;
+// The names the ops take (`str act`), indexed by code: enum Act's names in snake case, as
+// cuda_ops/pointwise.py derives them (the op tests run every name against its reference, so an order
+// that disagreed with the enum would fail them).
+constexpr const char* kActNames[] = {"identity", "relu", "gelu", "gelu_tanh", "silu", "tanh"};
+static_assert(sizeof(kActNames) / sizeof(kActNames[0]) == kNumActs, "one name per activation code");
 
 template <typename T>
 struct PwMath;
@@ -164,9 +169,19 @@ inline void check_act(const char* op, int64_t act) {
               " (0 identity, 1 relu, 2 gelu, 3 gelu_tanh, 4 silu, 5 tanh)");
 }
 
+// The code of the activation named `act` (an op's `str act`); ValueError naming the valid ones.
+inline int64_t act_code(const char* op, c10::string_view act) {
+  std::string valid;
+  for (int i = 0; i < kNumActs; ++i) {
+    if (act == kActNames[i]) return i;
+    valid += (i ? ", " : "") + std::string(kActNames[i]);
+  }
+  TORCH_CHECK_VALUE(false, "dmfx::", op, ": unknown activation '", std::string(act), "'; valid activations are ", valid);
+}
+
 inline void check_mask(const char* op, const std::vector<bool>& mask, const char* what) {
-  TORCH_CHECK(mask.size() == 2, "dmfx::", op, ": output_mask needs 2 entries ", what, ", got ",
-              mask.size());
+  TORCH_CHECK_VALUE(mask.size() == 2, "dmfx::", op, ": output_mask needs 2 entries ", what, ", got ",
+                    mask.size());
 }
 
 inline int64_t num_rows(const at::Tensor& t) {

@@ -25,13 +25,12 @@
 #endif
 #endif
 
-#include <ATen/ATen.h>
-#include <torch/csrc/utils/pybind.h>
-#include <torch/library.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <type_traits>
@@ -589,17 +588,157 @@ std::vector<at::Tensor> rope_cpu(const at::Tensor& q, const at::Tensor& k, const
   return outs;
 }
 
-void bind_pointwise(pybind11::module_& m) {
-  m.def("bias_act_fwd", &bias_act_fwd_cpu, "fused bias + activation + dropout forward (CPU)");
-  m.def("bias_act_bwd", &bias_act_bwd_cpu,
-        "fused bias + activation + dropout backward with the bias gradient (CPU); a stored bool mask "
-        "(native_dropout's) replaces the Philox one",
-        pybind11::arg("grad_out"), pybind11::arg("x"), pybind11::arg("bias"), pybind11::arg("act"),
-        pybind11::arg("seed"), pybind11::arg("offset"), pybind11::arg("p"), pybind11::arg("output_mask"),
-        pybind11::arg("mask") = pybind11::none(), pybind11::arg("mask_scale") = 1.0);
-  m.def("glu_fwd", &glu_fwd_cpu, "gated activation act(gate) * up (CPU)");
-  m.def("glu_bwd", &glu_bwd_cpu, "gated activation backward [dgate, dup] (CPU)");
-  m.def("rope", &rope_cpu, "rotary position embedding of q and k; inverse=True is its backward (CPU)");
+}  // namespace dmfx
+
+#ifndef DMFX_KERNELS_ONLY
+// ------------------------------------------------------------------------------------------------
+// The ops: CPU kernels (through the kernel table: cpu_kernels.h) and the family's autograd formulas
+// ------------------------------------------------------------------------------------------------
+#include <ATen/ops/cat.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include "pointwise_ops.h"
+
+namespace dmfx {
+namespace pointwise_ops {
+namespace {
+
+struct CpuPointwise {
+  template <class... A>
+  static Tensor bias_act_fwd(A&&... a) { return cpu_kernels().bias_act_fwd(std::forward<A>(a)...); }
+  template <class... A>
+  static Tensors bias_act_bwd(A&&... a) { return cpu_kernels().bias_act_bwd(std::forward<A>(a)...); }
+  template <class... A>
+  static Tensor glu_fwd(A&&... a) { return cpu_kernels().glu_fwd(std::forward<A>(a)...); }
+  template <class... A>
+  static Tensors glu_bwd(A&&... a) { return cpu_kernels().glu_bwd(std::forward<A>(a)...); }
+  template <class... A>
+  static Tensors rope(A&&... a) { return cpu_kernels().rope(std::forward<A>(a)...); }
+};
+
+using BiasActDropoutBackwardSig = decltype(bias_act_dropout_backward<CpuPointwise>);
+using GluBackwardSig = decltype(glu_backward<CpuPointwise>);
+
+// out = dropout(act(x + bias)); the backward is dmfx::bias_act_dropout_backward, which recomputes
+// act'(x + bias) and the mask from x and the seed (nothing else is saved).
+struct BiasActDropoutFn : public torch::autograd::Function<BiasActDropoutFn> {
+  static constexpr const char* name = "dmfx::bias_act_dropout";
+  using Sig = decltype(bias_act_dropout<CpuPointwise>);
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Opt& bias, c10::string_view act,
+                               const Opt& seed, double p) {
+    ctx->saved_data["needs"] = needs_bits(x, bias);
+    ctx->saved_data["act"] = std::string(act);
+    ctx->saved_data["p"] = p;
+    ctx->save_for_backward({x, bias.value_or(Tensor()), seed.value_or(Tensor())});
+    return AutogradKernel<BiasActDropoutFn>::below(x, bias, act, seed, p);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const auto v = ctx->get_saved_variables();
+    const bool nx = needs(ctx, 0), nb = needs(ctx, 1);  // (nb: a bias that requires grad)
+    variable_list grads(5);
+    if (!(nx || nb)) return grads;
+    static const auto backward = dmfx_op<BiasActDropoutBackwardSig>("dmfx::bias_act_dropout_backward");
+    auto [dx, db] = backward.call(g[0], v[0], opt(v[1]), ctx->saved_data["act"].toStringRef(), opt(v[2]),
+                                  ctx->saved_data["p"].toDouble(), bools({nx, nb}), c10::nullopt, 1.0);
+    grads[0] = nx ? dx : Tensor();
+    grads[1] = nb ? db : Tensor();
+    return grads;
+  }
+};
+
+// out = act(gate) * up; the backward is dmfx::glu_backward.
+struct GluFn : public torch::autograd::Function<GluFn> {
+  static constexpr const char* name = "dmfx::glu";
+  using Sig = decltype(glu<CpuPointwise>);
+  static variable_list forward(AutogradContext* ctx, const Tensor& gate, const Tensor& up, c10::string_view act) {
+    ctx->saved_data["needs"] = needs_bits(gate, up);
+    ctx->saved_data["act"] = std::string(act);
+    ctx->save_for_backward({gate, up});
+    return AutogradKernel<GluFn>::below(gate, up, act);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const auto v = ctx->get_saved_variables();
+    const bool ng = needs(ctx, 0), nu = needs(ctx, 1);
+    variable_list grads(3);
+    if (!(ng || nu)) return grads;
+    static const auto backward = dmfx_op<GluBackwardSig>("dmfx::glu_backward");
+    auto [dgate, dup] = backward.call(g[0], v[0], v[1], ctx->saved_data["act"].toStringRef(), bools({ng, nu}));
+    grads[0] = ng ? dgate : Tensor();
+    grads[1] = nu ? dup : Tensor();
+    return grads;
+  }
+};
+
+// HF's rotate_half: cat(-t[..., D/2:], t[..., :D/2]).
+Tensor rotate_half(const Tensor& t) {
+  const c10::SymInt h = t.sym_size(-1) / 2;
+  return at::cat({t.slice_symint(-1, h).neg(), t.slice_symint(-1, 0, h)}, -1);
 }
 
+// (q_out, k_out) = rope(q, k, cos, sin). The map is linear in (q, k): its backward is the transpose
+// map, dmfx::rope in the other direction (differentiable again). cos/sin rarely need gradients; only
+// then are q and k kept, for the plain-ATen formulas of theirs.
+struct RopeFn : public torch::autograd::Function<RopeFn> {
+  static constexpr const char* name = "dmfx::rope";
+  using Sig = decltype(rope<CpuPointwise>);
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& cos,
+                               const Tensor& sin, bool inverse) {
+    ctx->saved_data["needs"] = needs_bits(q, k, cos, sin);
+    ctx->saved_data["inverse"] = inverse;
+    const bool tables = requires_grad(cos) || requires_grad(sin);
+    ctx->save_for_backward({cos, sin, tables ? q : Tensor(), tables ? k : Tensor()});
+    return AutogradKernel<RopeFn>::below(q, k, cos, sin, inverse);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    // (an output whose gradient autograd did not compute arrives as zeros: materialized grads)
+    const auto v = ctx->get_saved_variables();
+    const Tensor &cos = v[0], &sin = v[1], &q = v[2], &k = v[3], &gq = g[0], &gk = g[1];
+    const bool inverse = ctx->saved_data["inverse"].toBool();
+    variable_list grads(5);
+    if (needs(ctx, 0) || needs(ctx, 1)) {
+      auto [dq, dk] = op_of<RopeFn>().call(gq, gk, cos, sin, !inverse);
+      grads[0] = needs(ctx, 0) ? dq : Tensor();
+      grads[1] = needs(ctx, 1) ? dk : Tensor();
+    }
+    if (q.defined()) {
+      // forward: out = x c + rot(x) s       -> dc = g x, ds = g rot(x)
+      // inverse: out = x c - rot(x s)       -> dc = g x, ds = x rot(g)   (rot^T = -rot)
+      auto ds = [&](const Tensor& gx, const Tensor& x) { return inverse ? x.mul(rotate_half(gx)) : gx.mul(rotate_half(x)); };
+      if (needs(ctx, 2))
+        grads[2] = gq.mul(q).sum_to_size_symint(cos.sym_sizes()).add(gk.mul(k).sum_to_size_symint(cos.sym_sizes()));
+      if (needs(ctx, 3))
+        grads[3] = ds(gq, q).sum_to_size_symint(sin.sym_sizes()).add(ds(gk, k).sum_to_size_symint(sin.sym_sizes()));
+    }
+    return grads;
+  }
+};
+
+struct BiasActDropoutBackwardOp {
+  static constexpr const char* name = "dmfx::bias_act_dropout_backward";
+  static constexpr const char* hint = "dmfx.bias_act_dropout";
+  using Sig = BiasActDropoutBackwardSig;
+};
+
+struct GluBackwardOp {
+  static constexpr const char* name = "dmfx::glu_backward";
+  static constexpr const char* hint = "dmfx.glu";
+  using Sig = GluBackwardSig;
+};
+
+}  // namespace
+}  // namespace pointwise_ops
 }  // namespace dmfx
+
+TORCH_LIBRARY_IMPL(dmfx, CPU, m) { dmfx::pointwise_ops::register_kernels<dmfx::pointwise_ops::CpuPointwise>(m); }
+
+TORCH_LIBRARY_IMPL(dmfx, Autograd, m) {
+  using namespace dmfx;
+  using namespace dmfx::pointwise_ops;
+  m.impl("bias_act_dropout", &AutogradKernel<BiasActDropoutFn>::call);
+  m.impl("glu", &AutogradKernel<GluFn>::call);
+  m.impl("rope", &AutogradKernel<RopeFn>::call);
+  m.impl("bias_act_dropout_backward", &AutogradKernel<NoDoubleBackward<BiasActDropoutBackwardOp>>::call);
+  m.impl("glu_backward", &AutogradKernel<NoDoubleBackward<GluBackwardOp>>::call);
+}
+#endif  // DMFX_KERNELS_ONLY

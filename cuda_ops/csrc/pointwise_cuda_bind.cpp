@@ -1,6 +1,7 @@
-// Python bindings of the pointwise-family CUDA kernels (implemented in pointwise_cuda.cu). The
-// functions have the same names, signatures and semantics as the CPU functions in pointwise_cpu.cpp.
-#include <ATen/ATen.h>
+// Python bindings of the pointwise-family CUDA kernels (implemented in pointwise_cuda.cu), and the
+// registration of the family's ops' CUDA kernels. The functions have the same names, signatures and
+// semantics as the CPU functions in pointwise_cpu.cpp.
+#include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
@@ -39,3 +40,29 @@ void bind_pointwise(pybind11::module_& m) {
 }
 
 }  // namespace dmfx
+
+#ifndef DMFX_KERNELS_ONLY
+// The ops' CUDA kernels (their autograd formulas are the CPU module's: build.py loads it first).
+#include "pointwise_ops.h"
+
+namespace dmfx {
+namespace pointwise_ops {
+namespace {
+struct CudaPointwise {
+  template <class... A>
+  static at::Tensor bias_act_fwd(A&&... a) { return bias_act_fwd_cuda(std::forward<A>(a)...); }
+  template <class... A>
+  static std::vector<at::Tensor> bias_act_bwd(A&&... a) { return bias_act_bwd_cuda(std::forward<A>(a)...); }
+  template <class... A>
+  static at::Tensor glu_fwd(A&&... a) { return glu_fwd_cuda(std::forward<A>(a)...); }
+  template <class... A>
+  static std::vector<at::Tensor> glu_bwd(A&&... a) { return glu_bwd_cuda(std::forward<A>(a)...); }
+  template <class... A>
+  static std::vector<at::Tensor> rope(A&&... a) { return rope_cuda(std::forward<A>(a)...); }
+};
+}  // namespace
+}  // namespace pointwise_ops
+}  // namespace dmfx
+
+TORCH_LIBRARY_IMPL(dmfx, CUDA, m) { dmfx::pointwise_ops::register_kernels<dmfx::pointwise_ops::CudaPointwise>(m); }
+#endif  // DMFX_KERNELS_ONLY
