@@ -27,5 +27,10 @@ python3 bench/bert_layer.py --device cuda --dtype bf16 --batch 8 --seq 512 --hid
 echo "== bias inside addmm or split out (decides the BRD/BDRLN bias split for CUDA)"
 python3 -m bench.bias_split --device cuda --dtype bf16 --tokens 4096 --hidden 1024 --ffn 4096 --rounds 30 \
   --json "$out/gpu_bias_split.json" 2>>"$out/gpu_bench.err" | tee "$out/gpu_bias_split.txt"
+echo "== the fused cross-entropy against log_softmax + nll_loss, forward + backward, [8*512, 32000] bf16 and fp32"
+for dt in bfloat16 float32; do
+  python3 -m bench.cross_entropy --device cuda --tokens 4096 --vocab 32000 --dtype $dt --rounds 20 2>>"$out/gpu_bench.err" \
+    | tee -a "$out/gpu_cross_entropy.txt"
+done
 echo "== benchmark suite (layer table at BERT-large sizes, two whole models)"
 python3 -m bench --device cuda --only layer,models --models bert-base,llama 2>>"$out/gpu_bench.err" | tee "$out/gpu_suite.txt"

@@ -62,7 +62,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # One translation unit per kernel family: csrc/<family>_cpu.cpp in the CPU module, <family>_cuda.cu and
 # its binding <family>_cuda_bind.cpp in the CUDA module. What families share is in headers. The
 # module's Python entry point (PYBIND11_MODULE) is csrc/cpu_bindings.cpp / cuda_bindings.cpp.
-FAMILIES = ("norm", "softmax", "pointwise", "attention")
+FAMILIES = ("norm", "softmax", "pointwise", "attention", "cross_entropy")
 # Functions of the CPU module without a CUDA twin: flash_use_blas switches the CPU flash kernels' GEMMs.
 CPU_ONLY_FUNCTIONS = ("flash_use_blas", "kernel_table", "use_kernel_table")
 MARKER = "dmfx_ok.json"

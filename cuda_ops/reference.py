@@ -83,6 +83,21 @@ def layer_norm(x, weight, bias, eps):
 def rms_norm(x, weight, eps):
     return bias_dropout_residual_norm(x, None, None, weight, None, None, 0.0, eps, True)[0]
 
+def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float,
+                  reduction: int) -> tuple[Tensor, Tensor]:
+    """(loss, lse) of dmfx::cross_entropy in pure PyTorch: ``F.cross_entropy`` on the logits upcast to
+    float32 (float64 for float64 logits), and each row's max and log-sum-exp minus it ([N, 2]; (0, 0) for
+    an ignored row). `reduction`: the op's code (0 none, 1 mean, 2 sum)."""
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    z = logits.to(acc)
+    name = ("none", "mean", "sum")[reduction]
+    loss = torch.nn.functional.cross_entropy(z, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                             reduction=name)
+    m = z.amax(dim=-1) if z.shape[0] else z.new_empty((0,))
+    lse = torch.stack([m, torch.logsumexp(z - m[:, None], dim=-1)], dim=-1)
+    return loss, lse.masked_fill((target == ignore_index)[:, None], 0.0)
+
+
 def reference_softmax(
     scores: Tensor,
     mask: Tensor | None = None,

@@ -53,6 +53,8 @@ FAMILY_PASSES: dict[str, tuple[str, ...]] = {
     "pointwise": ("rope", "glu", "bias_act_dropout", "aten_backward"),
     # flash_attention, qkv_flash_attention and their backwards (with the bias gradients)
     "attention": ("attention", "lower_sdpa_calls", "qkv_attention", "fold_bias_grads"),
+    # cross_entropy, cross_entropy_backward (+ grad_logits)
+    "cross_entropy": ("cross_entropy", "fold_logits_grad"),
 }
 
 # The extension functions each family's check calls (the same in the CPU, CUDA and emulated modules).
@@ -61,6 +63,7 @@ FAMILY_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "softmax": ("softmax_fwd", "softmax_bwd"),
     "pointwise": ("bias_act_fwd", "bias_act_bwd", "glu_fwd", "glu_bwd", "rope"),
     "attention": ("flash_fwd", "flash_bwd"),
+    "cross_entropy": ("cross_entropy_fwd", "cross_entropy_bwd"),
 }
 
 # Relative-norm tolerances against a float64 reference. Looser than the op tests' (1e-5 for fp32,
@@ -514,6 +517,30 @@ def _check_flash_case(r: _Runner, B, Hq, Hk, Lq, Lk, D, dtype, kind, causal, p) 
         r.expect(f"{bwd} bias_part {name}", part[i], want, dtype, floor=g[name].abs().sum(2).norm().item())
 
 
+# ----------------------------------------------------------------------------------------- cross_entropy
+
+
+def _check_cross_entropy(r: _Runner) -> None:
+    # (N, V, dtype, label smoothing, reduction): the CPU chunk (2048) and the CUDA block (256 x 4) straddled
+    for N, V, dtype, eps, reduction in ((7, 37, torch.float32, 0.0, 1), (5, 2100, torch.bfloat16, 0.1, 2),
+                                        (6, 1030, torch.float32, 0.0, 0), (4, 9, torch.float16, 0.2, 1)):
+        logits = r.randn(N, V, dtype=dtype, scale=3.0)
+        target = torch.randint(0, V, (N,), generator=r.gen)
+        target[::3] = -100
+        target = target.to(r.device)
+        what = f"cross_entropy_fwd {_shape(logits)} eps={eps} reduction={reduction}"
+        loss, lse = r.m.cross_entropy_fwd(logits, target, -100, eps, reduction)
+        go, gl = r.randn(*loss.shape), r.randn(N, V, dtype=dtype)
+        outs, g = _reference(lambda logits: R.cross_entropy(logits, target.cpu(), -100, eps, reduction), {"logits": logits},
+                             [go, None], grads=["logits"])
+        r.expect(f"{what} loss", loss, outs[0], torch.float32)
+        r.expect(f"{what} lse", lse, outs[1], torch.float32)
+        want_lse = outs[1].to(r.device, lse.dtype)  # the backward from the reference statistics
+        dz = r.m.cross_entropy_bwd(go, logits, target, want_lse, -100, eps, reduction, gl)
+        r.expect_grads(what.replace("fwd", "bwd"), {"logits": dz}, {"logits": g["logits"] + gl.double().cpu()}, dtype)
+
+
 _CHECKS: dict[str, Callable[[_Runner], None]] = {
     "norm": _check_norm, "softmax": _check_softmax, "pointwise": _check_pointwise, "attention": _check_attention,
+    "cross_entropy": _check_cross_entropy,
 }

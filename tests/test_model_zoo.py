@@ -11,7 +11,7 @@ import torch
 from conftest import rel_err
 
 import dmfx
-from dmfx.models import zoo_case
+from dmfx.models import LOSS_HEADS, zoo_case, zoo_loss_case
 
 transformers = pytest.importorskip("transformers")
 
@@ -111,6 +111,36 @@ def test_model_matches_eager_in_training(name, variant):
     elif form == "auto":  # the model's own SDPA calls: dmfx's fused kernel where the cost model picks it
         assert forms == AUTO_TRAINING_FORMS[name] - {"sdpa", "gemm"}, forms
     assert not missing, f"{name}/{variant}: expected fusions did not fire: {missing}; fired {fired}"
+
+
+# Where the loss is in the graph that returns the logits, the logits' own gradient is folded into the
+# loss's backward kernel; GPT-2's loss is a graph of its own (Dynamo breaks the graph before it), whose
+# logits are an input: nothing to fold there.
+LOGITS_GRAD_FOLDED = set(LOSS_HEADS) - {"gpt2"}
+
+
+@pytest.mark.parametrize("name", list(LOSS_HEADS))
+def test_loss_heads_fuse_the_loss_and_match_eager_in_training(name):
+    """The model with its loss head (dmfx.models.LOSS_HEADS) and labels: the loss becomes
+    dmfx::cross_entropy, the gradient of the returned logits is added inside its backward kernel, and
+    the loss and every gradient (a random cotangent on the logits too) equal eager's."""
+    m, inputs = zoo_loss_case(name)
+    m.train()
+    ref = copy.deepcopy(m)
+    out = torch.compile(m, backend="dmfx", options={"fallback": False})(**inputs)
+    exp = ref(**inputs)
+    assert rel_err(out.loss, exp.loss) < 1e-5 and rel_err(out.logits, exp.logits) < 1e-5
+    R = torch.randn_like(exp.logits)
+    (out.loss + (out.logits * R).sum()).backward()
+    (exp.loss + (exp.logits * R).sum()).backward()
+    scale = torch.cat([q.grad.flatten() for q in ref.parameters() if q.grad is not None])
+    for (pname, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+        if q.grad is not None:
+            assert p.grad is not None, pname
+            assert rel_err(p.grad, q.grad, scale) < 1e-5, pname
+    fired = _fired()
+    assert fired.get("cross_entropy") == 1, fired
+    assert fired.get("fold_logits_grad") == (1 if name in LOGITS_GRAD_FOLDED else None), fired
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -42,6 +42,7 @@ PLANTS = {
     "softmax": ("softmax_bwd", _scale_results),
     "pointwise": ("bias_act_bwd", _scale_results),
     "attention": ("flash_fwd", _scale_out_arg),
+    "cross_entropy": ("cross_entropy_bwd", _scale_results),
 }
 
 # family -> the ops whose results a planted kernel gets wrong when a compiled model runs them: the ops'
@@ -52,6 +53,7 @@ PLANTED_OPS = {
     "softmax": ("attention_softmax_backward",),
     "pointwise": ("bias_act_dropout_backward",),
     "attention": ("flash_attention", "qkv_flash_attention"),
+    "cross_entropy": ("cross_entropy_backward",),
 }
 
 # the dmfx ops that run each family's kernels (softmax: the GEMM form's, and the flash ops' unfused path)
@@ -62,6 +64,7 @@ FAMILY_OPS = {
                 "qkv_attention_backward", *FLASH_OPS},
     "pointwise": {"bias_act_dropout", "bias_act_dropout_backward", "glu", "glu_backward", "rope"},
     "attention": FLASH_OPS,
+    "cross_entropy": {"cross_entropy", "cross_entropy_backward"},
 }
 
 
@@ -245,6 +248,33 @@ def test_a_corrupt_or_stale_verdict_is_redone(built_cpu, damage):
 # ----------------------------------------------------------------------------------------- end to end
 
 
+class _LossHead(torch.nn.Module):
+    """A LayerNorm and a classifier head whose per-token cross-entropy loss (reduction none) is added to
+    its input: a step through it runs the cross_entropy family's kernels (a BERT layer runs none), and
+    the norm family's."""
+
+    def __init__(self, H=32, V=40, shape=(2, 9)):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(H)
+        self.proj = torch.nn.Linear(H, V)
+        self.register_buffer("target", torch.randint(0, V, shape))
+
+    def forward(self, x):
+        logits = self.proj(self.norm(x))
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), self.target.view(-1), reduction="none")
+        return (x + loss.view(*x.shape[:-1], 1),)
+
+
+def _model(family: str):
+    """(model, its eager copy) whose compiled step runs `family`'s kernels."""
+    if family != "cross_entropy":
+        return tiny_bert_layer()
+    head = _LossHead()
+    ref = _LossHead()
+    ref.load_state_dict(head.state_dict())
+    return head, ref
+
+
 def _compile_options(family: str) -> dict:
     # the GEMM form runs the softmax kernels, the fused form the attention kernels
     return {"fallback": False, "attention": "gemm" if family == "softmax" else "flash"}
@@ -255,7 +285,7 @@ def test_a_compiled_model_runs_without_the_family_switched_off(planted_cpu, monk
     family = planted_cpu
     skip = selfcheck.passes_to_skip(["cpu"])
     assert skip == set(selfcheck.FAMILY_PASSES[family])
-    layer, ref = tiny_bert_layer()
+    layer, ref = _model(family)
     compiled_step_matches_eager(layer, ref, {**_compile_options(family), "skip": sorted(skip)})
     record = dmfx.records()[-1]
     used = _dmfx_ops(record.forward_graph) | _dmfx_ops(record.backward_graph)
@@ -264,7 +294,7 @@ def test_a_compiled_model_runs_without_the_family_switched_off(planted_cpu, monk
     # off, is not eager's)
     torch._dynamo.reset()
     monkeypatch.setenv("DMFX_SELFCHECK", "0")
-    layer, ref = tiny_bert_layer()
+    layer, ref = _model(family)
     with pytest.raises(AssertionError):
         compiled_step_matches_eager(layer, ref, _compile_options(family))
 

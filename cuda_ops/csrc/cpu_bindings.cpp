@@ -19,6 +19,7 @@ void bind_norm(pybind11::module_& m);
 void bind_softmax(pybind11::module_& m);
 void bind_pointwise(pybind11::module_& m);
 void bind_attention(pybind11::module_& m);
+void bind_cross_entropy(pybind11::module_& m);
 
 namespace {
 const CpuKernels own_kernels;
@@ -63,6 +64,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   dmfx::bind_softmax(m);
   dmfx::bind_pointwise(m);
   dmfx::bind_attention(m);
+  dmfx::bind_cross_entropy(m);
   m.def("kernel_table", &dmfx::kernel_table, "the address of this module's table of CPU kernel pointers");
   m.def("use_kernel_table", &dmfx::use_kernel_table, pybind11::arg("address"),
         "make the registered CPU kernels call the table at `address`; returns the previous table's address");

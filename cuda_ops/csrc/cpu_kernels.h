@@ -53,9 +53,16 @@ void flash_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Te
                    const at::Tensor& stats, const OptTensor& mask, double scale, bool causal, int64_t seed,
                    int64_t offset, double p, at::Tensor dq, at::Tensor dk, at::Tensor dv, const OptTensor& bias_part);
 
+// cross_entropy family (cross_entropy_cpu.cpp)
+Tensors cross_entropy_fwd_cpu(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
+                              double label_smoothing, int64_t reduction);
+at::Tensor cross_entropy_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& target,
+                                 const at::Tensor& lse, int64_t ignore_index, double label_smoothing, int64_t reduction,
+                                 const OptTensor& grad_logits);
+
 struct CpuKernels {
   // What a table must match to be used: its layout (the size) and this version of the list.
-  static constexpr int64_t kVersion = 1;
+  static constexpr int64_t kVersion = 2;
   int64_t size = sizeof(CpuKernels);
   int64_t version = kVersion;
   decltype(&norm_fwd_cpu) norm_fwd = &norm_fwd_cpu;
@@ -70,6 +77,8 @@ struct CpuKernels {
   decltype(&rope_cpu) rope = &rope_cpu;
   decltype(&flash_fwd_cpu) flash_fwd = &flash_fwd_cpu;
   decltype(&flash_bwd_cpu) flash_bwd = &flash_bwd_cpu;
+  decltype(&cross_entropy_fwd_cpu) cross_entropy_fwd = &cross_entropy_fwd_cpu;
+  decltype(&cross_entropy_bwd_cpu) cross_entropy_bwd = &cross_entropy_bwd_cpu;
 };
 
 // The table the registered CPU kernels call (this module's own unless use_kernel_table switched it).

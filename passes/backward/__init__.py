@@ -17,6 +17,11 @@ kernel, reading two [tokens, hidden] tensors and writing a third. Two folds remo
     it cannot change any other value), of the GEMM's dtype and shape. Chains of adds (three unstacked
     projections) accumulate into one buffer.
 
+``fold_logits_grad`` (fold_logits_grad.py): ``add(g, view(cross_entropy_backward(...)))`` ->
+    ``cross_entropy_backward(..., grad_logits=g)``: the gradient that reaches returned logits
+    themselves (AOTAutograd's tangent for them, zeros when unused) is added as the kernel writes
+    dlogits, instead of in one more pass over ``[tokens, vocab]``.
+
 ``fold_bias_grads`` (fold_bias_grads.py): ``sum(dqkv over rows)`` after
     ``qkv_flash_attention_backward`` (and each of dq, dk, dv's row sums after
     ``flash_attention_backward``, for three separate projections) -> the op's own bias-gradient
@@ -50,12 +55,14 @@ from .accumulate_into_gemm import accumulate_into_gemm
 from .aten_backward import fuse_aten_backward
 from .fold_bias_grads import fold_bias_grads
 from .fold_gradient_adds import fold_gradient_adds
+from .fold_logits_grad import fold_logits_grad
 from .unstack_dx import unstack_dx
 
 BackwardPass = Callable[[GraphModule, PassContext], None]
 
 BACKWARD_PIPELINE: dict[str, BackwardPass] = {
     "aten_backward": fuse_aten_backward,
+    "fold_logits_grad": fold_logits_grad,
     "fold_gradient_adds": fold_gradient_adds,
     "fold_bias_grads": fold_bias_grads,
     "accumulate_into_gemm": accumulate_into_gemm,
@@ -74,5 +81,5 @@ def run_backward_pipeline(gm: GraphModule, ctx: PassContext, skip: tuple[str, ..
     return gm
 
 
-__all__ = ["BACKWARD_PIPELINE", "accumulate_into_gemm", "fold_bias_grads", "fold_gradient_adds", "fuse_aten_backward",
-           "run_backward_pipeline", "unstack_dx"]
+__all__ = ["BACKWARD_PIPELINE", "accumulate_into_gemm", "fold_bias_grads", "fold_gradient_adds", "fold_logits_grad",
+           "fuse_aten_backward", "run_backward_pipeline", "unstack_dx"]

@@ -1,7 +1,8 @@
 """dmfx's CUDA kernels, run on the CPU: the emulated modules the tests use where there is no GPU
 (tests/test_emulated_cuda_*.py).
 
-``load(family)`` builds one module per kernel family ("norm", "softmax", "pointwise", "attention"):
+``load(family)`` builds one module per kernel family ("norm", "softmax", "pointwise", "attention",
+"cross_entropy"):
 the kernel and host code of ``cuda_ops/csrc/<family>_cuda.cu`` and its binding, compiled as C++
 against ``prelude.h``, which defines the CUDA built-ins (``threadIdx``/``blockIdx``/``blockDim``/
 ``gridDim`` in 3-D, ``__syncthreads``, ``__shfl_xor_sync``, shared memory, the CUDA runtime calls and
@@ -9,7 +10,8 @@ c10::cuda pieces the host code uses) on the CPU and runs each block's threads as
 The source is taken verbatim except for these edits, made by text below:
 
 * ``#include`` lines go (the prelude and the shared headers are included once, up front; the
-  headers kernel_api.h, softmax_api.h, attention_api.h and pointwise_api.h go through these edits too);
+  headers kernel_api.h, softmax_api.h, attention_api.h, pointwise_api.h and cross_entropy_api.h go
+  through these edits too);
 * ``DMFX_KERNELS_ONLY`` is defined: the bindings' ``TORCH_LIBRARY_IMPL(dmfx, CUDA, m)`` blocks (which
   would register the emulated kernels at the real CUDA key) are left out; the module has the kernel
   functions only;
@@ -53,7 +55,7 @@ HERE = Path(__file__).resolve().parent
 # to check that the tests catch it); load(family, csrc=...) does the same for one module.
 if os.environ.get("DMFX_EMU_CSRC"):
     CSRC = Path(os.environ["DMFX_EMU_CSRC"])
-FAMILIES = ("norm", "softmax", "pointwise", "attention")
+FAMILIES = ("norm", "softmax", "pointwise", "attention", "cross_entropy")
 _CUDA_HEADER = re.compile(r'^#include "(\w+\.cuh)"', re.M)
 
 _LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^<>;(){}]*>)?)\s*<<<(.*?)>>>\s*\(", re.S)
@@ -128,7 +130,8 @@ def source(family: str = "attention", csrc: Path | None = None) -> str:
         "#include <vector>",
         '#include "prelude.h"',
         '#include "dmfx_common.h"',
-        *(translate((csrc / h).read_text(), h) for h in ("kernel_api.h", "softmax_api.h", "attention_api.h", "pointwise_api.h")),
+        *(translate((csrc / h).read_text(), h) for h in ("kernel_api.h", "softmax_api.h", "attention_api.h", "pointwise_api.h",
+                                                          "cross_entropy_api.h")),
         *cuda_headers,
         cu,
         bind,
