@@ -59,6 +59,30 @@ def _cases() -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
     }
 
 
+def _softmax_attention_cases() -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
+    """The softmax and attention families' ops beyond the two above: with inputs that require grad, the
+    backward ops, and the GEMM forms (against ATen's math SDPA, the same GEMMs around a softmax)."""
+    s, g = torch.randn(2, 2, 8, 8), torch.randn(2, 2, 8, 8)
+    sg = s.clone().requires_grad_()
+    probs = torch.softmax(s, -1)
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    qkv = torch.cat([t.transpose(1, 2).reshape(1, 8, 32) for t in (q, k, v)], -1)
+    dm, at = torch.ops.dmfx, torch.ops.aten
+    return {
+        "attention_softmax grad": (lambda: dm.attention_softmax(sg, None, 1.0, False, None, 0.0),
+                                   lambda: at._softmax(sg, -1, False)),
+        "attention_softmax_backward": (lambda: dm.attention_softmax_backward(g, probs, None, 0.0, 1.0),
+                                       lambda: at._softmax_backward_data(g, probs, -1, torch.float32)),
+        "flash_attention grad": (lambda: dm.flash_attention(qg, kg, vg, None, 0.25, False, None, 0.0),
+                                 lambda: at._scaled_dot_product_flash_attention_for_cpu(qg, kg, vg, scale=0.25)),
+        "attention": (lambda: dm.attention(q, k, v, None, 0.25, False, None, 0.0),
+                      lambda: at._scaled_dot_product_attention_math(q, k, v, scale=0.25)),
+        "qkv_attention": (lambda: dm.qkv_attention(qkv, 2, None, 0.25, False, None, 0.0),
+                          lambda: at._scaled_dot_product_attention_math(q, k, v, scale=0.25)),
+    }
+
+
 def _per_call_us(fn: Callable[[], object], calls: int) -> float:
     start = time.perf_counter()
     for _ in range(calls):
@@ -85,7 +109,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     build.load("cpu")
-    cases = _cases()
+    cases = {**_cases(), **_softmax_attention_cases()}
     wanted = [c for c in args.only.split(",") if c] or list(cases)
     print(f"torch {torch.__version__}, 1 thread, median of {args.samples} samples of {args.calls} calls\n")
     print("| case | dmfx µs | ATen µs | dmfx / ATen |\n|---|---|---|---|")

@@ -73,9 +73,9 @@ def check_stored_mask(op: str, mask: Tensor | None, ref_name: str, ref: Tensor, 
         raise ValueError(f"dmfx::{op}: a stored mask and p = {p} > 0 would be two dropout masks; pass p = 0 with a mask")
 
 
-# ------------------------------------------- checks of the families whose kernels Python registers
-# (softmax, attention: their kernels are not registered from C++ yet, so these still run in Python, in
-# the kernels and in the fakes; the C++ kernels check the same again)
+# ------------------------------------------- checks the fakes run
+# (softmax, attention: at trace time and for Meta tensors, where no C++ kernel runs; the ops' C++
+# kernels check the same: csrc/op_api.h)
 
 _SCORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -112,13 +112,6 @@ def check_scores(scores: Tensor, mask: Tensor | None, causal: bool, seed: Tensor
     ms, ss = tuple(mask.shape), tuple(scores.shape)
     if len(ms) > len(ss) or any(m != 1 and m != s for m, s in zip(reversed(ms), reversed(ss))):
         raise ValueError(f"dmfx::attention_softmax: mask of shape {list(ms)} is not broadcastable to scores' shape {list(ss)}")
-
-
-def kernel_mask(mask: Tensor | None, scores: Tensor) -> Tensor | None:
-    """The kernels read masks of scores' dtype, float32 or bool; other float masks become float32."""
-    if mask is None or mask.dtype in (torch.bool, torch.float32, scores.dtype):
-        return mask
-    return mask.float()
 
 
 def no_double_backward(op: str, through: str) -> None:

@@ -48,9 +48,11 @@ PLANTS = {
 # family -> the ops whose results a planted kernel gets wrong when a compiled model runs them: the ops'
 # kernels are registered in C++, so the stand-in module (what the self-check sees) is not what they
 # call; a Python kernel at their AutogradCPU key (above the C++ ones) perturbs their results instead
+# (softmax: also the GEMM-form attention backwards, whose C++ kernels call the softmax backward below
+# autograd, where such a kernel does not run)
 PLANTED_OPS = {
     "norm": ("norm_backward",),
-    "softmax": ("attention_softmax_backward",),
+    "softmax": ("attention_softmax_backward", "attention_backward", "qkv_attention_backward"),
     "pointwise": ("bias_act_dropout_backward",),
     "attention": ("flash_attention", "qkv_flash_attention"),
     "cross_entropy": ("cross_entropy_backward",),

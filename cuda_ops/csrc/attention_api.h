@@ -4,8 +4,8 @@
 // softmax kernels read them (softmax_api.h). What differs per device (the device itself, the dtypes,
 // the head dims) each file checks on top.
 #pragma once
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cmath>
 #include <limits>

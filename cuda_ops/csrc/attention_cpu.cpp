@@ -22,9 +22,11 @@
 // The row math is softmax_cpu.h's (shared with the softmax kernels).
 // float32 and float64 only: bf16/fp16 attention runs the unfused form (cuda_ops/attention.py).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <torch/csrc/utils/pybind.h>
-#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Dispatch.h>
@@ -431,3 +433,214 @@ void bind_attention(pybind11::module_& m) {
 }
 
 }  // namespace dmfx
+
+#ifndef DMFX_KERNELS_ONLY
+// ------------------------------------------------------------------------------------------------
+// The ops: CPU kernels (through the kernel table: cpu_kernels.h) and the family's autograd formulas
+// (for every device: the CUDA module registers kernels only)
+// ------------------------------------------------------------------------------------------------
+#include "attention_ops.h"
+
+namespace dmfx {
+namespace attention_ops {
+namespace {
+
+struct CpuAttention {
+  // The CPU fused kernels: float32 and float64, any head dims.
+  static bool flash_ok(const Tensor& q, const Tensor&) {
+    return q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble;
+  }
+  template <class... A>
+  static Tensor flash_fwd(A&&... a) { return cpu_kernels().flash_fwd(std::forward<A>(a)...); }
+  template <class... A>
+  static void flash_bwd(A&&... a) { cpu_kernels().flash_bwd(std::forward<A>(a)...); }
+};
+
+// What the GEMM form's Functions keep of a forward besides its tensors: scale, p, the mask's shape and
+// dtype (its gradient is summed to them); no gradient is materialized for an output that got none.
+void save_common(AutogradContext* ctx, const Opt& mask, double scale, double p) {
+  ctx->saved_data["scale"] = scale;
+  ctx->saved_data["p"] = p;
+  if (present(mask)) {
+    ctx->saved_data["mask_shape"] = mask->sym_sizes();  // (symbolic when traced)
+    ctx->saved_data["mask_dtype"] = static_cast<int64_t>(mask->scalar_type());
+  }
+  ctx->set_materialize_grads(false);
+}
+
+Tensor mask_grad(AutogradContext* ctx, const Tensor& dz) {
+  return dz.sum_to_size_symint(ctx->saved_data["mask_shape"].toSymIntVector())
+      .to(static_cast<at::ScalarType>(ctx->saved_data["mask_dtype"].toInt()));
+}
+
+// The output's gradient, or zeros (in the output's layout) where only the probabilities got one.
+Tensor materialize(const Tensor& grad_out, const Tensor& q, const Tensor& v) {
+  return grad_out.defined() ? grad_out : context(q, v).zero_();
+}
+
+Tensor materialize_qkv(const Tensor& grad_out, const Tensor& qkv, int64_t heads) {
+  if (grad_out.defined()) return grad_out;
+  return blhd(qkv.sym_size(0), heads, qkv.sym_size(1), qkv.sym_size(2) / (3 * heads), qkv).zero_();
+}
+
+double saved_double(AutogradContext* ctx, const char* key) { return ctx->saved_data[key].toDouble(); }
+
+struct AttentionFn : public torch::autograd::Function<AttentionFn> {
+  static constexpr const char* name = "dmfx::attention";
+  using Sig = decltype(attention);
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, const Opt& mask,
+                               double scale, bool causal, const Opt& seed, double p) {
+    auto out = AutogradKernel<AttentionFn>::below(q, k, v, mask, scale, causal, seed, p);
+    ctx->saved_data["needs"] = needs_bits(q, k, v, mask);
+    save_common(ctx, mask, scale, p);
+    ctx->save_for_backward({q, k, v, out[1], out[2], seed.value_or(Tensor())});
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const bool need_mask = needs(ctx, 3);
+    if (!(needs(ctx, 0) || needs(ctx, 1) || needs(ctx, 2) || need_mask)) return variable_list(8);
+    const auto s = ctx->get_saved_variables();  // q, k, v, probs, dropped, seed
+    static const auto backward_op = dmfx_op<decltype(attention_backward)>("dmfx::attention_backward");
+    auto [dq, dk, dv, dz] = backward_op.call(materialize(g[0], s[0], s[2]), s[0], s[1], s[2], s[3], s[4], opt(s[5]),
+                                             saved_double(ctx, "p"), saved_double(ctx, "scale"), need_mask, opt(g[1]),
+                                             opt(g[2]));
+    return {dq, dk, dv, need_mask ? mask_grad(ctx, dz) : Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+struct QkvAttentionFn : public torch::autograd::Function<QkvAttentionFn> {
+  static constexpr const char* name = "dmfx::qkv_attention";
+  using Sig = decltype(qkv_attention);
+  static variable_list forward(AutogradContext* ctx, const Tensor& qkv, int64_t heads, const Opt& mask, double scale,
+                               bool causal, const Opt& seed, double p) {
+    auto out = AutogradKernel<QkvAttentionFn>::below(qkv, heads, mask, scale, causal, seed, p);
+    ctx->saved_data["needs"] = needs_bits(qkv, heads, mask);
+    ctx->saved_data["heads"] = heads;
+    save_common(ctx, mask, scale, p);
+    ctx->save_for_backward({qkv, out[1], out[2], seed.value_or(Tensor())});
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const bool need_mask = needs(ctx, 2);
+    if (!(needs(ctx, 0) || need_mask)) return variable_list(7);
+    const auto s = ctx->get_saved_variables();  // qkv, probs, dropped, seed
+    const int64_t heads = ctx->saved_data["heads"].toInt();
+    static const auto backward_op = dmfx_op<decltype(qkv_attention_backward)>("dmfx::qkv_attention_backward");
+    auto [dqkv, dz] = backward_op.call(materialize_qkv(g[0], s[0], heads), s[0], heads, s[1], s[2], opt(s[3]),
+                                       saved_double(ctx, "p"), saved_double(ctx, "scale"), need_mask, opt(g[1]),
+                                       opt(g[2]));
+    return {dqkv, Tensor(), need_mask ? mask_grad(ctx, dz) : Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+// The fused form's Functions: the backward recomputes the scores from the row statistics (not
+// differentiable); no mask gradient (the attention pass uses dmfx::attention for a mask that needs one).
+void save_flash(AutogradContext* ctx, variable_list tensors, const variable_list& out, const Opt& mask, double scale,
+                bool causal, const Opt& seed, double p) {
+  ctx->saved_data["scale"] = scale;
+  ctx->saved_data["causal"] = causal;
+  ctx->saved_data["p"] = p;
+  ctx->set_materialize_grads(false);
+  ctx->mark_non_differentiable({out[1]});  // the row statistics are for the backward only
+  tensors.insert(tensors.end(), {out[1], mask.value_or(Tensor()), seed.value_or(Tensor())});
+  ctx->save_for_backward(tensors);
+}
+
+// Whether the fused backward has anything to do with these gradients (it raises for what it lacks).
+bool flash_grads_needed(AutogradContext* ctx, int mask_index, const variable_list& g) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!needs(ctx, mask_index),
+                              "dmfx::flash_attention: the mask requires grad (e.g. a learned position bias); the fused "
+                              "form does not compute a mask gradient. dmfx's attention pass uses dmfx::attention for "
+                              "such masks.");
+  TORCH_CHECK_NOT_IMPLEMENTED(!g[1].defined(),
+                              "dmfx::flash_attention: a gradient through the row statistics is not supported");
+  return g[0].defined();
+}
+
+struct FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
+  static constexpr const char* name = "dmfx::flash_attention";
+  using Sig = decltype(flash_attention<CpuAttention>);
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, const Opt& mask,
+                               double scale, bool causal, const Opt& seed, double p) {
+    auto out = AutogradKernel<FlashAttentionFn>::below(q, k, v, mask, scale, causal, seed, p);
+    ctx->saved_data["needs"] = needs_bits(q, k, v, mask);
+    save_flash(ctx, {q, k, v}, out, mask, scale, causal, seed, p);
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    if (!flash_grads_needed(ctx, 3, g)) return variable_list(8);
+    const auto s = ctx->get_saved_variables();  // q, k, v, stats, mask, seed
+    static const auto backward_op =
+        dmfx_op<decltype(flash_attention_backward<CpuAttention>)>("dmfx::flash_attention_backward");
+    auto r = backward_op.call(g[0], s[0], s[1], s[2], s[3], opt(s[4]), saved_double(ctx, "scale"),
+                              ctx->saved_data["causal"].toBool(), opt(s[5]), saved_double(ctx, "p"), false);
+    return {std::get<0>(r), std::get<1>(r), std::get<2>(r), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+struct QkvFlashAttentionFn : public torch::autograd::Function<QkvFlashAttentionFn> {
+  static constexpr const char* name = "dmfx::qkv_flash_attention";
+  using Sig = decltype(qkv_flash_attention<CpuAttention>);
+  static variable_list forward(AutogradContext* ctx, const Tensor& qkv, int64_t heads, const Opt& mask, double scale,
+                               bool causal, const Opt& seed, double p) {
+    auto out = AutogradKernel<QkvFlashAttentionFn>::below(qkv, heads, mask, scale, causal, seed, p);
+    ctx->saved_data["needs"] = needs_bits(qkv, heads, mask);
+    ctx->saved_data["heads"] = heads;
+    save_flash(ctx, {qkv}, out, mask, scale, causal, seed, p);
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    if (!flash_grads_needed(ctx, 2, g)) return variable_list(7);
+    const auto s = ctx->get_saved_variables();  // qkv, stats, mask, seed
+    static const auto backward_op =
+        dmfx_op<decltype(qkv_flash_attention_backward<CpuAttention>)>("dmfx::qkv_flash_attention_backward");
+    // (the backward pass, passes/backward/, asks for the bias gradient when a bias is trained)
+    auto r = backward_op.call(g[0], s[0], ctx->saved_data["heads"].toInt(), s[1], opt(s[2]), saved_double(ctx, "scale"),
+                              ctx->saved_data["causal"].toBool(), opt(s[3]), saved_double(ctx, "p"), false);
+    return {std::get<0>(r), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+template <class Fn>
+struct BackwardOp {  // a backward op of the family, for NoDoubleBackward
+  static constexpr const char* name = Fn::name;
+  static constexpr const char* hint = "dmfx.attention";
+  using Sig = typename Fn::Sig;
+};
+struct AttentionBackward {
+  static constexpr const char* name = "dmfx::attention_backward";
+  using Sig = decltype(attention_backward);
+};
+struct QkvAttentionBackward {
+  static constexpr const char* name = "dmfx::qkv_attention_backward";
+  using Sig = decltype(qkv_attention_backward);
+};
+struct FlashAttentionBackward {
+  static constexpr const char* name = "dmfx::flash_attention_backward";
+  using Sig = decltype(flash_attention_backward<CpuAttention>);
+};
+struct QkvFlashAttentionBackward {
+  static constexpr const char* name = "dmfx::qkv_flash_attention_backward";
+  using Sig = decltype(qkv_flash_attention_backward<CpuAttention>);
+};
+
+}  // namespace
+}  // namespace attention_ops
+}  // namespace dmfx
+
+TORCH_LIBRARY_IMPL(dmfx, CPU, m) { dmfx::attention_ops::register_kernels<dmfx::attention_ops::CpuAttention>(m); }
+
+TORCH_LIBRARY_IMPL(dmfx, Autograd, m) {
+  using namespace dmfx;
+  using namespace dmfx::attention_ops;
+  m.impl("attention", &AutogradKernel<AttentionFn>::call);
+  m.impl("qkv_attention", &AutogradKernel<QkvAttentionFn>::call);
+  m.impl("flash_attention", &AutogradKernel<FlashAttentionFn>::call);
+  m.impl("qkv_flash_attention", &AutogradKernel<QkvFlashAttentionFn>::call);
+  m.impl("attention_backward", &AutogradKernel<NoDoubleBackward<BackwardOp<AttentionBackward>>>::call);
+  m.impl("qkv_attention_backward", &AutogradKernel<NoDoubleBackward<BackwardOp<QkvAttentionBackward>>>::call);
+  m.impl("flash_attention_backward", &AutogradKernel<NoDoubleBackward<BackwardOp<FlashAttentionBackward>>>::call);
+  m.impl("qkv_flash_attention_backward",
+         &AutogradKernel<NoDoubleBackward<BackwardOp<QkvFlashAttentionBackward>>>::call);
+}
+#endif  // DMFX_KERNELS_ONLY

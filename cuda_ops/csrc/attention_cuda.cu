@@ -689,6 +689,19 @@ void launch_fwd(const Params<scalar_t>& P) {
 // Entry points (same signatures, checks and outputs as attention_cpu.cpp; stats are float32)
 // ------------------------------------------------------------------------------------------------
 
+// Whether the fused kernels take q [B, Hq, Lq, D] and v [B, Hk, Lk, Dv] on q's GPU: float32, float16 or
+// bfloat16, D and Dv up to kMaxHead, and kMaxSmemBytes of shared memory per block (the attention ops
+// run the unfused form otherwise; cuda_ops/attention.py's flash_supported answers the same for the passes).
+bool flash_supported_cuda(const at::Tensor& q, const at::Tensor& v) {
+  using namespace attention_impl;
+  const auto st = q.scalar_type();
+  if (!(st == at::kFloat || st == at::kHalf || st == at::kBFloat16)) return false;
+  if (q.size(3) > kMaxHead || v.size(3) > kMaxHead) return false;
+  int optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.device().index()));
+  return static_cast<size_t>(optin) >= kMaxSmemBytes;
+}
+
 at::Tensor flash_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const c10::optional<at::Tensor>& mask, double scale, bool causal, int64_t seed,
                           int64_t offset, double p, at::Tensor out) {

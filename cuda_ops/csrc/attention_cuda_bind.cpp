@@ -1,9 +1,8 @@
 // Python bindings of the fused ("flash") attention CUDA kernels (implemented in attention_cuda.cu). The
 // functions have the same names, arguments and semantics as the CPU functions in attention_cpu.cpp
 // (flash_use_blas, a switch of the CPU kernels' GEMMs, has no CUDA twin); stats are float32.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
-#include <torch/library.h>
 
 namespace dmfx {
 
@@ -15,6 +14,8 @@ void flash_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& q, const at::T
                     const at::Tensor& stats, const c10::optional<at::Tensor>& mask, double scale, bool causal,
                     int64_t seed, int64_t offset, double p, at::Tensor dq, at::Tensor dk, at::Tensor dv,
                     const c10::optional<at::Tensor>& bias_part);
+
+bool flash_supported_cuda(const at::Tensor& q, const at::Tensor& v);
 
 void bind_attention(pybind11::module_& m) {
   m.def("flash_fwd", &flash_fwd_cuda,
@@ -30,3 +31,24 @@ void bind_attention(pybind11::module_& m) {
 }
 
 }  // namespace dmfx
+
+#ifndef DMFX_KERNELS_ONLY
+// The ops' CUDA kernels (their autograd formulas are the CPU module's: build.py loads it first).
+#include "attention_ops.h"
+
+namespace dmfx {
+namespace attention_ops {
+namespace {
+struct CudaAttention {
+  static bool flash_ok(const at::Tensor& q, const at::Tensor& v) { return flash_supported_cuda(q, v); }
+  template <class... A>
+  static at::Tensor flash_fwd(A&&... a) { return flash_fwd_cuda(std::forward<A>(a)...); }
+  template <class... A>
+  static void flash_bwd(A&&... a) { flash_bwd_cuda(std::forward<A>(a)...); }
+};
+}  // namespace
+}  // namespace attention_ops
+}  // namespace dmfx
+
+TORCH_LIBRARY_IMPL(dmfx, CUDA, m) { dmfx::attention_ops::register_kernels<dmfx::attention_ops::CudaAttention>(m); }
+#endif  // DMFX_KERNELS_ONLY

@@ -8,8 +8,7 @@
 // table (kernel_table() / use_kernel_table() in cpu_bindings.cpp), so inside the block every op runs
 // the AVX2 code with the same glue, checks and autograd.
 #pragma once
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <vector>

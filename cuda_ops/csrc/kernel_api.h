@@ -2,8 +2,8 @@
 // CUDA bindings of the fused normalization kernels. Error messages name the op, the tensor and what
 // was expected, so bad input never reaches a kernel.
 #pragma once
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>

@@ -7,7 +7,7 @@
 // <family>_cuda_bind.cpp), so no Python runs between the dispatcher and a kernel. Modules built with
 // DMFX_KERNELS_ONLY (the AVX2 test build, the CUDA emulation) register nothing.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -153,10 +153,53 @@ inline c10::optional<at::Tensor> opt(const at::Tensor& t) {
   return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt;
 }
 
-// ------------------------------------------------------------------ a stored dropout mask (pointwise)
-// An op's check of a dropout mask a forward that was not dmfx's stored (native_dropout's bool mask,
-// of `ref`'s shape; p must then be 0): ValueError, as the ops' Python checks raised. The kernels check
-// the same again for callers that bypass the op (kernel_api.h check_stored_mask: RuntimeError).
+// ------------------------------------------------------------------------------------------------
+// The attention scores' argument checks (the softmax and attention families' ops; before, Python's
+// check_scores / check_stored_mask / kernel_mask in cuda_ops/_library.py, which the fakes still run
+// at trace time). ValueError / TypeError as Python raised them; the kernels below check again, with
+// RuntimeError, for their direct callers (the self-check, the tests).
+// ------------------------------------------------------------------------------------------------
+
+// The dtypes of attention scores and of q, k, v.
+inline bool is_score_dtype(at::ScalarType st) {
+  return st == at::kFloat || st == at::kHalf || st == at::kBFloat16 || st == at::kDouble;
+}
+
+// What an op computing softmax over scores of shape `scores` on `device` checks of its other
+// arguments: the scores' rank (for causal), the dropout probability and seed, and the mask (bool or
+// floating point, on the scores' device, broadcastable to them).
+inline void check_score_args(const char* op, c10::IntArrayRef scores, c10::Device device,
+                             const c10::optional<at::Tensor>& mask, bool causal,
+                             const c10::optional<at::Tensor>& seed, double p) {
+  TORCH_CHECK_VALUE(!scores.empty(), "dmfx::", op,
+                    ": scores needs at least one dimension (softmax runs over the last)");
+  TORCH_CHECK_VALUE(!causal || scores.size() >= 2, "dmfx::", op,
+                    ": causal=True needs scores with at least 2 dimensions [..., q_len, k_len], got shape ", scores);
+  check_dropout(op, p, seed);
+  if (!present(mask)) return;
+  const at::Tensor& m = *mask;
+  TORCH_CHECK_TYPE(m.scalar_type() == at::kBool || at::isFloatingType(m.scalar_type()), "dmfx::", op,
+                   ": mask must be bool or a floating-point tensor, got ", m.scalar_type());
+  TORCH_CHECK_VALUE(m.device() == device, "dmfx::", op, ": mask is on ", m.device(), " but scores is on ", device);
+  bool fits = m.dim() <= static_cast<int64_t>(scores.size());
+  for (int64_t d = 1; fits && d <= m.dim(); ++d) {
+    const int64_t ms = m.size(-d), ss = scores[scores.size() - d];
+    fits = ms == 1 || ms == ss;
+  }
+  TORCH_CHECK_VALUE(fits, "dmfx::", op, ": mask of shape ", m.sizes(), " is not broadcastable to scores' shape ",
+                    scores);
+}
+
+// The mask as the kernels read it: bool, float32 or the scores' dtype; other float masks become float32.
+inline c10::optional<at::Tensor> kernel_mask(const c10::optional<at::Tensor>& mask, at::ScalarType scores) {
+  if (!present(mask)) return c10::nullopt;
+  const auto mt = mask->scalar_type();
+  if (mt == at::kBool || mt == at::kFloat || mt == scores) return mask;
+  return mask->to(at::kFloat);
+}
+
+// A backward op's stored dropout mask (the bool mask native_dropout returned, `ref`'s shape), with
+// p = 0: the op-level check (ValueError) of what kernel_api.h's check_stored_mask checks again.
 inline void check_stored_mask_arg(const char* op, const c10::optional<at::Tensor>& mask, const char* ref_name,
                                   const at::Tensor& ref, double p) {
   if (!present(mask)) return;

@@ -8,8 +8,8 @@
 // The mask is broadcast to scores' shape as a VIEW (0 strides), never materialized; the kernels read
 // it through a RowIndexer plus a column stride of 0 (one value per row) or 1.
 #pragma once
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <vector>
 

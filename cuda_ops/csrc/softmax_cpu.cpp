@@ -220,3 +220,87 @@ void bind_softmax(pybind11::module_& m) {
 }
 
 }  // namespace dmfx
+
+#ifndef DMFX_KERNELS_ONLY
+// ------------------------------------------------------------------------------------------------
+// The ops: CPU kernels (through the kernel table: cpu_kernels.h) and the family's autograd formula
+// ------------------------------------------------------------------------------------------------
+#include "softmax_ops.h"
+
+namespace dmfx {
+namespace softmax_ops {
+namespace {
+
+struct CpuSoftmax {
+  template <class... A>
+  static Tensors softmax_fwd(A&&... a) { return cpu_kernels().softmax_fwd(std::forward<A>(a)...); }
+  template <class... A>
+  static Tensor softmax_bwd(A&&... a) { return cpu_kernels().softmax_bwd(std::forward<A>(a)...); }
+};
+
+// dmfx::attention_softmax's gradient: dmfx::attention_softmax_backward for the scores and, when a float
+// mask requires grad (T5's learned position bias), for the mask (scale 1, summed to the mask's shape).
+// A gradient reaching probs (the second output, p > 0) is a p == 0 softmax backward of its own.
+struct AttentionSoftmaxFn : public torch::autograd::Function<AttentionSoftmaxFn> {
+  static constexpr const char* name = "dmfx::attention_softmax";
+  using Sig = decltype(attention_softmax<CpuSoftmax>);
+  static variable_list forward(AutogradContext* ctx, const Tensor& scores, const Opt& mask, double scale, bool causal,
+                               const Opt& seed, double p) {
+    auto out = AutogradKernel<AttentionSoftmaxFn>::below(scores, mask, scale, causal, seed, p);
+    ctx->saved_data["needs"] = needs_bits(scores, mask);
+    ctx->saved_data["p"] = p;
+    ctx->saved_data["scale"] = scale;
+    if (present(mask)) {
+      ctx->saved_data["mask_shape"] = mask->sym_sizes();  // (symbolic when traced)
+      ctx->saved_data["mask_dtype"] = static_cast<int64_t>(mask->scalar_type());
+    }
+    ctx->set_materialize_grads(false);  // an unused output (usually probs) gives no gradient to run a kernel on
+    ctx->save_for_backward({p > 0.0 ? out[1] : out[0], seed.value_or(Tensor())});
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const bool need_scores = needs(ctx, 0), need_mask = needs(ctx, 1);
+    const variable_list none(6);
+    if (!(need_scores || need_mask)) return none;
+    const auto saved = ctx->get_saved_variables();
+    const Tensor& probs = saved[0];
+    const double p = ctx->saved_data["p"].toDouble(), scale = ctx->saved_data["scale"].toDouble();
+    // With a mask gradient the unscaled dz is needed too: compute it once, scale for the scores.
+    const double kscale = need_mask ? 1.0 : scale;
+    static const auto backward_op = dmfx_op<SoftmaxBackwardSig>("dmfx::attention_softmax_backward");
+    Tensor dz;
+    if (g[0].defined()) dz = backward_op.call(g[0], probs, opt(saved[1]), p, kscale, c10::nullopt, 1.0);
+    if (g[1].defined() && p > 0.0) {  // probs is softmax(z) itself (no dropout)
+      Tensor extra = backward_op.call(g[1], probs, c10::nullopt, 0.0, kscale, c10::nullopt, 1.0);
+      dz = dz.defined() ? dz.add(extra) : extra;
+    }
+    if (!dz.defined()) return none;
+    Tensor d_scores, d_mask;
+    if (need_scores) d_scores = need_mask && scale != 1.0 ? dz.mul(scale) : dz;
+    if (need_mask) {
+      d_mask = dz.sum_to_size_symint(ctx->saved_data["mask_shape"].toSymIntVector())
+                   .to(static_cast<at::ScalarType>(ctx->saved_data["mask_dtype"].toInt()));
+    }
+    return {d_scores, d_mask, Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+struct SoftmaxBackwardOp {
+  static constexpr const char* name = "dmfx::attention_softmax_backward";
+  static constexpr const char* hint = "dmfx.attention_softmax";
+  using Sig = SoftmaxBackwardSig;
+};
+
+}  // namespace
+}  // namespace softmax_ops
+}  // namespace dmfx
+
+TORCH_LIBRARY_IMPL(dmfx, CPU, m) { dmfx::softmax_ops::register_kernels<dmfx::softmax_ops::CpuSoftmax>(m); }
+
+TORCH_LIBRARY_IMPL(dmfx, Autograd, m) {
+  using namespace dmfx;
+  using namespace dmfx::softmax_ops;
+  m.impl("attention_softmax", &AutogradKernel<AttentionSoftmaxFn>::call);
+  m.impl("attention_softmax_backward", &AutogradKernel<NoDoubleBackward<SoftmaxBackwardOp>>::call);
+}
+#endif  // DMFX_KERNELS_ONLY

@@ -4,8 +4,7 @@
 // The inner loops are written over fixed-width lane arrays (kLanes) so that gcc -O3 -march=native
 // vectorizes them without -ffast-math (see softmax_cpu.cpp).
 #pragma once
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Dispatch.h>

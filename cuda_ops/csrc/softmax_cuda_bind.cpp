@@ -1,8 +1,7 @@
 // Python bindings of the fused attention softmax CUDA kernels (implemented in softmax_cuda.cu). The
 // functions have the same names, signatures and semantics as the CPU functions in softmax_cpu.cpp.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
-#include <torch/library.h>
 
 #include <vector>
 
@@ -29,3 +28,23 @@ void bind_softmax(pybind11::module_& m) {
 }
 
 }  // namespace dmfx
+
+#ifndef DMFX_KERNELS_ONLY
+// The ops' CUDA kernels (their autograd formula is the CPU module's: build.py loads it first).
+#include "softmax_ops.h"
+
+namespace dmfx {
+namespace softmax_ops {
+namespace {
+struct CudaSoftmax {
+  template <class... A>
+  static std::vector<at::Tensor> softmax_fwd(A&&... a) { return softmax_fwd_cuda(std::forward<A>(a)...); }
+  template <class... A>
+  static at::Tensor softmax_bwd(A&&... a) { return softmax_bwd_cuda(std::forward<A>(a)...); }
+};
+}  // namespace
+}  // namespace softmax_ops
+}  // namespace dmfx
+
+TORCH_LIBRARY_IMPL(dmfx, CUDA, m) { dmfx::softmax_ops::register_kernels<dmfx::softmax_ops::CudaSoftmax>(m); }
+#endif  // DMFX_KERNELS_ONLY
