@@ -64,7 +64,7 @@ def _put(base, dev, dtype, layout="blhd"):
 
 
 def _mask(kind, B, H, Lq, Lk, dtype, gen):
-    """A kernel-form mask (as dmfx.cuda_ops.softmax._kernel_mask hands it on) on the CPU."""
+    """A kernel-form mask (as the ops hand it on: csrc/op_api.h, kernel_mask) on the CPU."""
     if kind == "none":
         return None
     if kind == "padding":  # HF: [B, 1, 1, Lk] fp32, finfo.min past each sequence's end
