@@ -205,17 +205,10 @@ def test_a_static_cache_decode_step_under_inductor(fuse):
     """The decode step of HF's static cache (index_copy_ into the cache at cache_position): left to
     Inductor whole by default (no dropout), or dmfx's fusions inside Inductor's code with fuse="all";
     both match the Dynamo graph run op by op and write the same cache rows."""
-    from tests.test_mutation import _tiny_llama
+    from tests.test_mutation import prefilled_static_cache
 
-    transformers, model = _tiny_llama()
-    batch, prompt_len, max_len = 2, 7, 16
-    prompt = torch.randint(0, 256, (batch, prompt_len))
-
-    def prefilled():
-        cache = transformers.StaticCache(config=model.config, max_cache_len=max_len)
-        model(input_ids=prompt, cache=cache, cache_position=torch.arange(prompt_len), use_cache=True)
-        return cache
-
+    model, prompt_len, prefilled = prefilled_static_cache()
+    batch = 2
     with torch.no_grad():
         ref_cache, cache = prefilled(), prefilled()
         reference = torch.compile(model.forward, backend="eager")

@@ -250,14 +250,10 @@ def _tiny_llama():
     return transformers, transformers.LlamaForCausalLM(cfg).eval()
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["lowering-only", "fused"])
-def test_a_static_cache_decode_step(fused):
-    """HF's static KV cache: each decode step writes its key and value rows into the cache
-    (index_copy_ at cache_position). The compiled step matches the same Dynamo graph run op by op
-    (backend "eager": plain eager differs from both in the last bits, through HF's compile-time
-    mask code), its cache writes are made in place, and the second step reuses the graph."""
+def prefilled_static_cache(batch: int = 2, prompt_len: int = 7, max_len: int = 16):
+    """The tiny LLaMA, the prompt length, and a function giving a fresh StaticCache prefilled with one
+    random prompt (the same prompt each call), for decode-step tests."""
     transformers, model = _tiny_llama()
-    batch, prompt_len, max_len = 2, 7, 16
     prompt = torch.randint(0, 256, (batch, prompt_len))
 
     def prefilled():
@@ -265,6 +261,17 @@ def test_a_static_cache_decode_step(fused):
         model(input_ids=prompt, cache=cache, cache_position=torch.arange(prompt_len), use_cache=True)
         return cache
 
+    return model, prompt_len, prefilled
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["lowering-only", "fused"])
+def test_a_static_cache_decode_step(fused):
+    """HF's static KV cache: each decode step writes its key and value rows into the cache
+    (index_copy_ at cache_position). The compiled step matches the same Dynamo graph run op by op
+    (backend "eager": plain eager differs from both in the last bits, through HF's compile-time
+    mask code), its cache writes are made in place, and the second step reuses the graph."""
+    model, prompt_len, prefilled = prefilled_static_cache()
+    batch = 2
     with torch.no_grad():
         ref_cache, cache = prefilled(), prefilled()
         reference = torch.compile(model.forward, backend="eager")
