@@ -190,6 +190,7 @@ def pass_context(example_inputs: Sequence[Any], opts: Options, training: bool):
         tune=opts.tune,
         input_requires_grad=input_requires_grad(example_inputs),
         joint_layouts=training and "layout" not in opts.skip,
+        unpad=opts.unpad,
     )
 
 
@@ -512,7 +513,7 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
         _finish(record, opts)
         return gm.forward
     record.aten_ops_before = _count_ops(aten_gm)
-    if opts.compiler == "inductor" and opts.fuse == "auto":
+    if opts.compiler == "inductor" and opts.fuse == "auto" and not opts.unpad:
         compiled = _whole_graph_to_inductor(gm, example_inputs, aten_gm, record, opts, start)
         if compiled is not None:
             return compiled

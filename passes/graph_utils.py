@@ -34,6 +34,7 @@ class PassContext:
     # In training the backend searches layouts on AOTAutograd's joint graph (passes/layout.py,
     # choose_joint_layouts); the forward pipeline's layout pass then leaves them to it.
     joint_layouts: bool = False
+    unpad: bool = False  # Options.unpad: skip the padding of the batch (passes/unpad.py)
 
     def needs_grad(self, n: Any) -> bool:
         """Whether `n` may require grad: it is computed from a graph input that requires grad (an
