@@ -206,8 +206,9 @@ def concrete_int(x: Any) -> int:
         if hint is not None:
             return int(hint)
         shape_env = getattr(node, "shape_env", None)
-        if shape_env is not None:
-            return int(shape_env.size_hint(node.expr))
+        if shape_env is not None:  # (torch >= 2.13: optimization_hint; a data-dependent size gets its fallback)
+            hint = getattr(shape_env, "optimization_hint", None) or shape_env.size_hint
+            return int(hint(node.expr))
     return int(x)
 
 
