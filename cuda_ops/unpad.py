@@ -81,6 +81,7 @@ def _unpad_index_fake(mask: Tensor) -> tuple[Tensor, Tensor]:
 def unpad_index(mask: Tensor) -> tuple[Tensor, Tensor]:
     """(indices, cu_seqlens) of the real tokens of the padding mask `mask` [B, S] (see the module
     docstring)."""
+    check_tensor("unpad_index", "mask", mask)
     return torch.ops.dmfx.unpad_index(mask)
 
 

@@ -35,6 +35,7 @@ class PassContext:
     # choose_joint_layouts); the forward pipeline's layout pass then leaves them to it.
     joint_layouts: bool = False
     unpad: bool = False  # Options.unpad: skip the padding of the batch (passes/unpad.py)
+    unpadded: dict = field(default_factory=dict)  # what the unpad pass did: the mask input, its attentions
 
     def needs_grad(self, n: Any) -> bool:
         """Whether `n` may require grad: it is computed from a graph input that requires grad (an

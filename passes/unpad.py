@@ -1107,6 +1107,60 @@ def unpad(gm: GraphModule, ctx: PassContext) -> None:
         raise RuntimeError(f"dmfx: unpad: {e}") from e
 
 
+# ----------------------------------------------------------------------------------------- the hint
+
+
+@dataclass(frozen=True)
+class PaddingHint:
+    """A graph that ``unpad=True`` would run on its real tokens: which input is its padding mask (its
+    position among the graph's inputs) and how many attentions read it."""
+
+    input_index: int
+    input_name: str
+    attentions: int
+
+
+def _eager_attention_masks(n: Node) -> list[Node]:
+    """What an unfused attention's softmax over 4-D scores adds to them, ``_softmax(add(a, b))``: both
+    operands (the scores' own fail padding_mask_input at once: they read the weights too)."""
+    if not is_op(n, aten._softmax) or not is_op(n.args[0], aten.add):
+        return []
+    x = n.args[0]
+    if tensor_meta(x) is None or tensor_meta(x).dim() != 4:
+        return []
+    return [a for a in x.args[:2] if isinstance(a, Node) and isinstance(val(a), torch.Tensor)]
+
+
+def padding_hint(gm: GraphModule) -> PaddingHint | None:
+    """Whether `gm` (a lowered graph, fused or not) has attentions that read one HF padding mask, so
+    that ``unpad=True`` would skip its padding: the hint the backend logs once, at the first call,
+    when the batch is mostly padding (the option is off). None when it has none."""
+    cache: dict = {}
+    found: dict[Node, int] = {}
+    for n in gm.graph.nodes:
+        masks = []
+        a = attention_call(n)
+        if isinstance(a, AttentionCall):
+            shapes = _attention_shapes(a)
+            if isinstance(shapes, str):
+                continue
+            B, H, S = shapes[:3]
+            masks = [(a.mask, H, B, S)]
+        else:
+            for m in _eager_attention_masks(n):
+                B, H, S = tensor_meta(n).shape[:3]
+                masks.append((m, H, B, S))
+        for mask, H, B, S in masks:
+            source, why = padding_mask_input(gm, mask, H, B, S, cache)
+            if source is not None:
+                found[source] = found.get(source, 0) + 1
+    if not found:
+        return None
+    source, count = max(found.items(), key=lambda kv: kv[1])
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return PaddingHint(inputs.index(source), source.name, count)
+
+
 def _rewrite(gm: GraphModule, ctx: PassContext, region: Region) -> None:
     graph = gm.graph
     packer = Packer(gm, ctx, region)
@@ -1124,5 +1178,9 @@ def _rewrite(gm: GraphModule, ctx: PassContext, region: Region) -> None:
         full = packer.scatter(n, tok)
         for u in outside:
             u.replace_input_with(n, full)
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    ctx.unpadded = {"mask": region.grid.mask.name, "input_index": inputs.index(region.grid.mask),
+                    "attentions": len(region.attentions),
+                    "row_ops": sum(1 for n in order if n not in region.attentions and n.target is not operator.getitem)}
     rows = " x ".join(str(d) for d in (region.grid.B, region.grid.S))
     log.debug("dmfx: unpad: %d nodes run on the real tokens of %s's [%s] grid", len(order), region.grid.mask.name, rows)

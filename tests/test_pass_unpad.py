@@ -287,3 +287,40 @@ def test_off_by_default():
 def test_option_is_checked():
     with pytest.raises(ValueError, match="unpad"):
         dmfx.with_options(unpad="yes")
+
+
+# ----------------------------------------------------------------------------------------- the hint
+
+
+@pytest.mark.parametrize("options", [{"compiler": "fx"}, {"compiler": "inductor"}])
+def test_a_mostly_padded_batch_suggests_the_option(options, caplog):
+    """Without unpad, a graph whose attentions read a padding mask says once, at its first call, how
+    much of the batch was padding and what unpad=True would skip (also for a graph left to Inductor
+    whole)."""
+    import logging
+
+    model, pad = encoder("bert")
+    model.eval()
+    ids, mask = padded_batch(pad_id=pad, lengths=(2, 9, 3))  # 14 of 27 positions real: 48% padding
+    compiled = torch.compile(model, backend="dmfx", options=options)
+    with caplog.at_level(logging.INFO, logger="dmfx"), torch.no_grad():
+        compiled(input_ids=ids, attention_mask=mask)
+        compiled(input_ids=ids, attention_mask=mask)
+    said = [r.getMessage() for r in caplog.records if "would run its row-wise ops" in r.getMessage()]
+    assert len(said) == 1 and "48% padding" in said[0] and "options={'unpad': True}" in said[0]
+    assert "attention_mask" in said[0]  # (the input as the model names it)
+    record = dmfx.records()[-1]
+    assert record.unpad == {"option": False, "mask": record.unpad["mask"], "attentions": 2, "padding": 0.4815}
+
+
+def test_unpadded_graph_records_its_mask_and_padding():
+    model, pad = encoder("bert")
+    model.eval()
+    ids, mask = padded_batch(pad_id=pad, lengths=(2, 9, 3))
+    with torch.no_grad():
+        torch.compile(model, backend="dmfx", options=UNPAD)(input_ids=ids, attention_mask=mask)
+    record = dmfx.records()[-1]
+    assert record.unpad["option"] and record.unpad["attentions"] == 2 and record.unpad["padding"] == 0.4815
+    assert "attention_mask" in record.unpad["mask"]
+    assert record.unpad["row_ops"] > 10
+    assert "unpadded by" in record.summary()
