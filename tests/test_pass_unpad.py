@@ -324,3 +324,15 @@ def test_unpadded_graph_records_its_mask_and_padding():
     assert "attention_mask" in record.unpad["mask"]
     assert record.unpad["row_ops"] > 10
     assert "unpadded by" in record.summary()
+
+
+def test_explain_reports_rows_and_bytes_with_and_without_unpad():
+    model, pad = encoder("bert")
+    ids, mask = padded_batch(pad_id=pad, lengths=(2, 9, 3))
+    report = dmfx.explain(model, input_ids=ids, attention_mask=mask, training=True, dmfx_options={"unpad": True})
+    up = report["unpad"]
+    assert up["rows_padded"] == 27 and up["rows_computed"] == 14
+    assert up["bytes_with_unpad"] < up["bytes_without_unpad"]
+    rt = report["runtime"]["after"]
+    assert abs(rt["diff_pct"]) < 1.0  # the static cost counts the rows that ran (the real tokens' count)
+    assert "14 of 27 token rows computed" in str(report)
