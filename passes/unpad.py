@@ -774,6 +774,40 @@ class Region:
         return None
 
 
+def _token_sources(region: Region, x: Node) -> set[Node]:
+    """The region nodes and gathered inputs that `x`'s tokens come from (through token operands)."""
+    found: set[Node] = set()
+    stack = [x]
+    while stack:
+        n = stack.pop()
+        if n in found:
+            continue
+        found.add(n)
+        if n in region.attentions:
+            stack += list(region.attentions[n].operands.values())
+            continue
+        t = region.tok.get(n)
+        if t is None:
+            continue  # (gathered from outside)
+        if n.target is operator.getitem:
+            stack.append(n.args[0])
+            continue
+        tok = t if isinstance(t, Tok) else next(o for o in t if o is not None)
+        roles = _rule(n).roles(n, tok, region.grid) or {}
+        stack += [_arg(n, p) for p, r in roles.items() if r.kind == "token"]
+    return found
+
+
+def _self_attention(region: Region, a: AttentionCall) -> bool:
+    """Whether q, k and v are computed from one token tensor (so each query is a token of the keys'
+    grid, and a padding key is a padding query): not cross-attention that only looks alike."""
+    operands = list(a.operands.values())
+    if len(operands) == 1:
+        return True
+    common = set.intersection(*(_token_sources(region, x) for x in operands))
+    return bool(common)
+
+
 def _seed_attention(region: Region, a: AttentionCall) -> bool:
     """The attention joins the region: its output [B, H, S, Dv] is Tok(2); q, k, v are demanded as
     Tok(2) ([B, H, S, D]) or the stacked projection as Tok(1)."""
@@ -1093,6 +1127,12 @@ def unpad(gm: GraphModule, ctx: PassContext) -> None:
     grid = Grid(source, chosen[0][2], chosen[0][3])
     region = Region(grid, [c[0] for c in chosen])
     for c in chosen:
+        alone = Region(grid, [c[0]])
+        if not (_seed_attention(alone, c[0]) and _self_attention(alone, c[0])):
+            region.attentions.pop(c[0].node)
+            ctx.miss("unpad", c[0].node, "q, k and v are not computed from one token tensor (cross-attention) or in "
+                                         "one layout")
+            continue
         snapshot = (dict(region.tok), dict(region.entries))
         if not _seed_attention(region, c[0]):
             region.tok, region.entries = snapshot

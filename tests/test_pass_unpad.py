@@ -336,3 +336,25 @@ def test_explain_reports_rows_and_bytes_with_and_without_unpad():
     rt = report["runtime"]["after"]
     assert abs(rt["diff_pct"]) < 1.0  # the static cost counts the rows that ran (the real tokens' count)
     assert "14 of 27 token rows computed" in str(report)
+
+
+def test_cross_attention_of_equal_lengths_is_left_alone():
+    """BART's decoder reads the encoder's states with the encoder's padding mask over keys of the
+    decoder's length here: cross-attention, not a padded self-attention (its queries are other tokens).
+    The encoder's self-attentions are unpadded; the cross-attention is not."""
+    cfg = transformers.BartConfig(vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                                  decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=0.0,
+                                  attention_dropout=0.0, activation_dropout=0.0, attn_implementation="eager")
+    model = transformers.BartModel(cfg).eval()
+    ids, mask = padded_batch(pad_id=1)
+    dec = torch.randint(2, 100, ids.shape)  # as long as the encoder's input
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, decoder_input_ids=dec)
+        out = compiled(input_ids=ids, attention_mask=mask, decoder_input_ids=dec)
+    assert torch.allclose(out.last_hidden_state, ref.last_hidden_state, atol=1e-5)  # the decoder: every position
+    real = mask.bool()
+    assert torch.allclose(out.encoder_last_hidden_state[real], ref.encoder_last_hidden_state[real], atol=1e-5)
+    record = dmfx.records()[-1]
+    assert record.fired.get("unpad") == 1, record.summary()  # the encoder's self-attention
+    assert any("cross-attention" in m or "not a padding mask" in m for m in unpad_misses(record)), record.missed
