@@ -146,8 +146,10 @@ def _mask_program(gm: GraphModule, mask: Node) -> tuple[Node, Callable[[torch.Te
     not (the mask reads parameters or several inputs: not a padding mask alone)."""
     nodes = _ancestors(mask)
     inputs = [n for n in nodes if n.op == "placeholder" and isinstance(val(n), torch.Tensor)]
+    if not inputs:
+        return "the attention mask is a constant (causal, or a window), not computed from a padding mask"
     if len(inputs) != 1:
-        names = ", ".join(n.name for n in inputs) or "no input"
+        names = ", ".join(n.name for n in inputs)
         return f"the attention mask is computed from {names}, not from one padding mask alone (a learned bias?)"
     (source,) = inputs
     g = Graph()
