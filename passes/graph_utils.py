@@ -4,6 +4,7 @@ new nodes with their fake values (so later passes can read shapes and dtypes).""
 from __future__ import annotations
 
 import operator
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -207,10 +208,30 @@ def concrete_int(x: Any) -> int:
         if hint is not None:
             return int(hint)
         shape_env = getattr(node, "shape_env", None)
-        if shape_env is not None:  # (torch >= 2.13: optimization_hint; a data-dependent size gets its fallback)
-            hint = getattr(shape_env, "optimization_hint", None) or shape_env.size_hint
-            return int(hint(node.expr))
+        if shape_env is not None:
+            if hasattr(shape_env, "optimization_hint"):  # (torch >= 2.13; a data-dependent size gets its fallback)
+                return int(shape_env.optimization_hint(node.expr))
+            return _hint_without_guard(shape_env, node.expr)
     return int(x)
+
+
+def _hint_without_guard(shape_env: Any, expr: Any) -> int:
+    """An expression's value with every symbol at its hint (torch 2.11): backed ones at the example's
+    value, data-dependent ones at their hint override (var_to_hint_override: dmfx.explain sets the
+    real count there), else their range's upper bound (else 8192, Inductor's fallback)."""
+    hints = {}
+    for s in expr.free_symbols:
+        backed = getattr(shape_env, "backed_var_to_val", None)
+        backed = shape_env.var_to_val if backed is None else backed
+        value = backed.get(s, getattr(shape_env, "var_to_hint_override", {}).get(s))
+        if value is None:
+            value = 8192
+            try:
+                value = min(int(shape_env.var_to_range[s].upper), sys.maxsize)
+            except Exception:  # (no range, or an unbounded one)
+                pass
+        hints[s] = value
+    return int(expr.xreplace(hints))
 
 
 def grad_dependent_nodes(graph: Graph, input_requires_grad: Iterable[bool] | None) -> set[Node]:

@@ -357,5 +357,5 @@ def test_cross_attention_of_equal_lengths_is_left_alone():
     real = mask.bool()
     assert torch.allclose(out.encoder_last_hidden_state[real], ref.encoder_last_hidden_state[real], atol=1e-5)
     record = dmfx.records()[-1]
-    assert record.fired.get("unpad") == 1, record.summary()  # the encoder's self-attention
-    assert any("cross-attention" in m or "not a padding mask" in m for m in unpad_misses(record)), record.missed
+    assert record.fired.get("unpad", 0) <= 1, record.summary()  # at most the encoder's self-attention
+    assert any("cross-attention" in m for m in unpad_misses(record)), record.missed

@@ -229,9 +229,8 @@ def _real_token_hint(entry: _Compiled) -> tuple[int, int] | None:
                 size = n.meta["val"][0].shape[0]
                 if isinstance(size, torch.SymInt):
                     env, sym = size.node.shape_env, size.node.expr
-                    for table in ("var_to_hint_override", "unbacked_var_to_val"):  # (torch 2.14 / 2.11 hints)
-                        if isinstance(getattr(env, table, None), dict):
-                            getattr(env, table)[sym] = real
+                    if isinstance(getattr(env, "var_to_hint_override", None), dict):  # (the optimization hints)
+                        env.var_to_hint_override[sym] = real
     return mask.numel(), real
 
 
