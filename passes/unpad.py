@@ -223,6 +223,9 @@ def padding_mask_input(gm: GraphModule, mask: Any, heads: Any, B: Any, S: Any,
 # ----------------------------------------------------------------------------------------- attention
 
 
+NEW_SEED = object()  # an attention whose dropout needs a seed drawn for the varlen op
+
+
 @dataclass
 class AttentionCall:
     """One attention the pass can run over packed sequences."""
@@ -234,7 +237,7 @@ class AttentionCall:
     mask: Any
     scale: float
     causal: bool
-    seed: Any
+    seed: Any  # a seed node, None, or NEW_SEED (dropout inside an SDPA call: one is drawn)
     p: float
 
 
@@ -267,8 +270,9 @@ def attention_call(n: Node) -> AttentionCall | str | None:
     call = sdpa_call(n)
     if call is None:
         return None
-    if call["dropout"] != 0.0:
-        return "scaled_dot_product_attention with dropout inside the call"
+    p = call["dropout"]
+    if not isinstance(p, (int, float)):
+        return "scaled_dot_product_attention with a run-time dropout probability"
     out = n
     if call["extra_outputs"]:
         out = _only_output_read(n)
@@ -282,8 +286,9 @@ def attention_call(n: Node) -> AttentionCall | str | None:
         if not isinstance(qm.shape[-1], int):
             return "a symbolic head size: the scale is not known"
         scale = qm.shape[-1] ** -0.5
+    # (dropout inside the call: the varlen op drops out with dmfx's Philox stream and a fresh seed)
     return AttentionCall(n, out, {"q": call["q"], "k": call["k"], "v": call["v"]}, None, call["mask"], float(scale),
-                         bool(call["causal"]), None, 0.0)
+                         bool(call["causal"]), NEW_SEED if p else None, float(p))
 
 
 def _attention_shapes(a: AttentionCall) -> tuple[Any, Any, Any, Any, torch.Tensor] | str:
@@ -1006,6 +1011,10 @@ class Packer:
             if p is not None and _later(p, at):
                 at = p
         with _at(g, at):
+            if a.seed is NEW_SEED:  # (an SDPA call that drops out: its own RNG state is PyTorch's)
+                from .graph_utils import insert_seed
+
+                a.seed = insert_seed(g, self.ctx)
             ops = {}
             for name, x in a.operands.items():
                 tok = Tok(1) if name == "qkv" else Tok(2)
