@@ -197,6 +197,80 @@ std::vector<int64_t> key_lengths(const Shapes& s, const MaskView& mv) {
   }
 }
 
+// ------------------------------------------------------------------------------------------------
+// The fused loops, written once over the addressing of a score row (its index in the statistics,
+// its first Philox element, its causal limit, its mask): DenseRows, batch element b of [B, H, L, D]
+// tensors, whose row i of query head h is row R = (b * Hq + h) * Lq + i of the [B, Hq, Lq, Lk]
+// scores, its Philox elements R * Lk + j, its mask row R; the operands of one batch element as
+// Rowed: row i of head h at p + h * sh + i * sl.
+// ------------------------------------------------------------------------------------------------
+
+template <typename T>
+struct Rowed {
+  T* p;
+  int64_t sh, sl;
+  T* at(int64_t h, int64_t i = 0) const { return p + h * sh + i * sl; }
+};
+
+// Batch element b of a [B, H, L, D] tensor.
+template <typename T>
+inline Rowed<T> dense_rows(const at::Tensor& t, int64_t b) {
+  return {t.data_ptr<T>() + b * t.stride(0), t.stride(1), t.stride(2)};
+}
+
+template <typename mask_t>
+struct DenseRows {
+  const SoftmaxArgs& a;
+  const MaskView& mv;
+  int64_t row0, Lq, Lk;  // row0 = b * Hq * Lq
+  int64_t row(int64_t h, int64_t i) const { return row0 + h * Lq + i; }
+  uint64_t drop(int64_t h, int64_t i) const { return static_cast<uint64_t>(row(h, i)) * static_cast<uint64_t>(Lk); }
+  int64_t limit(int64_t h, int64_t i, int64_t nk) const { return std::min(causal_limit(a, row(h, i)), nk); }
+  template <typename acc_t>
+  acc_t logits(int64_t h, int64_t i, const acc_t* srow, int64_t n, acc_t* z) const {
+    return row_logits<acc_t, mask_t>(a, mv, row(h, i), srow, n, z);
+  }
+};
+
+// Rows i0 .. i0 + m - 1 of query head h against keys 0 .. nk - 1: S = Q_blk · Kᵀ into sp (row stride
+// lds), the row pass (logits, max, exp, sum, dropout; the statistics of each row), out_blk = P_dropped · V.
+template <typename acc_t, typename Rows>
+void fwd_block(const Rows& rows, const SoftmaxArgs& a, int64_t h, int64_t i0, int64_t m, int64_t nk, int64_t D,
+               int64_t Dv, const acc_t* qb, int64_t ldq, const acc_t* kb, int64_t ldk, const acc_t* vb, int64_t ldv,
+               acc_t* ob, int64_t ldo, acc_t* sp, int64_t lds, RowScratch<acc_t>& scratch, acc_t* max_p,
+               acc_t* inv_p) {
+  acc_t* z = scratch.z.data();
+  gemm_rm<acc_t>(false, true, m, nk, D, 1, qb, ldq, kb, ldk, 0, sp, lds);
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t i = i0 + r, R = rows.row(h, i);
+    const int64_t n = rows.limit(h, i, nk);
+    acc_t* row = sp + r * lds;
+    const acc_t mx = n > 0 ? rows.logits(h, i, row, n, z) : -std::numeric_limits<acc_t>::infinity();
+    int64_t done = 0;
+    acc_t tail = 0;
+    if (n > 0 && mx != -std::numeric_limits<acc_t>::infinity()) {
+      const acc_t sum = exp_sum(z, n, mx);
+      const acc_t inv = acc_t(1) / sum;
+      tail = acc_t(0) * inv;  // NaN in a NaN row, as eager
+      max_p[R] = mx;
+      inv_p[R] = inv;
+      if (a.dropout.active) {
+        fill_mult(a.dropout, a.keep_scale, rows.drop(h, i), n, scratch);
+        const acc_t* mult = scratch.mult.data();
+        for (int64_t j = 0; j < n; ++j) row[j] = z[j] * inv * mult[j];
+      } else {
+        for (int64_t j = 0; j < n; ++j) row[j] = z[j] * inv;
+      }
+      done = n;
+    } else {
+      max_p[R] = -std::numeric_limits<acc_t>::infinity();  // fully masked: zeros
+      inv_p[R] = acc_t(0);
+    }
+    for (int64_t j = done; j < nk; ++j) row[j] = tail;
+  }
+  gemm_rm<acc_t>(false, false, m, Dv, nk, 1, sp, lds, vb, ldv, 0, ob, ldo);
+}
+
 template <typename scalar_t, typename mask_t>
 void fwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Tensor& q, const at::Tensor& k,
          const at::Tensor& v, at::Tensor& out, at::Tensor& stats) {
@@ -212,42 +286,13 @@ void fwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Te
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     at::Tensor S = at::empty({s.block, s.Lk}, q.options());
     RowScratch<acc_t> scratch(s.Lk, a.dropout.active);
-    acc_t* z = scratch.z.data();
     for (int64_t it = begin; it < end; ++it) {
       const int64_t blk = it % nblocks, bh = it / nblocks, b = bh / s.Hq, h = bh % s.Hq;
-      const int64_t i0 = blk * s.block, m = std::min(s.block, s.Lq - i0), nk = keys[b];
-      acc_t* sp = S.data_ptr<acc_t>();
-      gemm_rm<acc_t>(false, true, m, nk, s.D, 1, mat<acc_t>(q, b, h, i0), q.stride(2), mat<acc_t>(k, b, h / s.groups),
-                     k.stride(2), 0, sp, s.Lk);
-      for (int64_t r = 0; r < m; ++r) {
-        const int64_t R = bh * s.Lq + i0 + r;
-        const int64_t n = std::min(causal_limit(a, R), nk);
-        acc_t* row = sp + r * s.Lk;
-        const acc_t mx = n > 0 ? row_logits<acc_t, mask_t>(a, mv, R, row, n, z) : -std::numeric_limits<acc_t>::infinity();
-        int64_t done = 0;
-        acc_t tail = 0;
-        if (n > 0 && mx != -std::numeric_limits<acc_t>::infinity()) {
-          const acc_t sum = exp_sum(z, n, mx);
-          const acc_t inv = acc_t(1) / sum;
-          tail = acc_t(0) * inv;  // NaN in a NaN row, as eager
-          max_p[R] = mx;
-          inv_p[R] = inv;
-          if (a.dropout.active) {
-            fill_mult(a.dropout, a.keep_scale, static_cast<uint64_t>(R) * static_cast<uint64_t>(s.Lk), n, scratch);
-            const acc_t* mult = scratch.mult.data();
-            for (int64_t j = 0; j < n; ++j) row[j] = z[j] * inv * mult[j];
-          } else {
-            for (int64_t j = 0; j < n; ++j) row[j] = z[j] * inv;
-          }
-          done = n;
-        } else {
-          max_p[R] = -std::numeric_limits<acc_t>::infinity();  // fully masked: zeros
-          inv_p[R] = acc_t(0);
-        }
-        for (int64_t j = done; j < nk; ++j) row[j] = tail;
-      }
-      gemm_rm<acc_t>(false, false, m, s.Dv, nk, 1, sp, s.Lk, mat<acc_t>(v, b, h / s.groups), v.stride(2), 0,
-                     mat<acc_t>(out, b, h, i0), out.stride(2));
+      const int64_t i0 = blk * s.block, m = std::min(s.block, s.Lq - i0);
+      const DenseRows<mask_t> rows{a, mv, b * s.Hq * s.Lq, s.Lq, s.Lk};
+      fwd_block<acc_t>(rows, a, h, i0, m, keys[b], s.D, s.Dv, mat<acc_t>(q, b, h, i0), q.stride(2),
+                       mat<acc_t>(k, b, h / s.groups), k.stride(2), mat<acc_t>(v, b, h / s.groups), v.stride(2),
+                       mat<acc_t>(out, b, h, i0), out.stride(2), S.data_ptr<acc_t>(), s.Lk, scratch, max_p, inv_p);
     }
   });
 }
@@ -286,6 +331,59 @@ inline void backward_row(acc_t* z, acc_t* srow, acc_t* drow, const acc_t* mult, 
   }
 }
 
+// One backward task: kv head hk of one batch element / sequence, its `groups` query heads of Lq rows
+// in blocks of `block` against keys 0 .. nk - 1 (k, v, dk, dv at kb, vb, dkb, dvb with their row
+// strides; q, grad_out, dq as Q, G, DQ). For each query head and block: S and dP = dO · Vᵀ into sp and
+// pp (row stride lds), the row pass (P from the statistics, dS, the dropped P), then dV (+)= P_droppedᵀ ·
+// dO, dQ_blk = dS · K, dK (+)= dSᵀ · Q_blk. Returns whether any query row ran (else dk, dv are unwritten).
+template <typename acc_t, typename Rows>
+bool bwd_task(const Rows& rows, const SoftmaxArgs& a, int64_t hk, int64_t groups, int64_t Lq, int64_t nk,
+              int64_t block, int64_t D, int64_t Dv, const Rowed<acc_t>& Q, const Rowed<acc_t>& G,
+              const Rowed<acc_t>& DQ, const acc_t* kb, int64_t ldk, const acc_t* vb, int64_t ldv, acc_t* dkb,
+              int64_t lddk, acc_t* dvb, int64_t lddv, acc_t* sp, acc_t* pp, int64_t lds, RowScratch<acc_t>& scratch,
+              const acc_t* max_p, const acc_t* inv_p) {
+  const acc_t scale = static_cast<acc_t>(a.scale);
+  const int64_t nblocks = (Lq + block - 1) / block;
+  bool first = true;
+  for (int64_t h = hk * groups; h < (hk + 1) * groups; ++h) {
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      const int64_t i0 = blk * block, m = std::min(block, Lq - i0);
+      const acc_t* qb = Q.at(h, i0);
+      const acc_t* gb = G.at(h, i0);
+      gemm_rm<acc_t>(false, true, m, nk, D, 1, qb, Q.sl, kb, ldk, 0, sp, lds);     // the scores again
+      gemm_rm<acc_t>(false, true, m, nk, Dv, 1, gb, G.sl, vb, ldv, 0, pp, lds);    // dP = dO · Vᵀ
+      for (int64_t r = 0; r < m; ++r) {
+        const int64_t i = i0 + r, R = rows.row(h, i);
+        const int64_t n = rows.limit(h, i, nk);
+        acc_t* row = sp + r * lds;
+        acc_t* drow = pp + r * lds;
+        const acc_t mx = max_p[R], inv = inv_p[R];
+        int64_t done = 0;
+        if (n > 0 && mx != -std::numeric_limits<acc_t>::infinity()) {
+          acc_t* z = scratch.z.data();
+          rows.logits(h, i, row, n, z);
+          if (a.dropout.active) {  // one Philox pass per row serves dP and the dropped P
+            fill_mult(a.dropout, a.keep_scale, rows.drop(h, i), n, scratch);
+            backward_row<true>(z, row, drow, scratch.mult.data(), n, mx, inv, scale);
+          } else {
+            backward_row<false>(z, row, drow, static_cast<const acc_t*>(nullptr), n, mx, inv, scale);
+          }
+          done = n;
+        }
+        for (int64_t j = done; j < nk; ++j) row[j] = drow[j] = acc_t(0);
+      }
+      const acc_t beta = first ? 0 : 1;
+      // dV (+)= P_droppedᵀ · dO (the dropped P is in pp now)
+      gemm_rm<acc_t>(true, false, nk, Dv, m, 1, pp, lds, gb, G.sl, beta, dvb, lddv);
+      // dQ_blk = dS · K, dK (+)= dSᵀ · Q_blk
+      gemm_rm<acc_t>(false, false, m, D, nk, 1, sp, lds, kb, ldk, 0, DQ.at(h, i0), DQ.sl);
+      gemm_rm<acc_t>(true, false, nk, D, m, 1, sp, lds, qb, Q.sl, beta, dkb, lddk);
+      first = false;
+    }
+  }
+  return !first;
+}
+
 // `bias_part` (optional, [3, B, Hq, D]): each (batch, head) task also writes the column sums of its
 // dq, dk and dv rows there while they are in cache: summed over the batch, they are the bias
 // gradients of the Q, K and V projections (the paper's BAIB folded into the attention backward).
@@ -294,10 +392,8 @@ void bwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Te
          const at::Tensor& k, const at::Tensor& v, const at::Tensor& stats, at::Tensor& dq, at::Tensor& dk,
          at::Tensor& dv, const c10::optional<at::Tensor>& bias_part) {
   using acc_t = scalar_t;
-  const int64_t nblocks = (s.Lq + s.block - 1) / s.block;
   const acc_t* max_p = stats.data_ptr<acc_t>();
   const acc_t* inv_p = max_p + s.B * s.Hq * s.Lq;
-  const acc_t scale = static_cast<acc_t>(a.scale);
   const std::vector<int64_t> keys = key_lengths<mask_t>(s, mv);
   at::parallel_for(0, s.B * s.Hk, 1, [&](int64_t begin, int64_t end) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // see fwd
@@ -306,55 +402,19 @@ void bwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Te
     RowScratch<acc_t> scratch(s.Lk, a.dropout.active);
     for (int64_t bk = begin; bk < end; ++bk) {
       const int64_t b = bk / s.Hk, hk = bk % s.Hk, nk = keys[b];
-      const acc_t* kb = mat<acc_t>(k, b, hk);
-      const acc_t* vb = mat<acc_t>(v, b, hk);
       acc_t* dkb = mat<acc_t>(dk, b, hk);
       acc_t* dvb = mat<acc_t>(dv, b, hk);
       if (nk < s.Lk) {  // hidden keys get no gradient
         dk[b][hk].narrow(0, nk, s.Lk - nk).zero_();
         dv[b][hk].narrow(0, nk, s.Lk - nk).zero_();
       }
-      bool first = true;
-      for (int64_t h = hk * s.groups; h < (hk + 1) * s.groups; ++h) {
-        for (int64_t blk = 0; blk < nblocks; ++blk) {
-          const int64_t i0 = blk * s.block, m = std::min(s.block, s.Lq - i0);
-          const acc_t* qb = mat<acc_t>(q, b, h, i0);
-          const acc_t* gb = mat<acc_t>(go, b, h, i0);
-          acc_t* sp = S.data_ptr<acc_t>();
-          acc_t* pp = Pd.data_ptr<acc_t>();
-          gemm_rm<acc_t>(false, true, m, nk, s.D, 1, qb, q.stride(2), kb, k.stride(2), 0, sp, s.Lk);  // the scores again
-          gemm_rm<acc_t>(false, true, m, nk, s.Dv, 1, gb, go.stride(2), vb, v.stride(2), 0, pp, s.Lk);  // dP = dO · Vᵀ
-          for (int64_t r = 0; r < m; ++r) {
-            const int64_t R = (b * s.Hq + h) * s.Lq + i0 + r;
-            const int64_t n = std::min(causal_limit(a, R), nk);
-            acc_t* row = sp + r * s.Lk;
-            acc_t* drow = pp + r * s.Lk;
-            const acc_t mx = max_p[R], inv = inv_p[R];
-            int64_t done = 0;
-            if (n > 0 && mx != -std::numeric_limits<acc_t>::infinity()) {
-              acc_t* z = scratch.z.data();
-              row_logits<acc_t, mask_t>(a, mv, R, row, n, z);
-              if (a.dropout.active) {  // one Philox pass per row serves dP and the dropped P
-                fill_mult(a.dropout, a.keep_scale, static_cast<uint64_t>(R) * static_cast<uint64_t>(s.Lk), n, scratch);
-                backward_row<true>(z, row, drow, scratch.mult.data(), n, mx, inv, scale);
-              } else {
-                backward_row<false>(z, row, drow, static_cast<const acc_t*>(nullptr), n, mx, inv, scale);
-              }
-              done = n;
-            }
-            for (int64_t j = done; j < nk; ++j) row[j] = drow[j] = acc_t(0);
-          }
-          const acc_t beta = first ? 0 : 1;
-          // dV (+)= P_droppedᵀ · dO (the dropped P is in Pd now)
-          gemm_rm<acc_t>(true, false, nk, s.Dv, m, 1, pp, s.Lk, gb, go.stride(2), beta, dvb, dv.stride(2));
-          // dQ_blk = dS · K, dK (+)= dSᵀ · Q_blk
-          gemm_rm<acc_t>(false, false, m, s.D, nk, 1, sp, s.Lk, kb, k.stride(2), 0, mat<acc_t>(dq, b, h, i0),
-                         dq.stride(2));
-          gemm_rm<acc_t>(true, false, nk, s.D, m, 1, sp, s.Lk, qb, q.stride(2), beta, dkb, dk.stride(2));
-          first = false;
-        }
-      }
-      if (first) {  // no query rows: the gradients of k and v are zero
+      const DenseRows<mask_t> rows{a, mv, b * s.Hq * s.Lq, s.Lq, s.Lk};
+      const bool wrote = bwd_task<acc_t>(rows, a, hk, s.groups, s.Lq, nk, s.block, s.D, s.Dv, dense_rows<acc_t>(q, b),
+                                         dense_rows<acc_t>(go, b), dense_rows<acc_t>(dq, b), mat<acc_t>(k, b, hk),
+                                         k.stride(2), mat<acc_t>(v, b, hk), v.stride(2), dkb, dk.stride(2), dvb,
+                                         dv.stride(2), S.data_ptr<acc_t>(), Pd.data_ptr<acc_t>(), s.Lk, scratch, max_p,
+                                         inv_p);
+      if (!wrote) {  // no query rows: the gradients of k and v are zero
         dk[b][hk].narrow(0, 0, nk).zero_();
         dv[b][hk].narrow(0, 0, nk).zero_();
       }
@@ -623,7 +683,6 @@ struct QkvFlashAttentionBackward {
   static constexpr const char* name = "dmfx::qkv_flash_attention_backward";
   using Sig = decltype(qkv_flash_attention_backward<CpuAttention>);
 };
-
 }  // namespace
 }  // namespace attention_ops
 }  // namespace dmfx
