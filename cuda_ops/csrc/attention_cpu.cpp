@@ -14,13 +14,21 @@
 //              the stacked QKV gradient's column blocks, or [B, L, H, D] tensors).
 //   Both skip the keys an HF padding mask hides from a whole batch element (key_lengths below):
 //   padded positions cost no GEMM work and no row work.
+//   varlen_fwd / varlen_bwd: the same loops (fwd_block, bwd_task) over packed variable-length
+//              sequences (q [T, Hq, D], sequence b in rows cu_seqlens[b] .. cu_seqlens[b + 1]; each
+//              query attends its own sequence's keys): the forward's work items are (sequence, head,
+//              block of query rows), the backward's (sequence, kv head), handed out dynamically,
+//              longest sequences first (their costs differ by the square of the lengths); the
+//              addressing of a score row (statistics, Philox index (h * T + tq) * T + tk, causal
+//              limit) is VarlenRows', the dense form's DenseRows'. stats [2, Hq, T].
 //
 // The GEMMs are the BLAS libtorch links (MKL's sgemm_/dgemm_ on the strided operands in place, no
 // copies; gemm_rm below); this file is the glue and the row math, which is softmax_cpu.cpp's (same
 // logits, exp, Philox mask: element index = row-major index in the [B, Hq, Lq, Lk] scores), so the
 // dropout mask is bit for bit that of the unfused form.
 // The row math is softmax_cpu.h's (shared with the softmax kernels).
-// float32 and float64 only: bf16/fp16 attention runs the unfused form (cuda_ops/attention.py).
+// float32 and float64 only: bf16/fp16 flash attention runs the unfused form, bf16/fp16 varlen attention
+// is upcast to float32 by its ops (cuda_ops/attention.py, attention_ops.h).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/addmm.h>
@@ -198,11 +206,16 @@ std::vector<int64_t> key_lengths(const Shapes& s, const MaskView& mv) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// The fused loops, written once over the addressing of a score row (its index in the statistics,
-// its first Philox element, its causal limit, its mask): DenseRows, batch element b of [B, H, L, D]
-// tensors, whose row i of query head h is row R = (b * Hq + h) * Lq + i of the [B, Hq, Lq, Lk]
-// scores, its Philox elements R * Lk + j, its mask row R; the operands of one batch element as
-// Rowed: row i of head h at p + h * sh + i * sl.
+// The fused loops, written once for both forms. What differs is the addressing of a score row (its
+// index in the statistics, its first Philox element, its causal limit, its mask):
+//   DenseRows  (flash_fwd / flash_bwd): batch element b of [B, H, L, D] tensors; row i of query head
+//              h is row R = (b * Hq + h) * Lq + i of the [B, Hq, Lq, Lk] scores, its Philox elements
+//              R * Lk + j, its mask row R;
+//   VarlenRows (varlen_fwd / varlen_bwd): one sequence [start, start + L) of packed [T, H, D]
+//              tensors; row i of head h is row h * T + start + i of the block-diagonal [Hq, T, T]
+//              scores, its Philox elements (h * T + start + i) * T + start + j, no mask, causal
+//              limit i + 1;
+// and the operands of one batch element or sequence as Rowed: row i of head h at p + h * sh + i * sl.
 // ------------------------------------------------------------------------------------------------
 
 template <typename T>
@@ -218,6 +231,12 @@ inline Rowed<T> dense_rows(const at::Tensor& t, int64_t b) {
   return {t.data_ptr<T>() + b * t.stride(0), t.stride(1), t.stride(2)};
 }
 
+// The sequence starting at packed row `start` of a [T, H, D] tensor.
+template <typename T>
+inline Rowed<T> packed_rows(const at::Tensor& t, int64_t start) {
+  return {t.data_ptr<T>() + start * t.stride(0), t.stride(1), t.stride(0)};
+}
+
 template <typename mask_t>
 struct DenseRows {
   const SoftmaxArgs& a;
@@ -229,6 +248,21 @@ struct DenseRows {
   template <typename acc_t>
   acc_t logits(int64_t h, int64_t i, const acc_t* srow, int64_t n, acc_t* z) const {
     return row_logits<acc_t, mask_t>(a, mv, row(h, i), srow, n, z);
+  }
+};
+
+struct VarlenRows {
+  double scale;
+  bool causal;
+  int64_t T, start;
+  int64_t row(int64_t h, int64_t i) const { return h * T + start + i; }
+  uint64_t drop(int64_t h, int64_t i) const {
+    return static_cast<uint64_t>(row(h, i)) * static_cast<uint64_t>(T) + static_cast<uint64_t>(start);
+  }
+  int64_t limit(int64_t, int64_t i, int64_t nk) const { return causal ? std::min(i + 1, nk) : nk; }
+  template <typename acc_t>
+  acc_t logits(int64_t, int64_t, const acc_t* srow, int64_t n, acc_t* z) const {
+    return load_logits<acc_t>(srow, static_cast<const NoMask*>(nullptr), n, static_cast<acc_t>(scale), acc_t(0), z);
   }
 };
 
@@ -429,6 +463,129 @@ void bwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Te
   });
 }
 
+// ------------------------------------------------------------------------------------------------
+// Variable-length (packed) sequences: the same loops per sequence
+// ------------------------------------------------------------------------------------------------
+
+// Query rows per block of a sequence of L tokens: its [block, L] scores (in the backward two such
+// buffers) within the 512 KB the dense form measured best, at least 16 rows.
+inline int64_t varlen_block(int64_t L, int64_t element_size) {
+  const int64_t budget = 512 * 1024 / element_size;
+  return std::max<int64_t>(16, std::min<int64_t>(std::max<int64_t>(L, 1), budget / std::max<int64_t>(L, 1)));
+}
+
+// The sequences with rows, longest first (ties in order): the work items are handed out in this
+// order, so the long sequences, most of the work, start first and the short ones fill in.
+inline std::vector<int64_t> longest_first(const std::vector<int64_t>& cu) {
+  std::vector<int64_t> order;
+  for (int64_t b = 0; b + 1 < static_cast<int64_t>(cu.size()); ++b)
+    if (cu[b + 1] > cu[b]) order.push_back(b);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return cu[x + 1] - cu[x] > cu[y + 1] - cu[y]; });
+  return order;
+}
+
+// Runs work(i, state) for i in 0 .. n - 1 on up to torch's thread count of threads, the items handed
+// out one at a time (dynamic: items of very different cost balance); state = make_state(), one per
+// thread (its buffers). An item's results never depend on the thread that runs it.
+template <typename MakeState, typename Work>
+void for_each_item(int64_t n, MakeState&& make_state, Work&& work) {
+  if (n <= 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // see fwd
+    auto state = make_state();
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) work(i, state);
+  });
+}
+
+// The largest [block, L] score buffer of the sequences.
+inline int64_t varlen_buffer(const std::vector<int64_t>& cu, int64_t element_size, int64_t* longest) {
+  int64_t size = 0, lmax = 0;
+  for (size_t b = 0; b + 1 < cu.size(); ++b) {
+    const int64_t L = cu[b + 1] - cu[b];
+    lmax = std::max(lmax, L);
+    size = std::max(size, varlen_block(L, element_size) * L);
+  }
+  *longest = lmax;
+  return size;
+}
+
+// Forward work items: (sequence, query head, block of rows), longest sequences first.
+template <typename scalar_t>
+void varlen_fwd_impl(const VarlenShapes& s, const SoftmaxArgs& a, const std::vector<int64_t>& cu, const at::Tensor& q,
+                     const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& stats) {
+  using acc_t = scalar_t;
+  struct Item {
+    int64_t b, h, i0;
+  };
+  std::vector<Item> items;
+  for (int64_t b : longest_first(cu)) {
+    const int64_t L = cu[b + 1] - cu[b], block = varlen_block(L, q.element_size());
+    for (int64_t h = 0; h < s.Hq; ++h)
+      for (int64_t i0 = 0; i0 < L; i0 += block) items.push_back({b, h, i0});
+  }
+  int64_t lmax = 0;
+  const int64_t buffer = varlen_buffer(cu, q.element_size(), &lmax);
+  acc_t* max_p = stats.data_ptr<acc_t>();
+  acc_t* inv_p = max_p + s.Hq * s.T;
+  struct State {
+    at::Tensor S;
+    RowScratch<acc_t> scratch;
+  };
+  for_each_item(
+      static_cast<int64_t>(items.size()),
+      [&] { return State{at::empty({buffer}, q.options()), RowScratch<acc_t>(lmax, a.dropout.active)}; },
+      [&](int64_t it, State& st) {
+        const Item& w = items[it];
+        const int64_t start = cu[w.b], L = cu[w.b + 1] - start, block = varlen_block(L, q.element_size());
+        const int64_t m = std::min(block, L - w.i0), hk = w.h / s.groups;
+        const VarlenRows rows{a.scale, a.causal, s.T, start};
+        fwd_block<acc_t>(rows, a, w.h, w.i0, m, L, s.D, s.Dv, packed_rows<acc_t>(q, start).at(w.h, w.i0), q.stride(0),
+                         packed_rows<acc_t>(k, start).at(hk), k.stride(0), packed_rows<acc_t>(v, start).at(hk),
+                         v.stride(0), packed_rows<acc_t>(out, start).at(w.h, w.i0), out.stride(0),
+                         st.S.template data_ptr<acc_t>(), L, st.scratch, max_p, inv_p);
+      });
+}
+
+// Backward tasks: (sequence, kv head), longest sequences first; each writes its rows of dk and dv whole
+// (the group's query heads summed in a fixed order) and its query heads' rows of dq.
+template <typename scalar_t>
+void varlen_bwd_impl(const VarlenShapes& s, const SoftmaxArgs& a, const std::vector<int64_t>& cu,
+                     const at::Tensor& go, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& stats, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+  using acc_t = scalar_t;
+  std::vector<std::pair<int64_t, int64_t>> tasks;  // (sequence, kv head)
+  for (int64_t b : longest_first(cu))
+    for (int64_t hk = 0; hk < s.Hk; ++hk) tasks.emplace_back(b, hk);
+  int64_t lmax = 0;
+  const int64_t buffer = varlen_buffer(cu, q.element_size(), &lmax);
+  const acc_t* max_p = stats.data_ptr<acc_t>();
+  const acc_t* inv_p = max_p + s.Hq * s.T;
+  struct State {
+    at::Tensor S, Pd;  // the scores, then dS; dP, then the dropped P
+    RowScratch<acc_t> scratch;
+  };
+  for_each_item(
+      static_cast<int64_t>(tasks.size()),
+      [&] {
+        return State{at::empty({buffer}, q.options()), at::empty({buffer}, q.options()),
+                     RowScratch<acc_t>(lmax, a.dropout.active)};
+      },
+      [&](int64_t it, State& st) {
+        const auto [b, hk] = tasks[it];
+        const int64_t start = cu[b], L = cu[b + 1] - start;
+        const VarlenRows rows{a.scale, a.causal, s.T, start};
+        bwd_task<acc_t>(rows, a, hk, s.groups, L, L, varlen_block(L, q.element_size()), s.D, s.Dv,
+                        packed_rows<acc_t>(q, start), packed_rows<acc_t>(go, start), packed_rows<acc_t>(dq, start),
+                        packed_rows<acc_t>(k, start).at(hk), k.stride(0), packed_rows<acc_t>(v, start).at(hk),
+                        v.stride(0), packed_rows<acc_t>(dk, start).at(hk), dk.stride(0),
+                        packed_rows<acc_t>(dv, start).at(hk), dv.stride(0), st.S.template data_ptr<acc_t>(),
+                        st.Pd.template data_ptr<acc_t>(), L, st.scratch, max_p, inv_p);
+      });
+}
+
 template <typename scalar_t, typename F>
 void with_mask(const MaskView& mv, F&& f) {
   switch (mv.kind) {
@@ -473,6 +630,40 @@ void flash_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Te
   });
 }
 
+at::Tensor varlen_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens,
+                          double scale, bool causal, int64_t seed, int64_t offset, double p, at::Tensor out) {
+  using namespace attention_impl;
+  const char* op = "varlen_fwd";
+  const VarlenShapes s = check_varlen_qkv(op, q, k, v, cu_seqlens, "CPU", [](const at::Tensor& t) { return t.device().is_cpu(); });
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, "dmfx::", op,
+              ": the fused CPU attention takes float32 or float64, got ", q.scalar_type());
+  check_varlen_out(op, "out", out, {s.T, s.Hq, s.Dv}, q);
+  const SoftmaxArgs a = varlen_args(scale, causal, seed, offset, p);
+  const std::vector<int64_t> cu = cu_seqlens_values(op, cu_seqlens, s.T);
+  at::Tensor stats = at::empty({2, s.Hq, s.T}, q.options());
+  if (s.Hq * s.T == 0) return stats;
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dmfx_varlen_fwd", [&] { varlen_fwd_impl<scalar_t>(s, a, cu, q, k, v, out, stats); });
+  return stats;
+}
+
+void varlen_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& out, const at::Tensor& stats, const at::Tensor& cu_seqlens, double scale,
+                    bool causal, int64_t seed, int64_t offset, double p, at::Tensor dq, at::Tensor dk, at::Tensor dv) {
+  using namespace attention_impl;
+  const char* op = "varlen_bwd";
+  const VarlenShapes s = check_varlen_qkv(op, q, k, v, cu_seqlens, "CPU", [](const at::Tensor& t) { return t.device().is_cpu(); });
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, "dmfx::", op,
+              ": the fused CPU attention takes float32 or float64, got ", q.scalar_type());
+  check_varlen_backward(s, grad_out, q, k, v, out, stats, q.scalar_type(), dq, dk, dv);  // (stats in q's dtype)
+  const SoftmaxArgs a = varlen_args(scale, causal, seed, offset, p);
+  const std::vector<int64_t> cu = cu_seqlens_values(op, cu_seqlens, s.T);
+  if (s.Hk * s.T == 0) return;
+  // (out is not read: the row pass computes rowsum(dropout(dP) * P) from the scores it recomputes)
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dmfx_varlen_bwd", [&] {
+    varlen_bwd_impl<scalar_t>(s, a, cu, grad_out, q, k, v, stats, dq, dk, dv);
+  });
+}
+
 // Whether the flash kernels call BLAS directly (the default when libtorch links one); returns the
 // previous setting. Off, they run the same GEMMs through at::addmm_out (the fallback path).
 bool flash_use_blas(bool on) { return attention_impl::use_blas().exchange(on); }
@@ -490,6 +681,18 @@ void bind_attention(pybind11::module_& m) {
         pybind11::arg("mask"), pybind11::arg("scale"), pybind11::arg("causal"), pybind11::arg("seed"),
         pybind11::arg("offset"), pybind11::arg("p"), pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"),
         pybind11::arg("bias_part") = pybind11::none());
+  m.def("varlen_fwd", &varlen_fwd_cpu,
+        "fused attention over packed variable-length sequences (CPU); writes out [T, Hq, Dv], returns the row "
+        "statistics [2, Hq, T]",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("cu_seqlens"), pybind11::arg("scale"),
+        pybind11::arg("causal"), pybind11::arg("seed"), pybind11::arg("offset"), pybind11::arg("p"),
+        pybind11::arg("out"));
+  m.def("varlen_bwd", &varlen_bwd_cpu,
+        "fused attention backward over packed variable-length sequences (CPU); writes dq, dk and dv in place",
+        pybind11::arg("grad_out"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
+        pybind11::arg("stats"), pybind11::arg("cu_seqlens"), pybind11::arg("scale"), pybind11::arg("causal"),
+        pybind11::arg("seed"), pybind11::arg("offset"), pybind11::arg("p"), pybind11::arg("dq"), pybind11::arg("dk"),
+        pybind11::arg("dv"));
 }
 
 }  // namespace dmfx
