@@ -717,6 +717,15 @@ struct CpuAttention {
   static Tensor flash_fwd(A&&... a) { return cpu_kernels().flash_fwd(std::forward<A>(a)...); }
   template <class... A>
   static void flash_bwd(A&&... a) { cpu_kernels().flash_bwd(std::forward<A>(a)...); }
+  // The varlen kernels: float32 and float64; float16 / bfloat16 computed in float32.
+  static bool varlen_ok(const Tensor& q, const Tensor&) { return is_score_dtype(q.scalar_type()); }
+  static at::ScalarType varlen_dtype(at::ScalarType st) {
+    return st == at::kHalf || st == at::kBFloat16 ? at::kFloat : st;
+  }
+  template <class... A>
+  static Tensor varlen_fwd(A&&... a) { return cpu_kernels().varlen_fwd(std::forward<A>(a)...); }
+  template <class... A>
+  static void varlen_bwd(A&&... a) { cpu_kernels().varlen_bwd(std::forward<A>(a)...); }
 };
 
 // What the GEMM form's Functions keep of a forward besides its tensors: scale, p, the mask's shape and
@@ -864,6 +873,68 @@ struct QkvFlashAttentionFn : public torch::autograd::Function<QkvFlashAttentionF
   }
 };
 
+// The varlen form's Functions: the backward (through dmfx::varlen_attention_backward /
+// qkv_varlen_attention_backward) reads the forward's output (CUDA: delta = rowsum(dO ∘ O)) and row
+// statistics (not differentiable); cu_seqlens and the seed get no gradient.
+void save_varlen(AutogradContext* ctx, variable_list tensors, const variable_list& out, const Tensor& cu_seqlens,
+                 double scale, bool causal, const Opt& seed, double p) {
+  ctx->saved_data["scale"] = scale;
+  ctx->saved_data["causal"] = causal;
+  ctx->saved_data["p"] = p;
+  ctx->set_materialize_grads(false);
+  ctx->mark_non_differentiable({out[1]});
+  tensors.insert(tensors.end(), {out[0], out[1], cu_seqlens, seed.value_or(Tensor())});
+  ctx->save_for_backward(tensors);
+}
+
+bool varlen_grads_needed(const variable_list& g) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!g[1].defined(),
+                              "dmfx::varlen_attention: a gradient through the row statistics (stats) is not supported");
+  return g[0].defined();
+}
+
+struct VarlenAttentionFn : public torch::autograd::Function<VarlenAttentionFn> {
+  static constexpr const char* name = "dmfx::varlen_attention";
+  using Sig = decltype(varlen_attention<CpuAttention>);
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                               const Tensor& cu_seqlens, double scale, bool causal, const Opt& seed, double p) {
+    auto out = AutogradKernel<VarlenAttentionFn>::below(q, k, v, cu_seqlens, scale, causal, seed, p);
+    save_varlen(ctx, {q, k, v}, out, cu_seqlens, scale, causal, seed, p);
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    if (!varlen_grads_needed(g)) return variable_list(8);
+    const auto s = ctx->get_saved_variables();  // q, k, v, out, stats, cu_seqlens, seed
+    static const auto backward_op =
+        dmfx_op<decltype(varlen_attention_backward<CpuAttention>)>("dmfx::varlen_attention_backward");
+    auto [dq, dk, dv] = backward_op.call(g[0], s[0], s[1], s[2], s[3], s[4], s[5], saved_double(ctx, "scale"),
+                                         ctx->saved_data["causal"].toBool(), opt(s[6]), saved_double(ctx, "p"));
+    return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+struct QkvVarlenAttentionFn : public torch::autograd::Function<QkvVarlenAttentionFn> {
+  static constexpr const char* name = "dmfx::qkv_varlen_attention";
+  using Sig = decltype(qkv_varlen_attention<CpuAttention>);
+  static variable_list forward(AutogradContext* ctx, const Tensor& qkv, int64_t heads, const Tensor& cu_seqlens,
+                               double scale, bool causal, const Opt& seed, double p) {
+    auto out = AutogradKernel<QkvVarlenAttentionFn>::below(qkv, heads, cu_seqlens, scale, causal, seed, p);
+    ctx->saved_data["heads"] = heads;
+    save_varlen(ctx, {qkv}, out, cu_seqlens, scale, causal, seed, p);
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    if (!varlen_grads_needed(g)) return variable_list(7);
+    const auto s = ctx->get_saved_variables();  // qkv, out, stats, cu_seqlens, seed
+    static const auto backward_op =
+        dmfx_op<decltype(qkv_varlen_attention_backward<CpuAttention>)>("dmfx::qkv_varlen_attention_backward");
+    Tensor dqkv = backward_op.call(g[0], s[0], ctx->saved_data["heads"].toInt(), s[1], s[2], s[3],
+                                   saved_double(ctx, "scale"), ctx->saved_data["causal"].toBool(), opt(s[4]),
+                                   saved_double(ctx, "p"));
+    return {dqkv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
 template <class Fn>
 struct BackwardOp {  // a backward op of the family, for NoDoubleBackward
   static constexpr const char* name = Fn::name;
@@ -886,6 +957,15 @@ struct QkvFlashAttentionBackward {
   static constexpr const char* name = "dmfx::qkv_flash_attention_backward";
   using Sig = decltype(qkv_flash_attention_backward<CpuAttention>);
 };
+struct VarlenAttentionBackward {
+  static constexpr const char* name = "dmfx::varlen_attention_backward";
+  using Sig = decltype(varlen_attention_backward<CpuAttention>);
+};
+struct QkvVarlenAttentionBackward {
+  static constexpr const char* name = "dmfx::qkv_varlen_attention_backward";
+  using Sig = decltype(qkv_varlen_attention_backward<CpuAttention>);
+};
+
 }  // namespace
 }  // namespace attention_ops
 }  // namespace dmfx
@@ -904,5 +984,10 @@ TORCH_LIBRARY_IMPL(dmfx, Autograd, m) {
   m.impl("flash_attention_backward", &AutogradKernel<NoDoubleBackward<BackwardOp<FlashAttentionBackward>>>::call);
   m.impl("qkv_flash_attention_backward",
          &AutogradKernel<NoDoubleBackward<BackwardOp<QkvFlashAttentionBackward>>>::call);
+  m.impl("varlen_attention", &AutogradKernel<VarlenAttentionFn>::call);
+  m.impl("qkv_varlen_attention", &AutogradKernel<QkvVarlenAttentionFn>::call);
+  m.impl("varlen_attention_backward", &AutogradKernel<NoDoubleBackward<BackwardOp<VarlenAttentionBackward>>>::call);
+  m.impl("qkv_varlen_attention_backward",
+         &AutogradKernel<NoDoubleBackward<BackwardOp<QkvVarlenAttentionBackward>>>::call);
 }
 #endif  // DMFX_KERNELS_ONLY
