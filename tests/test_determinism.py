@@ -7,7 +7,8 @@ The promises are written in each family's module docstring (section "Determinism
   reduction runs in a fixed order;
 * per-row results do not depend on the thread count at all: the norm forward and its dx/dresidual,
   the softmax forward and backward, the pointwise forwards and their dx, dropout masks (Philox of the
-  element index), the fused attention (one thread per (batch, head) task), and the cross-entropy
+  element index), the fused attention (one thread per (batch, head) task; the varlen form: per
+  (sequence, head, query block) item and (sequence, kv head) task), and the cross-entropy
   (its reduced loss too: the rows' losses summed in row order);
 * the column sums (a norm's dweight/dnorm_bias/dbias, bias_act_dropout's dbias) are summed per
   thread, then across threads: reproducible for a fixed count, not across counts (they agree to
