@@ -227,6 +227,23 @@ def test_the_glue_unit_holds_every_family_glue_at_O1():
     assert sorted(sources[1:]) == sorted(f"{f}_cpu.cpp" for f in build.FAMILIES)
 
 
+@pytest.mark.parametrize("gcc", [True, False])
+def test_the_cpu_build_tunes_gccs_garbage_collection_outside_the_hash(monkeypatch, tmp_path, gcc):
+    """With gcc the CPU units compile with a larger garbage-collection floor (faster, same objects); it
+    is not part of the module's name, and no other compiler gets gcc's --param."""
+    import torch.utils.cpp_extension as ext
+
+    seen = {}
+    monkeypatch.setattr(ext, "load", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(build, "_compiler_is_gcc", lambda: gcc)
+    name = build.module_name("cpu")
+    build._compile("cpu", build.FLAVORS["cpu"], tmp_path)
+    params = [f for f in seen["extra_cflags"] if f.startswith("--param")]
+    assert seen["extra_cflags"][: len(build.FLAVORS["cpu"].cflags)] == list(build.FLAVORS["cpu"].cflags)
+    assert bool(params) == (gcc and bool(build._gcc_gc_params())), params
+    assert build.module_name("cpu") == name
+
+
 # ------------------------------------------------------------------ the CUDA build's architectures
 
 
