@@ -21,6 +21,9 @@ python3 -m pytest -q tests/test_cuda_*.py 2>&1 | tail -25 | tee "$out/gpu_tests.
 echo "== attention alone: dmfx's CUDA flash kernel against SDPA (the cost model runs it only when forced until this is known)"
 python3 -m bench.attention --device cuda --seq 128,512 --dropout 0.0,0.1 --mode train --rounds 10 --threads 16 \
   2>>"$out/gpu_bench.err" | tee "$out/gpu_attention.txt"
+echo "== varlen attention (issue 17: packed sequences) against flash / SDPA on the padded batch, bf16"
+python3 -m bench.varlen_attention --device cuda --dtype bfloat16 --rounds 20 --threads 16 \
+  --json "$out/gpu_varlen_attention.json" 2>>"$out/gpu_bench.err" | tee "$out/gpu_varlen_attention.txt"
 echo "== benchmark"
 python3 bench/bert_layer.py --device cuda --dtype bf16 --batch 8 --seq 512 --hidden 1024 --heads 16 --ffn 4096 \
   --rounds 20 --warmup 3 --threads 16 --json "$out/gpu_bert_layer.json" 2>"$out/gpu_bench.err" | tee "$out/gpu_bench.txt"

@@ -57,10 +57,45 @@ Ops (``torch.library`` fragment of the ``dmfx::`` namespace)
     (csrc/attention_cuda.cu, stats float32); elsewhere the same ops run the unfused form
     (``flash_supported``).
 
+``dmfx::varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, float scale, bool causal, Tensor? seed,
+    float p) -> (Tensor out, Tensor stats)``
+    Attention over packed variable-length sequences (padding-free batches: the ``unpad`` fusion gathers
+    a padded batch's real tokens into ``[T, hidden]``). q ``[T, Hq, D]``, k ``[T, Hk, D]``, v
+    ``[T, Hk, Dv]`` hold B sequences back to back, sequence b in rows ``cu_seqlens[b] : cu_seqlens[b + 1]``
+    (``cu_seqlens`` int32 or int64 ``[B + 1]`` on q's device, ``cu[0] = 0``, non-decreasing, ``cu[B] = T``;
+    sequences of length 0 and T = 0 allowed); any strides with a unit stride in the head dim (views of a
+    packed projection are read in place); Hq a multiple of Hk (grouped-query, no repeat). Each query
+    row attends the keys of its own sequence only (``causal``: those at or before its position in it);
+    no mask argument. ``out = dropout(softmax(q·kᵀ·scale), p)·v`` per sequence and head,
+    ``[T, Hq, Dv]`` contiguous (``out.view(T, Hq * Dv)`` feeds the output projection). ``stats``
+    ``[2, Hq, T]`` contiguous: each row's max logit and 1 / sum of its exps (not differentiable).
+    Dropout: the Philox mask of element ``(h * T + tq) * T + tk`` for query head h, packed query row
+    tq and packed key row tk (the row-major index into a block-diagonal ``[Hq, T, T]`` score matrix).
+``dmfx::varlen_attention_backward(grad_out, q, k, v, out, stats, cu_seqlens, scale, causal, seed, p)
+    -> (Tensor dq, Tensor dk, Tensor dv)``
+    Contiguous gradients of q, k, v; ``out`` is the forward's output (the CUDA kernels read
+    delta = rowsum(dO ∘ O) from it), the dropout mask is regenerated.
+``dmfx::qkv_varlen_attention(Tensor qkv, int heads, Tensor cu_seqlens, float scale, bool causal, Tensor? seed,
+    float p) -> (Tensor out, Tensor stats)`` and ``dmfx::qkv_varlen_attention_backward(grad_out, qkv,
+    heads, out, stats, cu_seqlens, scale, causal, seed, p) -> Tensor dqkv``
+    Self-attention over the stacked projection ``qkv [T, 3 * heads * D]`` (any row stride, unit last
+    stride): q, k, v are its three column blocks; the backward writes dq, dk, dv straight into the
+    column blocks of one contiguous ``dqkv`` (the stacked weight's backward is one GEMM).
+    Kernels: CPU float32 / float64 (csrc/attention_cpu.cpp: the flash kernels' loops per sequence;
+    float16 / bfloat16 inputs are upcast to float32 and the outputs cast back, stats float32); CUDA
+    float32 / float16 / bfloat16 with head dims up to 128 (csrc/attention_cuda.cu: the flash kernels'
+    varlen addressing mode, stats float32). No unfused form: elsewhere (CUDA float64, larger heads)
+    the ops raise NotImplementedError; ``varlen_supported`` answers first. cu_seqlens' values are
+    checked on the CPU (ValueError) and by the Python API ``varlen_attention``; the CUDA ops never read
+    them on the host (no synchronization): their kernels clamp each sequence into [0, T], so any
+    cu_seqlens is memory-safe there, and a wrong one gives wrong values, not a crash.
+
 Determinism (CPU; tests/test_determinism.py): the fused (flash) ops are bit-reproducible run to run
 and for any thread count (one thread computes each (batch, kv head) task whole, its GEMMs
-single-threaded inside it). The GEMM form is bit-reproducible run to run with the thread count fixed
-(ATen's batched GEMMs, and the softmax kernels, which are thread-count independent).
+single-threaded inside it); so are the varlen ops (one thread computes each (sequence, head, block of
+query rows) item of the forward and each (sequence, kv head) task of the backward whole, whichever
+thread the dynamic schedule hands it to). The GEMM form is bit-reproducible run to run with the thread
+count fixed (ATen's batched GEMMs, and the softmax kernels, which are thread-count independent).
 """
 
 from __future__ import annotations
@@ -117,11 +152,33 @@ _lib.define(
     "bool causal, Tensor? seed, float p, bool bias_grad=False) -> (Tensor dqkv, Tensor dbias)"
 )
 
+_lib.define(
+    "varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, float scale, bool causal, Tensor? seed, "
+    "float p) -> (Tensor out, Tensor stats)"
+)
+_lib.define(
+    "varlen_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, "
+    "Tensor cu_seqlens, float scale, bool causal, Tensor? seed, float p) -> (Tensor dq, Tensor dk, Tensor dv)"
+)
+_lib.define(
+    "qkv_varlen_attention(Tensor qkv, int heads, Tensor cu_seqlens, float scale, bool causal, Tensor? seed, "
+    "float p) -> (Tensor out, Tensor stats)"
+)
+_lib.define(
+    "qkv_varlen_attention_backward(Tensor grad_out, Tensor qkv, int heads, Tensor out, Tensor stats, "
+    "Tensor cu_seqlens, float scale, bool causal, Tensor? seed, float p) -> Tensor dqkv"
+)
+
 OPS = (
     "attention", "attention_backward", "qkv_attention", "qkv_attention_backward",
     "flash_attention", "flash_attention_backward", "qkv_flash_attention", "qkv_flash_attention_backward",
 )
-kernels_in_cxx(OPS)
+# The varlen (packed) form: [T, H, D] operands, not the [B, H, L, D] of OPS (whose users, the
+# attention passes and dmfx.explain's cost model, read those shapes).
+VARLEN_OPS = (
+    "varlen_attention", "varlen_attention_backward", "qkv_varlen_attention", "qkv_varlen_attention_backward",
+)
+kernels_in_cxx(OPS + VARLEN_OPS)
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -225,6 +282,19 @@ def _cuda_flash_fits(index: int) -> bool:
     """Whether CUDA device `index` offers the flash kernels' shared memory per block."""
     props = torch.cuda.get_device_properties(index)
     return getattr(props, "shared_memory_per_block_optin", 0) >= _CUDA_FLASH_SMEM_BYTES
+
+
+def varlen_supported(device: torch.device, dtype: torch.dtype, head_dim=None, value_dim=None) -> bool:
+    """Whether dmfx::varlen_attention (and its qkv and backward ops) has a kernel for this device,
+    dtype and head dims (q's and k's `head_dim` D, v's `value_dim` Dv): the ops have no unfused form
+    and raise NotImplementedError elsewhere, so a pass asks this before emitting them. CPU: float32 and
+    float64, float16 and bfloat16 (computed in float32), any head dims (they may be omitted). CUDA: as
+    ``flash_supported`` (float32, float16, bfloat16 with D and Dv up to 128, on a GPU with enough
+    shared memory per block)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return dtype in _DTYPES
+    return flash_supported(device, dtype, head_dim, value_dim)
 
 
 def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -338,3 +408,198 @@ def reference_attention(q, k, v, mask=None, scale=1.0, causal=False, seed=None, 
     used = dropped if p > 0 else probs
     out = (used.to(acc) @ v.to(acc)).to(q.dtype)
     return out, probs, dropped
+
+
+# ------------------------------------------------------------------------------------- varlen form
+# (Checks the fakes run, as csrc/attention_ops.h's check_varlen does for the kernels. T, the packed
+# tokens, is a data-dependent size in traced graphs (an unbacked u0): the checks compare it through
+# torch._check_value, which a symbolic size turns into a runtime assertion, and never branch on it.)
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_varlen(op: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(op, name, t)
+        if t.dim() != 3:
+            raise ValueError(f"dmfx::{op}: {name} must be 3-D [tokens, heads, head_dim], got shape {list(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"dmfx::{op}: {name} must be float32, float16, bfloat16 or float64, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"dmfx::{op}: q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"dmfx::{op}: q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    (T, Hq, D), (Tk, Hk, Dk), (Tv, Hv, _) = q.shape, k.shape, v.shape
+    fits = lambda: (  # noqa: E731
+        f"dmfx::{op}: q {list(q.shape)}, k {list(k.shape)} and v {list(v.shape)} do not fit [T, Hq, D], "
+        "[T, Hk, D], [T, Hk, Dv] (the same T packed tokens)"
+    )
+    if Hk != Hv or D != Dk:
+        raise ValueError(fits())
+    torch._check_value(T == Tk, fits)
+    torch._check_value(Tk == Tv, fits)
+    if Hk == 0 or Hq % Hk:
+        raise ValueError(f"dmfx::{op}: q's {Hq} heads must be a multiple of k's and v's {Hk} heads")
+    _check_tensor(op, "cu_seqlens", cu_seqlens)
+    if cu_seqlens.dim() != 1:
+        raise ValueError(f"dmfx::{op}: cu_seqlens must be 1-D [batch + 1], got shape {list(cu_seqlens.shape)}")
+    if cu_seqlens.dtype not in _INT_DTYPES:
+        raise TypeError(f"dmfx::{op}: cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"dmfx::{op}: cu_seqlens is on {cu_seqlens.device} but q is on {q.device} (it must be on q's device)")
+    torch._check_value(
+        cu_seqlens.shape[0] >= 2,
+        lambda: f"dmfx::{op}: cu_seqlens must hold at least one sequence [0, ..., T] (batch + 1 >= 2 entries), "
+        f"got shape {list(cu_seqlens.shape)}",
+    )
+
+
+def _check_varlen_supported(op: str, q: Tensor, v: Tensor) -> None:
+    """The kernels' NotImplementedError for a CUDA dtype or head dims they lack (what the fakes can tell:
+    not the GPU's shared memory)."""
+    if q.device.type != "cuda":
+        return
+    dims = (q.shape[2], v.shape[2])
+    if q.dtype not in _CUDA_FLASH_DTYPES or any(isinstance(d, int) and d > _CUDA_FLASH_MAX_HEAD_DIM for d in dims):
+        raise NotImplementedError(
+            f"dmfx::{op}: no fused kernel for {q.dtype} with head dims D = {dims[0]}, Dv = {dims[1]} on {q.device}. "
+            "Supported: CPU float32 and float64 (float16 and bfloat16 computed in float32), CUDA float32, float16 "
+            "and bfloat16 with head dims up to 128; dmfx.cuda_ops.attention.varlen_supported says which"
+        )
+
+
+def _split_packed_qkv(op: str, qkv: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v ([T, H, D] views) of the stacked projection qkv [T, 3 * heads * D]."""
+    _check_tensor(op, "qkv", qkv)
+    if qkv.dim() != 2:
+        raise ValueError(f"dmfx::{op}: qkv must be 2-D [tokens, 3 * heads * head_dim], got shape {list(qkv.shape)}")
+    if heads <= 0 or qkv.shape[1] % (3 * heads):
+        raise ValueError(f"dmfx::{op}: qkv's last dim {qkv.shape[1]} is not 3 * heads * head_dim with heads={heads}")
+    per = qkv.unflatten(1, (3, heads, qkv.shape[1] // (3 * heads)))  # [T, 3, H, D]
+    return tuple(per.select(1, i) for i in range(3))  # type: ignore[return-value]
+
+
+def _varlen_checks(op, q, k, v, cu_seqlens, seed, p) -> None:
+    _check_varlen(op, q, k, v, cu_seqlens)
+    _check_p(op, p, seed)
+    _check_varlen_supported(op, q, v)
+
+
+def _fake_varlen_outputs(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    T, Hq, _ = q.shape
+    return q.new_empty((T, Hq, v.shape[2])), q.new_empty((2, Hq, T), dtype=_stats_dtype(q.dtype))
+
+
+@torch.library.register_fake("dmfx::varlen_attention")
+def _varlen_attention_fake(q, k, v, cu_seqlens, scale, causal, seed, p):
+    _varlen_checks("varlen_attention", q, k, v, cu_seqlens, seed, p)
+    return _fake_varlen_outputs(q, v)
+
+
+@torch.library.register_fake("dmfx::varlen_attention_backward")
+def _varlen_attention_backward_fake(grad_out, q, k, v, out, stats, cu_seqlens, scale, causal, seed, p):
+    _varlen_checks("varlen_attention_backward", q, k, v, cu_seqlens, seed, p)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.register_fake("dmfx::qkv_varlen_attention")
+def _qkv_varlen_attention_fake(qkv, heads, cu_seqlens, scale, causal, seed, p):
+    q, k, v = _split_packed_qkv("qkv_varlen_attention", qkv, heads)
+    _varlen_checks("qkv_varlen_attention", q, k, v, cu_seqlens, seed, p)
+    return _fake_varlen_outputs(q, v)
+
+
+@torch.library.register_fake("dmfx::qkv_varlen_attention_backward")
+def _qkv_varlen_attention_backward_fake(grad_out, qkv, heads, out, stats, cu_seqlens, scale, causal, seed, p):
+    q, k, v = _split_packed_qkv("qkv_varlen_attention_backward", qkv, heads)
+    _varlen_checks("qkv_varlen_attention_backward", q, k, v, cu_seqlens, seed, p)
+    return qkv.new_empty(qkv.shape)
+
+
+def check_cu_seqlens(op: str, cu_seqlens: Tensor, T: int) -> None:
+    """cu_seqlens' values: cu[0] = 0, non-decreasing, cu[B] = T (ValueError naming `op`). Reads them on the
+    host (a synchronization on CUDA, which the ops themselves never do: csrc/attention_ops.h). Tensors of
+    another shape or dtype are left to the op's own checks."""
+    if not (isinstance(cu_seqlens, Tensor) and cu_seqlens.dim() == 1 and cu_seqlens.dtype in _INT_DTYPES
+            and cu_seqlens.numel() >= 1):
+        return
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0:
+        raise ValueError(f"dmfx::{op}: cu_seqlens must start at 0, got cu_seqlens[0] = {cu[0]}")
+    for i in range(1, len(cu)):
+        if cu[i] < cu[i - 1]:
+            raise ValueError(f"dmfx::{op}: cu_seqlens must be non-decreasing (sequence lengths >= 0), got "
+                             f"cu_seqlens[{i}] = {cu[i]} < cu_seqlens[{i - 1}] = {cu[i - 1]}")
+    if cu[-1] != T:
+        raise ValueError(f"dmfx::{op}: cu_seqlens must end at T = {T} (the packed rows of q, k and v), got "
+                         f"cu_seqlens[{len(cu) - 1}] = {cu[-1]}")
+
+
+def varlen_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    scale: float | None = None,
+    causal: bool = False,
+    p: float = 0.0,
+    training: bool = True,
+) -> Tensor:
+    """Attention over packed variable-length sequences: q [T, Hq, D], k [T, Hk, D], v [T, Hk, Dv] (any
+    strides with a unit last stride; Hq a multiple of Hk) hold B sequences back to back, sequence b in
+    rows ``cu_seqlens[b] : cu_seqlens[b + 1]`` (int32 / int64 [B + 1] on q's device). Each sequence gets
+    ``dropout(softmax(q @ k.transpose * scale), p) @ v`` of its own rows, like
+    ``F.scaled_dot_product_attention`` on it alone (scale defaults to 1/sqrt(D); causal within each
+    sequence). Returns out [T, Hq, Dv], contiguous. cu_seqlens' values are checked here (ValueError; on
+    CUDA that reads them back to the host, which the op itself never does). CPU float16 / bfloat16 are
+    computed in float32."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("cu_seqlens", cu_seqlens)):
+        _check_tensor("varlen_attention", name, x)
+    check_cu_seqlens("varlen_attention", cu_seqlens, q.shape[0])
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    p = float(p) if training else 0.0
+    seed = new_seed() if p > 0 else None
+    return torch.ops.dmfx.varlen_attention(q, k, v, cu_seqlens, scale, bool(causal), seed, p)[0]
+
+
+def reference_varlen_attention(q, k, v, cu_seqlens, scale=1.0, causal=False, seed=None, p=0.0):
+    """(out, stats) of dmfx::varlen_attention in pure PyTorch (differentiable): per sequence the dense math
+    (float32; float64 stays float64), causal within the sequence, the dropout mask of element
+    (h * T + tq) * T + tk (reference.philox_keep_at). out [T, Hq, Dv] in q's dtype; stats [2, Hq, T] in the
+    math's dtype: each row's max logit and 1 / sum of its exps."""
+    T, Hq, _ = q.shape
+    Hk, Dv = k.shape[1], v.shape[2]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cu = [int(c) for c in cu_seqlens.tolist()]
+    outs, maxes, invs = [], [], []
+    for b in range(len(cu) - 1):
+        s, e = cu[b], cu[b + 1]
+        L = e - s
+        if L == 0:
+            continue
+        qs, ks, vs = (t[s:e].to(acc).transpose(0, 1) for t in (q, k, v))  # [H, L, D]
+        ks, vs = (t.repeat_interleave(Hq // Hk, dim=0) for t in (ks, vs))
+        z = (qs @ ks.transpose(1, 2)) * scale
+        if causal:
+            z = z.masked_fill(torch.ones(L, L, dtype=torch.bool, device=z.device).triu(1), float("-inf"))
+        mx = z.amax(-1, keepdim=True)
+        ex = torch.exp(z - mx)
+        total = ex.sum(-1, keepdim=True)
+        probs = ex / total
+        if p > 0:
+            h = torch.arange(Hq)[:, None, None]
+            i = torch.arange(L)[None, :, None]
+            j = torch.arange(L)[None, None, :]
+            idx = ((h * T + s + i) * T + s + j).numpy()
+            keep = R.philox_keep_at(idx, p, seed).to(z.device)
+            probs = torch.where(keep, probs * (0.0 if p >= 1 else 1.0 / (1.0 - p)), torch.zeros_like(probs))
+        outs.append((probs @ vs).transpose(0, 1))
+        maxes.append(mx[..., 0].detach())
+        invs.append((1.0 / total[..., 0]).detach())
+    if not outs:
+        out = q.new_zeros((T, Hq, Dv), dtype=acc)
+        stats = q.new_empty((2, Hq, 0), dtype=acc)
+    else:
+        out = torch.cat(outs, dim=0)
+        stats = torch.stack([torch.cat(maxes, dim=1), torch.cat(invs, dim=1)])
+    return out.to(q.dtype), stats

@@ -38,15 +38,23 @@ def philox4x32_10(group: np.ndarray, offset: int, seed: int) -> np.ndarray:
 
 def philox_keep(numel: int, p: float, seed: Tensor) -> Tensor:
     """The kernels' keep-mask (bool, flat) for `numel` elements in logical order."""
+    return philox_keep_at(np.arange(numel, dtype=np.uint64), p, seed)
+
+
+def philox_keep_at(index, p: float, seed: Tensor) -> Tensor:
+    """The kernels' keep bits of the elements with logical indices `index` (any shape; a NumPy array or an
+    integer tensor, read as uint64): a bool tensor of that shape. (The varlen attention's elements sit at
+    (h * T + tq) * T + tk, far apart in a [Hq, T, T] index space it never materializes.)"""
+    idx = np.asarray(index.cpu().numpy() if isinstance(index, Tensor) else index).astype(np.uint64)
     if p <= 0:
-        return torch.ones(numel, dtype=torch.bool)
+        return torch.ones(idx.shape, dtype=torch.bool)
     if p >= 1:
-        return torch.zeros(numel, dtype=torch.bool)
+        return torch.zeros(idx.shape, dtype=torch.bool)
     s, o = (int(v) for v in seed.tolist())
-    idx = np.arange(numel, dtype=np.uint64)
-    words = philox4x32_10(idx >> np.uint64(2), o, s)[np.arange(numel), (idx & np.uint64(3)).astype(np.int64)]
+    flat = idx.reshape(-1)
+    words = philox4x32_10(flat >> np.uint64(2), o, s)[np.arange(flat.size), (flat & np.uint64(3)).astype(np.int64)]
     threshold = min(int(np.floor(p * 2.0**32)), 0xFFFFFFFF)
-    return torch.from_numpy(words >= np.uint32(threshold))
+    return torch.from_numpy(words >= np.uint32(threshold)).reshape(idx.shape)
 
 
 def dropout(x: Tensor, seed: Tensor, p: float) -> Tensor:

@@ -51,8 +51,9 @@ FAMILY_PASSES: dict[str, tuple[str, ...]] = {
     "softmax": ("attention_softmax", "attention", "lower_sdpa_calls", "qkv_attention", "aten_backward"),
     # rope, glu, bias_act_dropout and their backwards
     "pointwise": ("rope", "glu", "bias_act_dropout", "aten_backward"),
-    # flash_attention, qkv_flash_attention and their backwards (with the bias gradients)
-    "attention": ("attention", "lower_sdpa_calls", "qkv_attention", "fold_bias_grads"),
+    # flash_attention, qkv_flash_attention and their backwards (with the bias gradients); the varlen ops
+    # (unpad emits them)
+    "attention": ("attention", "lower_sdpa_calls", "qkv_attention", "fold_bias_grads", "unpad"),
     # cross_entropy, cross_entropy_backward (+ grad_logits)
     "cross_entropy": ("cross_entropy", "fold_logits_grad"),
 }
@@ -62,7 +63,7 @@ FAMILY_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "norm": ("norm_fwd", "norm_bwd", "dropout"),
     "softmax": ("softmax_fwd", "softmax_bwd"),
     "pointwise": ("bias_act_fwd", "bias_act_bwd", "glu_fwd", "glu_bwd", "rope"),
-    "attention": ("flash_fwd", "flash_bwd"),
+    "attention": ("flash_fwd", "flash_bwd", "varlen_fwd", "varlen_bwd"),
     "cross_entropy": ("cross_entropy_fwd", "cross_entropy_bwd"),
 }
 
@@ -489,6 +490,31 @@ def _check_attention(r: _Runner) -> None:
     for case in ((2, 2, 1, 5, 7, 8, torch.float32, "padding", False, 0.0), (1, 2, 2, 6, 9, 24, torch.float32, "bool", True, 0.2),
                  (2, 2, 2, 7, 7, 16, low, "none", True, 0.0), (1, 4, 2, 5, 11, 8, low, "padding", False, 0.25)):
         _check_flash_case(r, *case)
+    # the varlen form: (sequence lengths, Hq, Hk, D, dtype, causal, p); empty sequences, length 1, a
+    # sequence over several 64-row tiles (the CUDA tile map)
+    for case in (([0, 5, 1, 0, 9], 2, 1, 8, torch.float32, True, 0.2), ([70, 0, 3], 2, 2, 24, low, False, 0.0),
+                 ([4, 11, 1], 4, 2, 16, low, True, 0.25)):
+        _check_varlen_case(r, *case)
+
+
+def _check_varlen_case(r: _Runner, lengths, Hq, Hk, D, dtype, causal, p) -> None:
+    from .attention import reference_varlen_attention
+
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    T = int(cu[-1])
+    ins = {"q": r.randn(T, Hq, D, dtype=dtype), "k": r.randn(T, Hk, D, dtype=dtype), "v": r.randn(T, Hk, D, dtype=dtype)}
+    scale, seed = D ** -0.5, _seed_tensor() if p > 0 else None
+    what = f"varlen_fwd lengths {lengths} q {_shape(ins['q'])} k {_shape(ins['k'])} causal={causal} p={p}"
+    out = r.randn(T, Hq, D, dtype=dtype)
+    stats = r.m.varlen_fwd(*ins.values(), cu.to(r.device), scale, causal, SEED, OFFSET, p, out)
+    go = r.randn(T, Hq, D, dtype=dtype)
+    outs, g = _reference(lambda q, k, v: reference_varlen_attention(q, k, v, cu, scale, causal, seed, p), ins, [go, None],
+                         grads=["q", "k", "v"])
+    r.expect(f"{what} out", out, outs[0], dtype)
+    r.expect(f"{what} stats", stats, outs[1], torch.float32)
+    dq, dk, dv = (torch.empty_like(t) for t in ins.values())
+    r.m.varlen_bwd(go, *ins.values(), out, stats, cu.to(r.device), scale, causal, SEED, OFFSET, p, dq, dk, dv)
+    r.expect_grads(what.replace("varlen_fwd", "varlen_bwd"), {"q": dq, "k": dk, "v": dv}, g, dtype)
 
 
 def _check_flash_case(r: _Runner, B, Hq, Hk, Lq, Lk, D, dtype, kind, causal, p) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 from .backend import GraphRecord, dmfx_backend, records, reset, with_options
-from .cuda_ops.attention import attention
+from .cuda_ops.attention import attention, varlen_attention
 from .cuda_ops.build import KernelBuildError
 from .cuda_ops.cross_entropy import cross_entropy
 from .cuda_ops.norm import bias_dropout_residual_layer_norm, dropout, layer_norm, rms_norm
@@ -56,4 +56,5 @@ __all__ = [
     "rms_norm",
     "rope",
     "attention_softmax",
+    "varlen_attention",
 ]

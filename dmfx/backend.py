@@ -71,6 +71,9 @@ class GraphRecord:
     # what the graph's epilogue does after the rewritten body: inputs written in place, outputs that
     # are inputs or views of them (dmfx/functionalize.py)
     epilogue: list[str] = field(default_factory=list)
+    # option unpad (passes/unpad.py): the padding mask input the graph was unpadded by, or (option off)
+    # the one it could be, with how many attentions read it
+    unpad: dict = field(default_factory=dict)
     seconds: float = 0.0  # dmfx's compile of the graph (lowering, passes, AOTAutograd's forward), Inductor's included
     compiler: str = "fx"  # what runs the rewritten graphs: "inductor" or "fx" (option compiler; "fx" after a failure)
     inductor_seconds: float = 0.0  # Inductor's compile time of them (the backward's, compiled at its first run, too)
@@ -106,6 +109,9 @@ class GraphRecord:
             f"(absorbed {absorbed} ATen ops; {self.aten_ops_before} -> {self.aten_ops_after} ops) in {self.seconds:.2f}s"
             f", run by {'Inductor' if self.compiler == 'inductor' else 'FX'}"
         )
+        if self.unpad.get("option"):
+            text += (f"; unpadded by {self.unpad['mask']} ({self.unpad['attentions']} attention(s) and "
+                     f"{self.unpad['row_ops']} row-wise ops on the real tokens)")
         sdpa = sorted({why for form, why in self.attention_forms.values() if form == "sdpa"})
         if sdpa:
             n = sum(form == "sdpa" for form, _ in self.attention_forms.values())
@@ -190,6 +196,7 @@ def pass_context(example_inputs: Sequence[Any], opts: Options, training: bool):
         tune=opts.tune,
         input_requires_grad=input_requires_grad(example_inputs),
         joint_layouts=training and "layout" not in opts.skip,
+        unpad=opts.unpad,
     )
 
 
@@ -333,6 +340,8 @@ def _add_to_record(record: GraphRecord, ctx: Any, kind: str) -> None:
         record.replaced[k] = record.replaced.get(k, 0) + v
     record.missed.extend(ctx.missed)
     record.attention_forms.update(ctx.forms)
+    if ctx.unpadded:
+        record.unpad = {"option": True, **ctx.unpadded}
     listed = {(c["graph"], c["node"]) for c in record.copies}
     for c in ctx.copies:
         c = {"graph": kind, **c}  # (the joint search names each copy's graph)
@@ -512,10 +521,11 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
         _finish(record, opts)
         return gm.forward
     record.aten_ops_before = _count_ops(aten_gm)
-    if opts.compiler == "inductor" and opts.fuse == "auto":
+    hint = None if opts.unpad else _padding_hint(aten_gm, record, gm)
+    if opts.compiler == "inductor" and opts.fuse == "auto" and not opts.unpad:
         compiled = _whole_graph_to_inductor(gm, example_inputs, aten_gm, record, opts, start)
         if compiled is not None:
-            return compiled
+            return _with_padding_hint(compiled, hint, record)
     from .cuda_ops.selfcheck import passes_to_skip  # kernel families that failed their self-check here
 
     off = passes_to_skip(t.device for t in example_inputs if isinstance(t, torch.Tensor)) - set(opts.skip)
@@ -542,7 +552,74 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
     compiled = compiler(rewritten, example_inputs)
     record.seconds = time.perf_counter() - start
     _finish(record, opts)
-    return compiled
+    if record.unpad.get("option"):  # (unpadded: the first batch's padding share is recorded)
+        from .passes.unpad import PaddingHint
+
+        record.unpad["mask"] = input_name(gm, record.unpad["input_index"])
+        hint = PaddingHint(record.unpad["input_index"], record.unpad["mask"], record.unpad["attentions"])
+    return _with_padding_hint(compiled, hint, record)
+
+
+def input_name(gm: GraphModule, index: int) -> str:
+    """The name of the Dynamo graph `gm`'s input number `index` (Dynamo's: ``L_attention_mask_`` for
+    the argument attention_mask)."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return inputs[index].name if index < len(inputs) else f"input {index}"
+
+
+#: The share of padding in a batch from which the log suggests options={"unpad": True}.
+PADDING_HINT_SHARE = 0.2
+
+
+def _padding_hint(aten_gm: GraphModule, record: GraphRecord, gm: GraphModule) -> Any:
+    """passes/unpad.py's padding_hint for a graph compiled without the option, the mask named as the
+    Dynamo graph names it (None on any error: observability never breaks a compile)."""
+    try:
+        from .passes.unpad import padding_hint
+
+        hint = padding_hint(aten_gm)
+        if hint is not None:
+            hint = replace(hint, input_name=input_name(gm, hint.input_index))
+    except Exception as e:  # noqa: BLE001
+        log.debug("dmfx: graph %d: no padding hint (%s: %s)", record.graph_id, type(e).__name__, e)
+        return None
+    if hint is not None:
+        record.unpad = {"option": False, "mask": hint.input_name, "attentions": hint.attentions}
+    return hint
+
+
+def _with_padding_hint(compiled: Callable, hint: Any, record: GraphRecord) -> Callable:
+    """`compiled`, which at its first call looks at the padding mask input named by `hint` and, where
+    the batch is at least PADDING_HINT_SHARE padding, says once at INFO what options={"unpad": True}
+    would skip. Without a hint: `compiled` itself."""
+    if hint is None:
+        return compiled
+    state = {"looked": False}
+
+    def run(*args: Any) -> Any:
+        if not state["looked"]:
+            state["looked"] = True
+            boxed = len(args) == 1 and isinstance(args[0], list)  # (called with the inputs in one list)
+            _say_padding(args[0] if boxed else args, hint, record)
+        return compiled(*args)
+
+    if getattr(compiled, "_boxed_call", False):
+        run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def _say_padding(args: Sequence[Any], hint: Any, record: GraphRecord) -> None:
+    try:
+        mask = args[hint.input_index]
+        share = 1.0 - float((mask != 0).sum()) / max(mask.numel(), 1)
+    except Exception:  # noqa: BLE001
+        return
+    record.unpad["padding"] = round(share, 4)
+    if share >= PADDING_HINT_SHARE and not record.unpad.get("option"):
+        _log_once(f"unpad-hint:{record.graph_id}", "dmfx: graph %d: this batch is %.0f%% padding (input %s, read by %d "
+                  "attention(s)); options={'unpad': True} would run its row-wise ops and attention on the real tokens "
+                  "alone (padding positions then read zeros in the outputs: README, Padded batches)", record.graph_id,
+                  100 * share, hint.input_name, hint.attentions)
 
 
 def _finish(record: GraphRecord, opts: Options) -> None:

@@ -50,6 +50,12 @@ class Options:
     #: the CPU, a graph without dropout is left to Inductor whole, see dmfx/inductor.py
     #: leave_to_inductor) or "all" (every fusion whose pattern matches).
     fuse: str = "auto"
+    #: Skip the padding of a batch (passes/unpad.py): where a graph's attentions read one HF padding
+    #: mask (attention_mask [B, S] of 0/1), the real tokens are packed after the embeddings, every
+    #: row-wise op and each attention (variable-length, over the packed sequences) run on them alone,
+    #: and outputs are scattered back to [B, S, ...] with zeros at the padding positions. A graph it
+    #: applies to is compiled by dmfx even where fuse="auto" would leave it to Inductor whole.
+    unpad: bool = False
     #: Let Inductor autotune the kernels it generates (its max_autotune); torch.compile's
     #: mode="max-autotune" sets it, with tune.
     max_autotune: bool = False
@@ -95,6 +101,8 @@ class Options:
             raise ValueError(f"dmfx: {where} must be 'inductor' or 'fx', got {compiler!r}")
         if options.get("fuse", "auto") not in ("auto", "all"):
             raise ValueError(f"dmfx: option 'fuse' must be 'auto' or 'all', got {options['fuse']!r}")
+        if options.get("unpad", False) not in (False, True):
+            raise ValueError(f"dmfx: option 'unpad' must be True or False, got {options['unpad']!r}")
         if options.get("verify", False) not in (False, True, "strict"):
             raise ValueError(f"dmfx: option 'verify' must be False, True or 'strict', got {options['verify']!r}")
         opts = cls(**options)

@@ -31,6 +31,7 @@ from .layer_norm import LAYER_NORM, NORM_IDIOMS
 from .layout import choose_forward_layouts, choose_joint_layouts
 from .qkv_attention import stack_qkv
 from .rope import ROPE
+from .unpad import unpad
 
 Pass = Callable[[GraphModule, PassContext], None]
 
@@ -60,6 +61,7 @@ PIPELINE: dict[str, Pass] = {
     "bias_act_dropout": BIAS_ACT_DROPOUT,
     "dropout": DROPOUT,
     "cross_entropy": CROSS_ENTROPY,
+    "unpad": unpad,
     "layout": choose_forward_layouts,
 }
 

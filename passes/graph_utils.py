@@ -4,6 +4,7 @@ new nodes with their fake values (so later passes can read shapes and dtypes).""
 from __future__ import annotations
 
 import operator
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -34,6 +35,8 @@ class PassContext:
     # In training the backend searches layouts on AOTAutograd's joint graph (passes/layout.py,
     # choose_joint_layouts); the forward pipeline's layout pass then leaves them to it.
     joint_layouts: bool = False
+    unpad: bool = False  # Options.unpad: skip the padding of the batch (passes/unpad.py)
+    unpadded: dict = field(default_factory=dict)  # what the unpad pass did: the mask input, its attentions
 
     def needs_grad(self, n: Any) -> bool:
         """Whether `n` may require grad: it is computed from a graph input that requires grad (an
@@ -206,8 +209,29 @@ def concrete_int(x: Any) -> int:
             return int(hint)
         shape_env = getattr(node, "shape_env", None)
         if shape_env is not None:
-            return int(shape_env.size_hint(node.expr))
+            if hasattr(shape_env, "optimization_hint"):  # (torch >= 2.13; a data-dependent size gets its fallback)
+                return int(shape_env.optimization_hint(node.expr))
+            return _hint_without_guard(shape_env, node.expr)
     return int(x)
+
+
+def _hint_without_guard(shape_env: Any, expr: Any) -> int:
+    """An expression's value with every symbol at its hint (torch 2.11): backed ones at the example's
+    value, data-dependent ones at their hint override (var_to_hint_override: dmfx.explain sets the
+    real count there), else their range's upper bound (else 8192, Inductor's fallback)."""
+    hints = {}
+    for s in expr.free_symbols:
+        backed = getattr(shape_env, "backed_var_to_val", None)
+        backed = shape_env.var_to_val if backed is None else backed
+        value = backed.get(s, getattr(shape_env, "var_to_hint_override", {}).get(s))
+        if value is None:
+            value = 8192
+            try:
+                value = min(int(shape_env.var_to_range[s].upper), sys.maxsize)
+            except Exception:  # (no range, or an unbounded one)
+                pass
+        hints[s] = value
+    return int(expr.xreplace(hints))
 
 
 def grad_dependent_nodes(graph: Graph, input_requires_grad: Iterable[bool] | None) -> set[Node]:

@@ -16,7 +16,7 @@ from torch.library import opcheck
 
 import dmfx  # noqa: F401  (registers the ops)
 from dmfx.cuda_ops import new_seed
-from dmfx.cuda_ops.attention import attention, reference_attention
+from dmfx.cuda_ops.attention import attention, reference_attention, reference_varlen_attention
 
 # Every test here runs on each CPU build of the kernels (conftest.cpu_build: native and AVX2).
 pytestmark = pytest.mark.usefixtures("cpu_build")
@@ -394,3 +394,368 @@ def test_flash_skips_padded_keys_exactly(kind):
     for x, y in zip(ga, gb):
         assert rel_err(x, y) < 1e-5
     assert (ga[1][0, :, 25:] == 0).all() and (ga[2][0, :, 25:] == 0).all()
+
+
+# ------------------------------------------------------------------------------------ varlen form
+#
+# Packed sequences: q [T, Hq, D], k [T, Hk, D], v [T, Hk, Dv], sequence b in rows cu[b] .. cu[b + 1].
+# Against reference_varlen_attention (the dense math per sequence, the Philox mask at the global
+# indices (h * T + tq) * T + tk): fp32 at 1e-5, fp64 at 1e-12; gradients with a random cotangent,
+# each judged relative to the largest.
+
+varlen = torch.ops.dmfx.varlen_attention
+varlen_bwd = torch.ops.dmfx.varlen_attention_backward
+qkv_varlen = torch.ops.dmfx.qkv_varlen_attention
+qkv_varlen_bwd = torch.ops.dmfx.qkv_varlen_attention_backward
+
+# sequence lengths: empty ones at the start, in the middle and at the end, length 1, one sequence
+# (B = 1), all equal (no padding at all), many short and one long enough that the CPU kernel splits its
+# query rows into blocks (600 rows: 3 blocks in fp32, 6 in fp64)
+LENGTHS = {
+    "empty_ends": [0, 5, 0, 17, 1, 0],
+    "ones": [1, 1, 1, 1],
+    "single": [23],
+    "equal": [9, 9, 9],
+    "mixed": [3, 70, 0, 33, 1, 2, 40],
+    "long": [600, 0, 7, 31],
+}
+
+
+def _cu(lengths, dtype=torch.int32):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=dtype)
+
+
+def _packed_qkv(T, Hq, Hk, D, Dv, dtype=torch.float32, layout="proj"):
+    """q [T, Hq, D], k [T, Hk, D], v [T, Hk, Dv]: views of one packed projection output [T, width] with
+    a row stride past its width ("proj", what a fused QKV GEMM writes; read in place), or contiguous."""
+    if layout == "contig":
+        return tuple(torch.randn(T, H, d).to(dtype) for H, d in ((Hq, D), (Hk, D), (Hk, Dv)))
+    width = Hq * D + Hk * D + Hk * Dv
+    x = torch.randn(T, width + 3).to(dtype)[:, :width]
+    q = x[:, : Hq * D].unflatten(1, (Hq, D))
+    k = x[:, Hq * D: (Hq + Hk) * D].unflatten(1, (Hk, D))
+    v = x[:, (Hq + Hk) * D:].unflatten(1, (Hk, Dv))
+    return q, k, v
+
+
+def _grad_errors(got, want):
+    """Each gradient's error relative to the largest reference gradient's norm."""
+    top = max(w.double().norm().item() for w in want)
+    return [(g.double() - w.double()).norm().item() / max(top, 1e-30) for g, w in zip(got, want)]
+
+
+def _varlen_vs_reference(lengths, Hq, Hk, D, Dv, causal, p, dtype, layout="proj", cu_dtype=torch.int32):
+    cu = _cu(lengths, cu_dtype)
+    T = int(cu[-1])
+    q, k, v = _packed_qkv(T, Hq, Hk, D, Dv, dtype, layout)
+    seed = new_seed() if p else None
+    scale = D ** -0.5
+    out, stats = varlen(q, k, v, cu, scale, causal, seed, p)
+    ref, ref_stats = reference_varlen_attention(q, k, v, cu, scale, causal, seed, p)
+    assert out.shape == (T, Hq, Dv) and out.is_contiguous() and out.dtype == dtype
+    assert stats.shape == (2, Hq, T) and stats.is_contiguous()
+    tol = TOL[dtype]
+    assert rel_err(out, ref) < tol, rel_err(out, ref)
+    assert rel_err(stats, ref_stats) < (1e-12 if dtype == torch.float64 else 1e-5)
+    # gradients with a random cotangent, against the reference's autograd
+    R = torch.randn(T, Hq, Dv).to(dtype)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    got = torch.autograd.grad((varlen(*leaves, cu, scale, causal, seed, p)[0] * R).sum(), leaves)
+    want = torch.autograd.grad((reference_varlen_attention(*leaves, cu, scale, causal, seed, p)[0] * R).sum(), leaves)
+    for g, t in zip(got, leaves):
+        assert g.shape == t.shape and g.dtype == dtype and g.is_contiguous()
+    errs = _grad_errors(got, want)
+    assert max(errs) < tol * 10, errs
+
+
+@pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_varlen_matches_reference(lengths, causal, p):
+    _varlen_vs_reference(LENGTHS[lengths], 4, 2, 16, 16, causal, p, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("Hk", [1, 3])
+def test_varlen_gqa_head_dims_layouts(dtype, Hk):
+    """Grouped-query heads (Hq = 3 Hk and Hq = Hk), D != Dv, odd dims, int64 cu_seqlens, contiguous
+    operands and views of a packed projection."""
+    for layout in ("proj", "contig"):
+        _varlen_vs_reference([5, 0, 12, 1, 30], 3, Hk, 7, 11, True, 0.1, dtype, layout, torch.int64)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_varlen_equal_lengths_equal_the_flash_op(p):
+    """All sequences of one length (a batch without padding): the [B, H, L, D] view of the packed tensors
+    through dmfx::flash_attention gives the same output and gradients (no dropout: the two ops' Philox
+    indices differ)."""
+    B, L, H, D = 3, 37, 4, 16
+    q, k, v = (t.detach().requires_grad_() for t in _packed_qkv(B * L, H, H, D, D))
+    cu = _cu([L] * B)
+    as_batch = lambda t: t.view(B, L, *t.shape[1:]).transpose(1, 2)  # noqa: E731
+    for causal in (False, True):
+        out = varlen(q, k, v, cu, 0.3, causal, None, 0.0)[0]
+        ref = flash(*(as_batch(t) for t in (q, k, v)), None, 0.3, causal, None, 0.0)[0]
+        assert rel_err(out, ref.transpose(1, 2).reshape(B * L, H, D)) < 1e-5
+        R = torch.randn_like(out)
+        got = torch.autograd.grad((out * R).sum(), (q, k, v))
+        want = torch.autograd.grad((ref.transpose(1, 2).reshape(B * L, H, D) * R).sum(), (q, k, v))
+        assert max(_grad_errors(got, want)) < 1e-5
+
+
+def test_varlen_dropout_mask_is_the_philox_mask_at_global_indices():
+    """The keep bit of (head h, packed query row tq, packed key row tk) is Philox element
+    (h * T + tq) * T + tk, bit for bit: with v one-hot at each key's position in its sequence, out is the
+    dropped-out probabilities themselves."""
+    lengths, H, p = [0, 6, 1, 11, 0, 9], 3, 0.4
+    cu = _cu(lengths)
+    T, Lmax = int(cu[-1]), max(lengths)
+    q, k = (torch.randn(T, H, 8) for _ in range(2))
+    v = torch.zeros(T, H, Lmax)
+    for b in range(len(lengths)):
+        s, e = int(cu[b]), int(cu[b + 1])
+        v[s:e, :, : e - s] = torch.eye(e - s)[:, None, :]
+    seed = new_seed()
+    out = varlen(q, k, v, cu, 0.5, False, seed, p)[0]
+    from dmfx.cuda_ops.reference import philox_keep_at
+
+    kept = 0
+    for b in range(len(lengths)):
+        s, e = int(cu[b]), int(cu[b + 1])
+        h, i, j = torch.meshgrid(torch.arange(H), torch.arange(s, e), torch.arange(s, e), indexing="ij")
+        keep = philox_keep_at((h * T + i) * T + j, p, seed)  # [H, L, L]
+        dropped = out[s:e, :, : e - s].transpose(0, 1)  # [H, L (query), L (key)]
+        assert torch.equal(dropped != 0, keep)
+        kept += int(keep.sum())
+    ref = reference_varlen_attention(q, k, v, cu, 0.5, False, seed, p)[0]
+    assert rel_err(out, ref) < 1e-6
+    assert 0 < kept < H * sum(n * n for n in lengths)
+
+
+def test_varlen_no_tokens_and_empty_sequences():
+    """T = 0 (every sequence empty): empty outputs and gradients, no NaN anywhere."""
+    H, D = 2, 8
+    for lengths in ([0], [0, 0, 0]):
+        cu = _cu(lengths)
+        q, k, v = (torch.randn(0, H, D, requires_grad=True) for _ in range(3))
+        out, stats = varlen(q, k, v, cu, 1.0, True, new_seed(), 0.1)
+        assert out.shape == (0, H, D) and stats.shape == (2, H, 0)
+        dq, dk, dv = varlen_bwd(out, q, k, v, out, stats, cu, 1.0, True, new_seed(), 0.1)
+        assert dq.shape == dk.shape == dv.shape == (0, H, D)
+        qkv = torch.randn(0, 3 * H * D)
+        out, stats = qkv_varlen(qkv, H, cu, 1.0, False, None, 0.0)
+        assert qkv_varlen_bwd(out, qkv, H, out, stats, cu, 1.0, False, None, 0.0).shape == (0, 3 * H * D)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.25])
+def test_qkv_varlen_equals_varlen_on_its_blocks(p):
+    """The stacked form reads q, k, v as column blocks of qkv [T, 3 * H * D] (any row stride) and returns
+    one contiguous dqkv whose blocks are varlen's dq, dk, dv."""
+    lengths, H, D = [4, 0, 19, 1, 8], 3, 8
+    cu = _cu(lengths)
+    T = int(cu[-1])
+    qkv = torch.randn(T, 3 * H * D + 5, dtype=torch.float64)[:, : 3 * H * D]
+    q, k, v = qkv.unflatten(1, (3, H, D)).unbind(1)
+    seed = new_seed()
+    a, sa = qkv_varlen(qkv, H, cu, 0.4, True, seed, p)
+    b, sb = varlen(q, k, v, cu, 0.4, True, seed, p)
+    assert torch.equal(a, b) and torch.equal(sa, sb)
+    g = torch.randn_like(a)
+    dqkv = qkv_varlen_bwd(g, qkv, H, a, sa, cu, 0.4, True, seed, p)
+    assert dqkv.shape == (T, 3 * H * D) and dqkv.is_contiguous()
+    dq, dk, dv = varlen_bwd(g, q, k, v, b, sb, cu, 0.4, True, seed, p)
+    assert torch.equal(dqkv, torch.stack([dq, dk, dv], dim=1).view(T, 3 * H * D))
+    # through autograd: the gradient of the stacked projection
+    x = qkv.detach().requires_grad_()
+    (gx,) = torch.autograd.grad((qkv_varlen(x, H, cu, 0.4, True, seed, p)[0] * g).sum(), x)
+    assert torch.equal(gx, dqkv)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_varlen_gradcheck_float64(causal, p):
+    cu = _cu([3, 0, 5, 1])
+    T = int(cu[-1])
+    q, k, v = (t.detach().requires_grad_() for t in _packed_qkv(T, 4, 2, 3, 4, torch.float64))
+    seed = new_seed()
+    assert torch.autograd.gradcheck(lambda q, k, v: varlen(q, k, v, cu, 0.7, causal, seed, p)[0], (q, k, v))
+    qkv = torch.randn(T, 3 * 2 * 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: qkv_varlen(x, 2, cu, 0.7, causal, seed, p)[0], (qkv,))
+
+
+def test_varlen_double_backward_and_stats_gradient_raise():
+    cu = _cu([3, 4])
+    q, k, v = (t.detach().requires_grad_() for t in _packed_qkv(7, 2, 2, 4, 4, torch.float64))
+    out, stats = varlen(q, k, v, cu, 0.5, False, None, 0.0)
+    assert not stats.requires_grad
+    (gq,) = torch.autograd.grad((out * torch.randn_like(out)).sum(), q, create_graph=True)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        gq.sum().backward()
+    qkv = torch.randn(7, 24, dtype=torch.float64, requires_grad=True)
+    out, _ = qkv_varlen(qkv, 2, cu, 0.5, False, None, 0.0)
+    (gx,) = torch.autograd.grad(out.sum(), qkv, create_graph=True)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        gx.sum().backward()
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_varlen_opcheck(p):
+    cu = _cu([2, 0, 5, 1])
+    T = int(cu[-1])
+    q, k, v = (t.detach().requires_grad_() for t in _packed_qkv(T, 4, 2, 8, 8))
+    seed = new_seed() if p else None
+    opcheck(varlen.default, (q, k, v, cu, 0.5, True, seed, p))
+    out, stats = varlen(q, k, v, cu, 0.5, True, seed, p)
+    opcheck(varlen_bwd.default, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), stats, cu,
+                                 0.5, True, seed, p))
+    qkv = torch.randn(T, 3 * 2 * 8, requires_grad=True)
+    opcheck(qkv_varlen.default, (qkv, 2, cu.long(), 0.5, False, seed, p))
+    out, stats = qkv_varlen(qkv, 2, cu, 0.5, False, seed, p)
+    opcheck(qkv_varlen_bwd.default, (torch.randn_like(out), qkv.detach(), 2, out.detach(), stats, cu, 0.5, False, seed, p))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_varlen_half_precision_is_computed_in_float32(dtype):
+    """CPU float16 / bfloat16: inputs upcast to float32, outputs cast back; stats float32; the same
+    values as the float32 kernel on the rounded inputs."""
+    cu = _cu([0, 9, 1, 20])
+    T = int(cu[-1])
+    q, k, v = (t.detach().requires_grad_() for t in _packed_qkv(T, 4, 2, 16, 16, dtype))
+    seed = new_seed()
+    out, stats = varlen(q, k, v, cu, 0.25, True, seed, 0.1)
+    assert out.dtype == dtype and stats.dtype == torch.float32
+    f32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref, ref_stats = varlen(*f32, cu, 0.25, True, seed, 0.1)
+    assert torch.equal(out, ref.to(dtype)) and torch.equal(stats, ref_stats)
+    R = torch.randn(T, 4, 16).to(dtype)
+    got = torch.autograd.grad((out * R).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * R.float()).sum(), f32)
+    for g, w in zip(got, want):
+        assert g.dtype == dtype and torch.equal(g, w.to(dtype))
+    qkv = torch.randn(T, 3 * 4 * 16).to(dtype)
+    assert qkv_varlen(qkv, 4, cu, 0.25, False, None, 0.0)[0].dtype == dtype
+
+
+def test_varlen_python_api_matches_sdpa_per_sequence():
+    from dmfx.cuda_ops import varlen_attention as api
+
+    assert api is dmfx.varlen_attention
+    lengths, H, D = [5, 0, 13, 1], 4, 16
+    cu = _cu(lengths)
+    q, k, v = _packed_qkv(int(cu[-1]), H, 2, D, D)
+    out = api(q, k, v, cu, causal=True)
+    out_eval = api(q, k, v, cu, causal=True, p=0.5, training=False)
+    for b in range(len(lengths)):
+        s, e = int(cu[b]), int(cu[b + 1])
+        if s == e:
+            continue
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            *(t[s:e].transpose(0, 1) for t in (q, k, v)), is_causal=True, enable_gqa=True).transpose(0, 1)
+        assert rel_err(out[s:e], ref) < 1e-5 and rel_err(out_eval[s:e], ref) < 1e-5
+
+
+def test_varlen_supported():
+    from dmfx.cuda_ops import varlen_supported
+
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        assert varlen_supported(torch.device("cpu"), dtype, 64, 64)
+        assert varlen_supported("cpu", dtype)
+    assert not varlen_supported(torch.device("cpu"), torch.int32)
+    assert not varlen_supported(torch.device("cuda"), torch.float64, 64, 64)
+    assert not varlen_supported(torch.device("cuda"), torch.float32, 160, 64)
+    assert not varlen_supported(torch.device("meta"), torch.float32, 64, 64)
+
+
+def test_varlen_bad_input_errors():
+    """Each bad input raises the documented exception, naming the op and the tensor."""
+    cu = _cu([3, 4])
+    q = torch.randn(7, 4, 8)
+    k2 = torch.randn(7, 2, 8)
+    cases = [
+        (lambda: varlen(q[0], q, q, cu, 1.0, False, None, 0.0), ValueError, "varlen_attention: q must be 3-D"),
+        (lambda: varlen(q, q[None], q, cu, 1.0, False, None, 0.0), ValueError, "varlen_attention: k must be 3-D"),
+        (lambda: varlen(q, q, q.double(), cu, 1.0, False, None, 0.0), TypeError, "one dtype"),
+        (lambda: varlen(q.int(), q.int(), q.int(), cu, 1.0, False, None, 0.0), TypeError, "q must be float32"),
+        (lambda: varlen(q, torch.randn(7, 3, 8), torch.randn(7, 3, 8), cu, 1.0, False, None, 0.0), ValueError,
+         "multiple of k's and v's 3 heads"),
+        (lambda: varlen(q, q[:6], q[:6], cu, 1.0, False, None, 0.0), ValueError, "do not fit"),
+        (lambda: varlen(q, torch.randn(7, 4, 5), q, cu, 1.0, False, None, 0.0), ValueError, "do not fit"),
+        (lambda: varlen(q, k2, k2, cu[None], 1.0, False, None, 0.0), ValueError, "cu_seqlens must be 1-D"),
+        (lambda: varlen(q, k2, k2, cu.float(), 1.0, False, None, 0.0), TypeError, "cu_seqlens must be int32 or int64"),
+        (lambda: varlen(q, k2, k2, cu.to("meta"), 1.0, False, None, 0.0), ValueError, "cu_seqlens is on meta"),
+        (lambda: varlen(q, k2, k2, cu[:1], 1.0, False, None, 0.0), ValueError, "at least one sequence"),
+        (lambda: varlen(q, k2, k2, torch.tensor([1, 3, 7], dtype=torch.int32), 1.0, False, None, 0.0), ValueError,
+         "cu_seqlens must start at 0"),
+        (lambda: varlen(q, k2, k2, torch.tensor([0, 5, 3, 7], dtype=torch.int32), 1.0, False, None, 0.0), ValueError,
+         r"non-decreasing .* cu_seqlens\[2\] = 3 < cu_seqlens\[1\] = 5"),
+        (lambda: varlen(q, k2, k2, torch.tensor([0, 3, 6]), 1.0, False, None, 0.0), ValueError,
+         r"cu_seqlens must end at T = 7 .* got cu_seqlens\[2\] = 6"),
+        (lambda: varlen(q, k2, k2, cu, 1.0, False, None, 0.5), ValueError, "needs a seed"),
+        (lambda: varlen(q, k2, k2, cu, float("nan"), False, None, 0.0), ValueError, "scale must be finite"),
+        (lambda: qkv_varlen(torch.randn(7, 20), 3, cu, 1.0, False, None, 0.0), ValueError,
+         "qkv_varlen_attention: qkv's last dim 20 is not 3 \\* heads \\* head_dim"),
+        (lambda: qkv_varlen(torch.randn(2, 7, 24), 2, cu, 1.0, False, None, 0.0), ValueError,
+         "qkv_varlen_attention: qkv must be 2-D"),
+        (lambda: qkv_varlen(torch.randn(7, 24), 2, torch.tensor([0, 8]), 1.0, False, None, 0.0), ValueError,
+         "qkv_varlen_attention: cu_seqlens must end at T = 7"),
+        (lambda: varlen_bwd(q, q, k2, k2, q, torch.empty(2, 4, 7), torch.tensor([0, 2, 1, 7]), 1.0, False, None, 0.0),
+         ValueError, "varlen_attention_backward: cu_seqlens must be non-decreasing"),
+    ]
+    for call, exc, message in cases:
+        with pytest.raises(exc, match=message):
+            call()
+    # the Python API checks the values too (on every device: the ops read them only on the CPU)
+    from dmfx.cuda_ops import varlen_attention as api
+
+    with pytest.raises(ValueError, match="varlen_attention: cu_seqlens must end at T = 7"):
+        api(q, k2, k2, torch.tensor([0, 2, 5]))
+    with pytest.raises(TypeError, match="cu_seqlens must be a Tensor"):
+        api(q, k2, k2, [0, 3, 7])
+
+
+def test_varlen_kernel_errors():
+    from dmfx.cuda_ops.build import load
+
+    m = load("cpu")
+    cu = _cu([3, 4])
+    q = torch.randn(7, 2, 8)
+    out = torch.empty(7, 2, 8)
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        m.varlen_fwd(q.half(), q.half(), q.half(), cu, 1.0, False, 0, 0, 0.0, out.half())
+    with pytest.raises(RuntimeError, match="out must be"):
+        m.varlen_fwd(q, q, q, cu, 1.0, False, 0, 0, 0.0, torch.empty(7, 2, 7))
+    with pytest.raises(RuntimeError, match="unit stride in the head dim"):
+        m.varlen_fwd(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), _cu([4, 4]), 1.0, False, 0, 0, 0.0,
+                     torch.empty(8, 8, 2))
+    with pytest.raises(ValueError, match="varlen_fwd: cu_seqlens must end at T = 7"):
+        m.varlen_fwd(q, q, q, _cu([3, 3]), 1.0, False, 0, 0, 0.0, out)
+    stats = m.varlen_fwd(q, q, q, cu, 1.0, False, 0, 0, 0.0, out)
+    with pytest.raises(RuntimeError, match="stats must be"):
+        m.varlen_bwd(out, q, q, q, out, stats.double(), cu, 1.0, False, 0, 0, 0.0, *(torch.empty_like(q) for _ in range(3)))
+
+
+def test_varlen_fakes_take_data_dependent_token_counts():
+    """Traced with the token count a data-dependent size (what the unpad pass gives: the real tokens of
+    a padded batch, x[mask]), the fakes neither branch on T nor fail; the traced graph runs."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    B, L, H, D = 3, 6, 2, 4
+    x = torch.randn(B, L, 3 * H * D)
+    keep = torch.arange(L)[None, :] < torch.tensor([4, 0, 6])[:, None]
+    cu = _cu([4, 0, 6])
+    seed = new_seed()
+
+    def f(x, keep, cu, seed):
+        packed = x[keep]  # [u0, 3 * H * D]
+        out, stats = qkv_varlen(packed, H, cu, 0.5, True, seed, 0.1)
+        dqkv = qkv_varlen_bwd(out, packed, H, out, stats, cu, 0.5, True, seed, 0.1)
+        q, k, v = packed.unflatten(1, (3, H, D)).unbind(1)
+        o2, s2 = varlen(q, k, v, cu, 0.5, True, seed, 0.1)
+        dq, dk, dv = varlen_bwd(o2, q, k, v, o2, s2, cu, 0.5, True, seed, 0.1)
+        return out, dqkv, o2, dq
+
+    gm = make_fx(f, tracing_mode="symbolic")(x, keep, cu, seed)
+    got = gm(x, keep, cu, seed)
+    want = f(x, keep, cu, seed)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

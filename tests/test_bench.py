@@ -80,3 +80,17 @@ def test_cross_entropy_bench_runs_every_candidate():
     assert set(result["median_ms"]) == {"eager", "dmfx", "eager + logits grad", "dmfx + logits grad"}
     assert result["peak_bytes"]["dmfx"] < result["peak_bytes"]["eager"]
     assert "dmfx + logits grad" in cross_entropy.table(result)
+
+
+def test_varlen_attention_bench_runs_every_candidate():
+    """bench/varlen_attention.py on tiny shapes: every candidate is timed (forward, and forward + backward
+    with dropout), and all compute the same attention on the real tokens (no dropout)."""
+    from bench import varlen_attention
+
+    for name in ("minilm", "bert128"):
+        r = varlen_attention.run_shape(name, rounds=1, warmup=0, lengths=[5, 1, 12], heads=2, head_dim=8)
+        assert set(r["times_ms"]) == set(varlen_attention.CANDIDATES)
+        assert all(len(t) == 1 for t in r["times_ms"].values())
+        assert max(r["rel_err"][n] for n in ("varlen", "flash_padded", "sdpa_padded")) < 1e-5  # (flash_nomask: NaN)
+        assert r["T"] == 18 and r["Lmax"] == 12
+        assert "flash_padded" in varlen_attention.table([r])

@@ -15,6 +15,11 @@ projections' [B, L, H, D] views and contiguous tensors; the stacked-QKV op and i
 Tolerances (relative-norm error): fp32 2e-5, fp16 3e-3, bf16 2e-2 (fp32 math in both kernels, one
 rounding of the inputs and outputs; summation orders differ).
 
+The varlen ops (packed sequences): against the CPU varlen kernels on many short and a few long
+sequences (several 64-row tiles, empty ones), every dtype, head dims 3 to 128, GQA, 700 sequences (the
+tile map's chunks), no host synchronization (sync debug mode), bit-reproducible, opcheck, the
+NotImplementedError of float64 and head dims over 128.
+
 Without a GPU every test is skipped.
 """
 
@@ -425,6 +430,133 @@ def test_kernel_errors(cuda_ext):
     with pytest.raises(RuntimeError, match="bias_part must be"):
         cuda_ext.flash_bwd(out, q, q, q, stats, None, 1.0, False, 0, 0, 0.0, d, d.clone(), d.clone(),
                            torch.empty(3, 1, 2, 31, device=DEV))
+
+
+# ------------------------------------------------------------------------------------ varlen form
+# dmfx::varlen_attention / qkv_varlen_attention (packed sequences, cu_seqlens) on CUDA against the CPU
+# varlen kernels in float32 on the same rounded values and seed (the same Philox mask at
+# (h * T + tq) * T + tk). The CUDA backward's delta reads the forward's out, rounded to the dtype.
+
+varlen = torch.ops.dmfx.varlen_attention
+qkv_varlen = torch.ops.dmfx.qkv_varlen_attention
+MIXED = [0, 3, 1, 0, 130, 2, 64, 65, 0, 1, 200, 5, 0]  # many short, a few long over several tiles, empty ones
+
+
+def _cu(lengths, device="cpu", dtype=torch.int32):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=dtype, device=device)
+
+
+def _varlen_run(dev, dtype, bq, bk, bv, cu, scale, causal, seed, p, go):
+    q, k, v = (t.to(dev, dtype).detach().requires_grad_() for t in (bq, bk, bv))
+    out, stats = varlen(q, k, v, cu.to(dev), scale, causal, seed, p)
+    grads = torch.autograd.grad(out, (q, k, v), go.to(dev, dtype))
+    return (out.detach().float().cpu(), stats.cpu(), *(g.float().cpu() for g in grads))
+
+
+def _varlen_compare(dtype, lengths, Hq, Hk, D, Dv, causal, p, cu_dtype=torch.int32):
+    T = sum(lengths)
+    cu = _cu(lengths, dtype=cu_dtype)
+    bq, bk, bv, go = (torch.randn(T, H, d) for H, d in ((Hq, D), (Hk, D), (Hk, Dv), (Hq, Dv)))
+    seed = new_seed() if p else None
+    rq, rk, rv, rgo = (t.to(dtype).float() for t in (bq, bk, bv, go))
+    got = _varlen_run(DEV, dtype, bq, bk, bv, cu, D ** -0.5, causal, seed, p, go.to(dtype))
+    exp = _varlen_run("cpu", torch.float32, rq, rk, rv, cu, D ** -0.5, causal, seed, p, rgo)
+    what = f"lengths={lengths} {dtype} Hq={Hq} Hk={Hk} D={D} Dv={Dv} causal={causal} p={p}"
+    assert got[1].dtype == torch.float32 and got[1].shape == (2, Hq, T)
+    for name, a, b in zip(("out", "stats", "dq", "dk", "dv"), got, exp):
+        assert a.shape == b.shape, (what, name)
+        if name == "stats":
+            _compare_stats(a, b, dtype, what)
+        elif b.numel():
+            assert torch.isfinite(a).all(), (what, name)
+            assert _err(a, b) < TOL[dtype] * (1 if dtype == torch.float32 else 2), (what, name, _err(a, b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_varlen_matches_the_cpu_kernel(dtype, causal, p):
+    _varlen_compare(dtype, MIXED, 4, 2, 64, 64, causal, p)
+
+
+@pytest.mark.parametrize("lengths", [[1], [37], [0, 1, 0], [9, 9, 9, 9], [64, 0, 64, 1], [512, 20, 300]])
+@pytest.mark.parametrize("D,Dv", [(32, 32), (64, 64), (80, 80), (128, 128), (64, 32), (3, 5)])
+def test_varlen_lengths_and_head_dims(lengths, D, Dv):
+    _varlen_compare(torch.bfloat16, lengths, 2, 1, D, Dv, True, 0.1, torch.int64)
+
+
+def test_varlen_many_sequences():
+    """More sequences than a block scans at once (the tile map's chunks of 256) and than 64-row tiles."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(0, 40, (700,), generator=g).tolist()
+    _varlen_compare(torch.float16, lengths, 2, 2, 32, 32, False, 0.1)
+
+
+def test_varlen_never_synchronizes_and_is_reproducible():
+    """The ops never read cu_seqlens on the host (CUDA's sync debug mode raises on a synchronizing call),
+    and give the same bits twice."""
+    T = sum(MIXED)
+    q, k, v = (torch.randn(T, 4, 64, device=DEV, requires_grad=True) for _ in range(3))
+    cu = _cu(MIXED, DEV)
+    seed = new_seed()
+    g = torch.randn(T, 4, 64, device=DEV)
+    runs = []
+    for _ in range(2):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out, _ = varlen(q, k, v, cu, 0.125, True, seed, 0.2)
+            grads = torch.autograd.grad(out, (q, k, v), g)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        runs.append([out.detach(), *grads])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_qkv_varlen_and_opcheck_on_cuda():
+    from torch.library import opcheck
+
+    H, D = 3, 32
+    T = sum(MIXED)
+    cu = _cu(MIXED, DEV)
+    qkv = torch.randn(T, 3 * H * D, device=DEV, requires_grad=True)
+    seed = new_seed()
+    a, sa = qkv_varlen(qkv, H, cu, 0.2, True, seed, 0.1)
+    q, k, v = qkv.unflatten(1, (3, H, D)).unbind(1)
+    b, sb = varlen(q, k, v, cu, 0.2, True, seed, 0.1)
+    assert torch.equal(a, b) and torch.equal(sa, sb)
+    (dqkv,) = torch.autograd.grad(a, qkv, torch.ones_like(a))
+    assert dqkv.shape == qkv.shape and dqkv.is_contiguous()
+    opcheck(qkv_varlen.default, (qkv, H, cu, 0.2, True, seed, 0.1))
+    opcheck(varlen.default, (q.detach().requires_grad_(), k.detach(), v.detach(), cu, 0.2, False, None, 0.0))
+
+
+def test_varlen_supported_and_unsupported_on_cuda():
+    from dmfx.cuda_ops import varlen_supported
+
+    cuda = torch.device(DEV)
+    for dtype in DTYPES:
+        assert varlen_supported(cuda, dtype, 64, 64) and varlen_supported(cuda, dtype, 128, 128)
+    assert not varlen_supported(cuda, torch.float64, 64, 64) and not varlen_supported(cuda, torch.float32, 160, 64)
+    cu = _cu([3, 4], DEV)
+    for dtype, D in ((torch.float64, 32), (torch.float32, 160)):
+        q = torch.randn(7, 2, D, device=DEV, dtype=dtype)
+        with pytest.raises(NotImplementedError, match="dmfx::varlen_attention: no fused kernel"):
+            varlen(q, q, q, cu, 1.0, False, None, 0.0)
+    q = torch.randn(7, 2, 32, device=DEV)
+    with pytest.raises(ValueError, match="cu_seqlens is on cpu"):
+        varlen(q, q, q, cu.cpu(), 1.0, False, None, 0.0)
+
+
+def test_varlen_kernel_errors(cuda_ext):
+    cu = _cu([3, 4], DEV)
+    q = torch.randn(7, 2, 32, device=DEV)
+    out = torch.empty(7, 2, 32, device=DEV)
+    with pytest.raises(RuntimeError, match="this is the CUDA kernel"):
+        cuda_ext.varlen_fwd(q.cpu(), q.cpu(), q.cpu(), cu.cpu(), 1.0, False, 0, 0, 0.0, out.cpu())
+    with pytest.raises(RuntimeError, match="float32, float16 or bfloat16"):
+        cuda_ext.varlen_fwd(q.double(), q.double(), q.double(), cu, 1.0, False, 0, 0, 0.0, out.double())
+    with pytest.raises(RuntimeError, match="cu_seqlens must be a 1-D int32 or int64"):
+        cuda_ext.varlen_fwd(q, q, q, cu.cpu(), 1.0, False, 0, 0, 0.0, out)
 
 
 # ----------------------------------------------------------------------------------- end to end

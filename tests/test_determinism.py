@@ -7,7 +7,8 @@ The promises are written in each family's module docstring (section "Determinism
   reduction runs in a fixed order;
 * per-row results do not depend on the thread count at all: the norm forward and its dx/dresidual,
   the softmax forward and backward, the pointwise forwards and their dx, dropout masks (Philox of the
-  element index), the fused attention (one thread per (batch, head) task), and the cross-entropy
+  element index), the fused attention (one thread per (batch, head) task; the varlen form: per
+  (sequence, head, query block) item and (sequence, kv head) task), and the cross-entropy
   (its reduced loss too: the rows' losses summed in row order);
 * the column sums (a norm's dweight/dnorm_bias/dbias, bias_act_dropout's dbias) are summed per
   thread, then across threads: reproducible for a fixed count, not across counts (they agree to
@@ -229,4 +230,32 @@ def test_cross_entropy_family(dtype, reduction):
         return ops.cross_entropy_backward(grad, logits, target, lse, -100, 0.1, reduction, grad_logits)
 
     for what, fn in (("cross_entropy", fwd), ("cross_entropy_backward", bwd)):
+        assert_bitwise(_runs(fn, 2) + _runs(fn, 1, 1), f"{what}, 1 and 2 threads")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("Hk", [4, 2])
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_varlen_attention(dtype, Hk, p):
+    """Every output of the varlen ops (out, stats, dq, dk, dv, the stacked dqkv), the same bits run to
+    run and with 1 and 2 threads: one thread computes each forward item and each backward task whole,
+    whichever thread the dynamic schedule hands it to."""
+    lengths = [0, 130, 7, 1, 0, 64, 300, 12]  # (300 rows: the forward splits them into blocks in fp64)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    T, H, D = int(cu[-1]), 4, 16
+    q, k, v = torch.randn(T, H, D).to(dtype), torch.randn(T, Hk, D).to(dtype), torch.randn(T, Hk, D).to(dtype)
+    qkv = torch.randn(T, 3 * H * D).to(dtype)
+    seed = new_seed() if p else None
+    out, stats = ops.varlen_attention(q, k, v, cu, 0.25, True, seed, p)
+    qout, qstats = ops.qkv_varlen_attention(qkv, H, cu, 0.25, False, seed, p)
+    g = torch.randn_like(out)
+
+    def fwd():
+        return (*ops.varlen_attention(q, k, v, cu, 0.25, True, seed, p), *ops.qkv_varlen_attention(qkv, H, cu, 0.25, False, seed, p))
+
+    def bwd():
+        return (*ops.varlen_attention_backward(g, q, k, v, out, stats, cu, 0.25, True, seed, p),
+                ops.qkv_varlen_attention_backward(g, qkv, H, qout, qstats, cu, 0.25, False, seed, p))
+
+    for what, fn in (("varlen_attention", fwd), ("varlen_attention_backward", bwd)):
         assert_bitwise(_runs(fn, 2) + _runs(fn, 1, 1), f"{what}, 1 and 2 threads")

@@ -230,3 +230,148 @@ def test_bad_input_errors(emu):
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):
             call()
+
+
+# ------------------------------------------------------------------------------------ varlen form
+# The varlen addressing mode of the same kernels (one block per (head, 64-row tile) of the packed
+# sequences, the tiles numbered by varlen_tiles_kernel from cu_seqlens on the device) against the CPU
+# varlen kernels in float32 on the same values (same seed: the same Philox mask at (h*T + tq)*T + tk).
+
+
+def _packed_guarded(T, H, D, dtype, pad, values=None):
+    """A [T, H, D] view into a NaN-filled buffer [T, H, D + pad] with NaN before and after it (as
+    _guarded). Returns (view, flat buffer, where the view is)."""
+    n = T * H * (D + pad)
+    flat = torch.full((n + 64,), NAN, dtype=dtype)
+    buf = flat[32:32 + n].view(T, H, D + pad)
+    if values is not None:
+        buf[..., :D] = values.to(dtype)
+    inside = torch.zeros(n + 64, dtype=torch.bool)
+    inside[32:32 + n].view(T, H, D + pad)[..., :D] = True
+    return buf[..., :D], flat, inside
+
+
+def _cu(lengths, dtype=torch.int32):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=dtype)
+
+
+def _varlen_run(emu, lengths_or_cu, T, Hq, Hk, D, Dv, causal, p, dtype, pad, gen, cu_dtype=torch.int32):
+    """The emulated varlen forward and backward on guarded packed tensors: (values, results, guards)."""
+    cu = lengths_or_cu if isinstance(lengths_or_cu, torch.Tensor) else _cu(lengths_or_cu, cu_dtype)
+    vals = [torch.randn(T, H, d, generator=gen).to(dtype) for H, d in ((Hq, D), (Hk, D), (Hk, Dv), (Hq, Dv))]
+    q, k, v, g = (_packed_guarded(T, H, d, dtype, pad, x)[0] for (H, d), x in zip(((Hq, D), (Hk, D), (Hk, Dv), (Hq, Dv)), vals))
+    out, fo, io = _packed_guarded(T, Hq, Dv, dtype, pad)
+    s, o = 4321, 8765
+    stats = emu.varlen_fwd(q, k, v, cu, D ** -0.5, causal, s, o, p, out)
+    dq, fdq, idq = _packed_guarded(T, Hq, D, dtype, pad)
+    dk, fdk, idk = _packed_guarded(T, Hk, D, dtype, pad)
+    dv, fdv, idv = _packed_guarded(T, Hk, Dv, dtype, pad)
+    emu.varlen_bwd(g, q, k, v, out, stats, cu, D ** -0.5, causal, s, o, p, dq, dk, dv)
+    guards = ((fo, io, "out"), (fdq, idq, "dq"), (fdk, idk, "dk"), (fdv, idv, "dv"))
+    return cu, vals, (out, stats, dq, dk, dv), guards
+
+
+def _varlen_case(emu, cpu, lengths, Hq=2, Hk=2, D=32, Dv=32, causal=False, p=0.0, dtype=F32, pad=4, order=0, grid=3,
+                 cu_dtype=torch.int32):
+    gen = torch.Generator().manual_seed(sum(lengths) * 31 + Hq)
+    T = sum(lengths)
+    emu.set_order(order)
+    emu.set_grid(grid)
+    cu, vals, (out, stats, dq, dk, dv), guards = _varlen_run(emu, lengths, T, Hq, Hk, D, Dv, causal, p, dtype, pad, gen,
+                                                              cu_dtype)
+    what = f"lengths={lengths} Hq={Hq} Hk={Hk} D={D} Dv={Dv} causal={causal} p={p} {dtype} pad={pad}"
+    for flat, inside, name in guards:
+        assert torch.isnan(flat[~inside]).all(), f"{what}: {name} written outside the tensor"
+    # the CPU kernels in float32 on the same (rounded) values; the CUDA backward's delta reads out as
+    # stored, so the CPU backward gets the emulated out too
+    cq, ck, cv, cg = (x.float() for x in vals)
+    cout = torch.empty(T, Hq, Dv)
+    cstats = cpu.varlen_fwd(cq, ck, cv, cu, D ** -0.5, causal, 4321, 8765, p, cout)
+    cdq, cdk, cdv = torch.empty_like(cq), torch.empty_like(ck), torch.empty_like(cv)
+    cpu.varlen_bwd(cg, cq, ck, cv, out.float().contiguous(), cstats, cu, D ** -0.5, causal, 4321, 8765, p, cdq, cdk, cdv)
+    for name, a, b in (("out", out, cout), ("dq", dq, cdq), ("dk", dk, cdk), ("dv", dv, cdv)):
+        assert not torch.isnan(a).any(), f"{what}: NaN in {name}"
+        if b.numel():
+            assert _rel(a.float(), b) < TOL[dtype], f"{what}: {name} relative error {_rel(a.float(), b)}"
+    assert stats.shape == (2, Hq, T) and stats.dtype == F32
+    if T:
+        assert (stats[0] - cstats[0]).abs().max() < 1e-3, what
+        assert _rel(stats[1], cstats[1]) < 1e-4, what
+    return out, stats, dq, dk, dv
+
+
+# many short sequences, a few long ones (several 64-row tiles, partial tiles), empty ones at the start,
+# in the middle and at the end, length 1
+MIXED = [0, 3, 1, 0, 130, 2, 64, 65, 0, 1, 200, 5, 0]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_varlen_tile_mapping(emu, cpu, causal, p):
+    _varlen_case(emu, cpu, MIXED, 2, 1, 32, 32, causal, p, F32)
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("lengths", [[1], [37], [0, 1, 0], [9, 9, 9, 9], [64, 0, 64, 1]])
+def test_varlen_lengths_and_dtypes(emu, cpu, dtype, lengths):
+    """B = 1, length 1, all empty but one, equal lengths (no padding), whole tiles."""
+    _varlen_case(emu, cpu, lengths, 2, 2, 64, 64, True, 0.1, dtype, cu_dtype=torch.int64)
+
+
+@pytest.mark.parametrize("dims", [(32, 32), (64, 32), (80, 80), (128, 128), (3, 5)])
+@pytest.mark.parametrize("pad", [4, 3])
+def test_varlen_head_dims_gqa_and_load_paths(emu, cpu, dims, pad):
+    """Every head-dim template, D != Dv, odd dims; grouped-query heads; rows 16-byte aligned (pad 4,
+    float32: vector loads) or not (pad 3, bfloat16: scalar loads)."""
+    _varlen_case(emu, cpu, [17, 0, 70, 2], 4, 2, *dims, True, 0.1, F32 if pad == 4 else BF16, pad=pad)
+
+
+def test_varlen_results_do_not_depend_on_scheduling(emu, cpu):
+    """Thread orders and 1 to 1000 blocks (1000: most blocks are surplus, find no tile and exit): the
+    same bits."""
+    args = ([5, 0, 70, 1, 33], 4, 2, 32, 32, True, 0.2, F32)
+    ref = _varlen_case(emu, cpu, *args, order=0, grid=3)
+    for order, grid in ((1, 1), (2, 1000), (3, 2), (5, 7)):
+        got = _varlen_case(emu, cpu, *args, order=order, grid=grid)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref)), (order, grid)
+
+
+def test_varlen_no_tokens(emu):
+    for lengths in ([0], [0, 0]):
+        q = torch.randn(0, 2, 32)
+        out = torch.empty(0, 2, 32)
+        st = emu.varlen_fwd(q, q, q, _cu(lengths), 1.0, False, 0, 0, 0.0, out)
+        assert st.shape == (2, 2, 0)
+        emu.varlen_bwd(q, q, q, q, out, st, _cu(lengths), 1.0, False, 0, 0, 0.0, q.clone(), q.clone(), q.clone())
+
+
+@pytest.mark.parametrize("cu", [[0, 5, 3, 20], [-4, 2, 9, 40], [0, 20, 0, 20], [3, 3, 3, 3], [0, 40, 50, 60]])
+def test_varlen_any_cu_seqlens_is_memory_safe(emu, cu):
+    """cu_seqlens the kernels never validate (the CUDA ops do not read it on the host): decreasing,
+    negative, overlapping, past T. Each sequence is clamped into [0, T]: no write outside the outputs,
+    no error (the values are then meaningless)."""
+    gen = torch.Generator().manual_seed(0)
+    emu.set_order(0)
+    emu.set_grid(3)
+    _, _, _, guards = _varlen_run(emu, torch.tensor(cu, dtype=torch.int32), 20, 2, 1, 32, 32, True, 0.1, F32, 4, gen)
+    for flat, inside, name in guards:
+        assert torch.isnan(flat[~inside]).all(), f"cu={cu}: {name} written outside the tensor"
+
+
+def test_varlen_bad_input_errors(emu):
+    cu = _cu([3, 4])
+    q = torch.randn(7, 2, 32)
+    out = torch.empty(7, 2, 32)
+    cases = [
+        (lambda: emu.varlen_fwd(q.double(), q.double(), q.double(), cu, 1.0, False, 0, 0, 0.0, out.double()),
+         "float32, float16 or bfloat16"),
+        (lambda: emu.varlen_fwd(*(torch.randn(7, 2, 129) for _ in range(3)), cu, 1.0, False, 0, 0, 0.0,
+                                torch.empty(7, 2, 129)), "head dims up to 128"),
+        (lambda: emu.varlen_fwd(q, q, q, cu.float(), 1.0, False, 0, 0, 0.0, out), "cu_seqlens must be a 1-D int32"),
+        (lambda: emu.varlen_fwd(q, q, q, cu, 1.0, False, 0, 0, 0.0, torch.empty(7, 2, 31)), "out must be"),
+        (lambda: emu.varlen_bwd(q, q, q, q, out, torch.empty(2, 2, 7, dtype=torch.float64), cu, 1.0, False, 0, 0, 0.0,
+                                q.clone(), q.clone(), q.clone()), "stats must be"),
+    ]
+    for call, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            call()

@@ -60,12 +60,13 @@ PLANTED_OPS = {
 
 # the dmfx ops that run each family's kernels (softmax: the GEMM form's, and the flash ops' unfused path)
 FLASH_OPS = {"flash_attention", "flash_attention_backward", "qkv_flash_attention", "qkv_flash_attention_backward"}
+VARLEN_OPS = {"varlen_attention", "varlen_attention_backward", "qkv_varlen_attention", "qkv_varlen_attention_backward"}
 FAMILY_OPS = {
     "norm": {"layer_norm", "rms_norm", "bias_dropout_residual_norm", "norm_backward", "dropout"},
     "softmax": {"attention_softmax", "attention_softmax_backward", "attention", "attention_backward", "qkv_attention",
                 "qkv_attention_backward", *FLASH_OPS},
     "pointwise": {"bias_act_dropout", "bias_act_dropout_backward", "glu", "glu_backward", "rope"},
-    "attention": FLASH_OPS,
+    "attention": FLASH_OPS | VARLEN_OPS,
     "cross_entropy": {"cross_entropy", "cross_entropy_backward"},
 }
 
@@ -154,6 +155,20 @@ def test_one_warning_per_family_and_device(planted_cpu, caplog):
     assert "softmax kernels" in text and "the CPU" in text and "softmax_bwd" in text and "float32" in text
     assert "max abs error" in text and "patterns to PyTorch" in text
     assert selfcheck.passes_to_skip(["cpu"]) == set(selfcheck.FAMILY_PASSES["softmax"])
+
+
+def test_a_wrong_varlen_kernel_switches_off_the_attention_family():
+    """The attention family's check covers the varlen kernels: a backward whose dq is off by 5%
+    switches the family off (and only it)."""
+    real = build.load("cpu").varlen_bwd
+
+    def wrong(*args):
+        real(*args)
+        args[12].mul_(1.05)  # varlen_bwd(grad_out, q, k, v, out, stats, cu_seqlens, scale, causal, seed, offset, p, dq, dk, dv)
+
+    verdict = selfcheck.check_module(stand_in(build.load("cpu"), "varlen_planted", varlen_bwd=wrong), "cpu", "cpu")
+    assert {f for f, why in verdict.items() if why} == {"attention"}
+    assert "varlen_bwd" in verdict["attention"] and "relative error" in verdict["attention"]
 
 
 def test_a_kernel_that_raises_is_switched_off():

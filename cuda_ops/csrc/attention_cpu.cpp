@@ -14,13 +14,21 @@
 //              the stacked QKV gradient's column blocks, or [B, L, H, D] tensors).
 //   Both skip the keys an HF padding mask hides from a whole batch element (key_lengths below):
 //   padded positions cost no GEMM work and no row work.
+//   varlen_fwd / varlen_bwd: the same loops (fwd_block, bwd_task) over packed variable-length
+//              sequences (q [T, Hq, D], sequence b in rows cu_seqlens[b] .. cu_seqlens[b + 1]; each
+//              query attends its own sequence's keys): the forward's work items are (sequence, head,
+//              block of query rows), the backward's (sequence, kv head), handed out dynamically,
+//              longest sequences first (their costs differ by the square of the lengths); the
+//              addressing of a score row (statistics, Philox index (h * T + tq) * T + tk, causal
+//              limit) is VarlenRows', the dense form's DenseRows'. stats [2, Hq, T].
 //
 // The GEMMs are the BLAS libtorch links (MKL's sgemm_/dgemm_ on the strided operands in place, no
 // copies; gemm_rm below); this file is the glue and the row math, which is softmax_cpu.cpp's (same
 // logits, exp, Philox mask: element index = row-major index in the [B, Hq, Lq, Lk] scores), so the
 // dropout mask is bit for bit that of the unfused form.
 // The row math is softmax_cpu.h's (shared with the softmax kernels).
-// float32 and float64 only: bf16/fp16 attention runs the unfused form (cuda_ops/attention.py).
+// float32 and float64 only: bf16/fp16 flash attention runs the unfused form, bf16/fp16 varlen attention
+// is upcast to float32 by its ops (cuda_ops/attention.py, attention_ops.h).
 //
 // The file has two parts (cuda_ops/build.py): the kernels, this file's own translation unit (-O3), and,
 // under DMFX_CPU_GLUE, the glue (the kernel functions' Python bindings, the ops' registration and
@@ -201,6 +209,106 @@ std::vector<int64_t> key_lengths(const Shapes& s, const MaskView& mv) {
   }
 }
 
+// ------------------------------------------------------------------------------------------------
+// The fused loops, written once for both forms. What differs is the addressing of a score row (its
+// index in the statistics, its first Philox element, its causal limit, its mask):
+//   DenseRows  (flash_fwd / flash_bwd): batch element b of [B, H, L, D] tensors; row i of query head
+//              h is row R = (b * Hq + h) * Lq + i of the [B, Hq, Lq, Lk] scores, its Philox elements
+//              R * Lk + j, its mask row R;
+//   VarlenRows (varlen_fwd / varlen_bwd): one sequence [start, start + L) of packed [T, H, D]
+//              tensors; row i of head h is row h * T + start + i of the block-diagonal [Hq, T, T]
+//              scores, its Philox elements (h * T + start + i) * T + start + j, no mask, causal
+//              limit i + 1;
+// and the operands of one batch element or sequence as Rowed: row i of head h at p + h * sh + i * sl.
+// ------------------------------------------------------------------------------------------------
+
+template <typename T>
+struct Rowed {
+  T* p;
+  int64_t sh, sl;
+  T* at(int64_t h, int64_t i = 0) const { return p + h * sh + i * sl; }
+};
+
+// Batch element b of a [B, H, L, D] tensor.
+template <typename T>
+inline Rowed<T> dense_rows(const at::Tensor& t, int64_t b) {
+  return {t.data_ptr<T>() + b * t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// The sequence starting at packed row `start` of a [T, H, D] tensor.
+template <typename T>
+inline Rowed<T> packed_rows(const at::Tensor& t, int64_t start) {
+  return {t.data_ptr<T>() + start * t.stride(0), t.stride(1), t.stride(0)};
+}
+
+template <typename mask_t>
+struct DenseRows {
+  const SoftmaxArgs& a;
+  const MaskView& mv;
+  int64_t row0, Lq, Lk;  // row0 = b * Hq * Lq
+  int64_t row(int64_t h, int64_t i) const { return row0 + h * Lq + i; }
+  uint64_t drop(int64_t h, int64_t i) const { return static_cast<uint64_t>(row(h, i)) * static_cast<uint64_t>(Lk); }
+  int64_t limit(int64_t h, int64_t i, int64_t nk) const { return std::min(causal_limit(a, row(h, i)), nk); }
+  template <typename acc_t>
+  acc_t logits(int64_t h, int64_t i, const acc_t* srow, int64_t n, acc_t* z) const {
+    return row_logits<acc_t, mask_t>(a, mv, row(h, i), srow, n, z);
+  }
+};
+
+struct VarlenRows {
+  double scale;
+  bool causal;
+  int64_t T, start;
+  int64_t row(int64_t h, int64_t i) const { return h * T + start + i; }
+  uint64_t drop(int64_t h, int64_t i) const {
+    return static_cast<uint64_t>(row(h, i)) * static_cast<uint64_t>(T) + static_cast<uint64_t>(start);
+  }
+  int64_t limit(int64_t, int64_t i, int64_t nk) const { return causal ? std::min(i + 1, nk) : nk; }
+  template <typename acc_t>
+  acc_t logits(int64_t, int64_t, const acc_t* srow, int64_t n, acc_t* z) const {
+    return load_logits<acc_t>(srow, static_cast<const NoMask*>(nullptr), n, static_cast<acc_t>(scale), acc_t(0), z);
+  }
+};
+
+// Rows i0 .. i0 + m - 1 of query head h against keys 0 .. nk - 1: S = Q_blk · Kᵀ into sp (row stride
+// lds), the row pass (logits, max, exp, sum, dropout; the statistics of each row), out_blk = P_dropped · V.
+template <typename acc_t, typename Rows>
+void fwd_block(const Rows& rows, const SoftmaxArgs& a, int64_t h, int64_t i0, int64_t m, int64_t nk, int64_t D,
+               int64_t Dv, const acc_t* qb, int64_t ldq, const acc_t* kb, int64_t ldk, const acc_t* vb, int64_t ldv,
+               acc_t* ob, int64_t ldo, acc_t* sp, int64_t lds, RowScratch<acc_t>& scratch, acc_t* max_p,
+               acc_t* inv_p) {
+  acc_t* z = scratch.z.data();
+  gemm_rm<acc_t>(false, true, m, nk, D, 1, qb, ldq, kb, ldk, 0, sp, lds);
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t i = i0 + r, R = rows.row(h, i);
+    const int64_t n = rows.limit(h, i, nk);
+    acc_t* row = sp + r * lds;
+    const acc_t mx = n > 0 ? rows.logits(h, i, row, n, z) : -std::numeric_limits<acc_t>::infinity();
+    int64_t done = 0;
+    acc_t tail = 0;
+    if (n > 0 && mx != -std::numeric_limits<acc_t>::infinity()) {
+      const acc_t sum = exp_sum(z, n, mx);
+      const acc_t inv = acc_t(1) / sum;
+      tail = acc_t(0) * inv;  // NaN in a NaN row, as eager
+      max_p[R] = mx;
+      inv_p[R] = inv;
+      if (a.dropout.active) {
+        fill_mult(a.dropout, a.keep_scale, rows.drop(h, i), n, scratch);
+        const acc_t* mult = scratch.mult.data();
+        for (int64_t j = 0; j < n; ++j) row[j] = z[j] * inv * mult[j];
+      } else {
+        for (int64_t j = 0; j < n; ++j) row[j] = z[j] * inv;
+      }
+      done = n;
+    } else {
+      max_p[R] = -std::numeric_limits<acc_t>::infinity();  // fully masked: zeros
+      inv_p[R] = acc_t(0);
+    }
+    for (int64_t j = done; j < nk; ++j) row[j] = tail;
+  }
+  gemm_rm<acc_t>(false, false, m, Dv, nk, 1, sp, lds, vb, ldv, 0, ob, ldo);
+}
+
 template <typename scalar_t, typename mask_t>
 void fwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Tensor& q, const at::Tensor& k,
          const at::Tensor& v, at::Tensor& out, at::Tensor& stats) {
@@ -216,42 +324,13 @@ void fwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Te
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     at::Tensor S = at::empty({s.block, s.Lk}, q.options());
     RowScratch<acc_t> scratch(s.Lk, a.dropout.active);
-    acc_t* z = scratch.z.data();
     for (int64_t it = begin; it < end; ++it) {
       const int64_t blk = it % nblocks, bh = it / nblocks, b = bh / s.Hq, h = bh % s.Hq;
-      const int64_t i0 = blk * s.block, m = std::min(s.block, s.Lq - i0), nk = keys[b];
-      acc_t* sp = S.data_ptr<acc_t>();
-      gemm_rm<acc_t>(false, true, m, nk, s.D, 1, mat<acc_t>(q, b, h, i0), q.stride(2), mat<acc_t>(k, b, h / s.groups),
-                     k.stride(2), 0, sp, s.Lk);
-      for (int64_t r = 0; r < m; ++r) {
-        const int64_t R = bh * s.Lq + i0 + r;
-        const int64_t n = std::min(causal_limit(a, R), nk);
-        acc_t* row = sp + r * s.Lk;
-        const acc_t mx = n > 0 ? row_logits<acc_t, mask_t>(a, mv, R, row, n, z) : -std::numeric_limits<acc_t>::infinity();
-        int64_t done = 0;
-        acc_t tail = 0;
-        if (n > 0 && mx != -std::numeric_limits<acc_t>::infinity()) {
-          const acc_t sum = exp_sum(z, n, mx);
-          const acc_t inv = acc_t(1) / sum;
-          tail = acc_t(0) * inv;  // NaN in a NaN row, as eager
-          max_p[R] = mx;
-          inv_p[R] = inv;
-          if (a.dropout.active) {
-            fill_mult(a.dropout, a.keep_scale, static_cast<uint64_t>(R) * static_cast<uint64_t>(s.Lk), n, scratch);
-            const acc_t* mult = scratch.mult.data();
-            for (int64_t j = 0; j < n; ++j) row[j] = z[j] * inv * mult[j];
-          } else {
-            for (int64_t j = 0; j < n; ++j) row[j] = z[j] * inv;
-          }
-          done = n;
-        } else {
-          max_p[R] = -std::numeric_limits<acc_t>::infinity();  // fully masked: zeros
-          inv_p[R] = acc_t(0);
-        }
-        for (int64_t j = done; j < nk; ++j) row[j] = tail;
-      }
-      gemm_rm<acc_t>(false, false, m, s.Dv, nk, 1, sp, s.Lk, mat<acc_t>(v, b, h / s.groups), v.stride(2), 0,
-                     mat<acc_t>(out, b, h, i0), out.stride(2));
+      const int64_t i0 = blk * s.block, m = std::min(s.block, s.Lq - i0);
+      const DenseRows<mask_t> rows{a, mv, b * s.Hq * s.Lq, s.Lq, s.Lk};
+      fwd_block<acc_t>(rows, a, h, i0, m, keys[b], s.D, s.Dv, mat<acc_t>(q, b, h, i0), q.stride(2),
+                       mat<acc_t>(k, b, h / s.groups), k.stride(2), mat<acc_t>(v, b, h / s.groups), v.stride(2),
+                       mat<acc_t>(out, b, h, i0), out.stride(2), S.data_ptr<acc_t>(), s.Lk, scratch, max_p, inv_p);
     }
   });
 }
@@ -290,6 +369,59 @@ inline void backward_row(acc_t* z, acc_t* srow, acc_t* drow, const acc_t* mult, 
   }
 }
 
+// One backward task: kv head hk of one batch element / sequence, its `groups` query heads of Lq rows
+// in blocks of `block` against keys 0 .. nk - 1 (k, v, dk, dv at kb, vb, dkb, dvb with their row
+// strides; q, grad_out, dq as Q, G, DQ). For each query head and block: S and dP = dO · Vᵀ into sp and
+// pp (row stride lds), the row pass (P from the statistics, dS, the dropped P), then dV (+)= P_droppedᵀ ·
+// dO, dQ_blk = dS · K, dK (+)= dSᵀ · Q_blk. Returns whether any query row ran (else dk, dv are unwritten).
+template <typename acc_t, typename Rows>
+bool bwd_task(const Rows& rows, const SoftmaxArgs& a, int64_t hk, int64_t groups, int64_t Lq, int64_t nk,
+              int64_t block, int64_t D, int64_t Dv, const Rowed<acc_t>& Q, const Rowed<acc_t>& G,
+              const Rowed<acc_t>& DQ, const acc_t* kb, int64_t ldk, const acc_t* vb, int64_t ldv, acc_t* dkb,
+              int64_t lddk, acc_t* dvb, int64_t lddv, acc_t* sp, acc_t* pp, int64_t lds, RowScratch<acc_t>& scratch,
+              const acc_t* max_p, const acc_t* inv_p) {
+  const acc_t scale = static_cast<acc_t>(a.scale);
+  const int64_t nblocks = (Lq + block - 1) / block;
+  bool first = true;
+  for (int64_t h = hk * groups; h < (hk + 1) * groups; ++h) {
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      const int64_t i0 = blk * block, m = std::min(block, Lq - i0);
+      const acc_t* qb = Q.at(h, i0);
+      const acc_t* gb = G.at(h, i0);
+      gemm_rm<acc_t>(false, true, m, nk, D, 1, qb, Q.sl, kb, ldk, 0, sp, lds);     // the scores again
+      gemm_rm<acc_t>(false, true, m, nk, Dv, 1, gb, G.sl, vb, ldv, 0, pp, lds);    // dP = dO · Vᵀ
+      for (int64_t r = 0; r < m; ++r) {
+        const int64_t i = i0 + r, R = rows.row(h, i);
+        const int64_t n = rows.limit(h, i, nk);
+        acc_t* row = sp + r * lds;
+        acc_t* drow = pp + r * lds;
+        const acc_t mx = max_p[R], inv = inv_p[R];
+        int64_t done = 0;
+        if (n > 0 && mx != -std::numeric_limits<acc_t>::infinity()) {
+          acc_t* z = scratch.z.data();
+          rows.logits(h, i, row, n, z);
+          if (a.dropout.active) {  // one Philox pass per row serves dP and the dropped P
+            fill_mult(a.dropout, a.keep_scale, rows.drop(h, i), n, scratch);
+            backward_row<true>(z, row, drow, scratch.mult.data(), n, mx, inv, scale);
+          } else {
+            backward_row<false>(z, row, drow, static_cast<const acc_t*>(nullptr), n, mx, inv, scale);
+          }
+          done = n;
+        }
+        for (int64_t j = done; j < nk; ++j) row[j] = drow[j] = acc_t(0);
+      }
+      const acc_t beta = first ? 0 : 1;
+      // dV (+)= P_droppedᵀ · dO (the dropped P is in pp now)
+      gemm_rm<acc_t>(true, false, nk, Dv, m, 1, pp, lds, gb, G.sl, beta, dvb, lddv);
+      // dQ_blk = dS · K, dK (+)= dSᵀ · Q_blk
+      gemm_rm<acc_t>(false, false, m, D, nk, 1, sp, lds, kb, ldk, 0, DQ.at(h, i0), DQ.sl);
+      gemm_rm<acc_t>(true, false, nk, D, m, 1, sp, lds, qb, Q.sl, beta, dkb, lddk);
+      first = false;
+    }
+  }
+  return !first;
+}
+
 // `bias_part` (optional, [3, B, Hq, D]): each (batch, head) task also writes the column sums of its
 // dq, dk and dv rows there while they are in cache: summed over the batch, they are the bias
 // gradients of the Q, K and V projections (the paper's BAIB folded into the attention backward).
@@ -298,10 +430,8 @@ void bwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Te
          const at::Tensor& k, const at::Tensor& v, const at::Tensor& stats, at::Tensor& dq, at::Tensor& dk,
          at::Tensor& dv, const c10::optional<at::Tensor>& bias_part) {
   using acc_t = scalar_t;
-  const int64_t nblocks = (s.Lq + s.block - 1) / s.block;
   const acc_t* max_p = stats.data_ptr<acc_t>();
   const acc_t* inv_p = max_p + s.B * s.Hq * s.Lq;
-  const acc_t scale = static_cast<acc_t>(a.scale);
   const std::vector<int64_t> keys = key_lengths<mask_t>(s, mv);
   at::parallel_for(0, s.B * s.Hk, 1, [&](int64_t begin, int64_t end) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // see fwd
@@ -310,55 +440,19 @@ void bwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Te
     RowScratch<acc_t> scratch(s.Lk, a.dropout.active);
     for (int64_t bk = begin; bk < end; ++bk) {
       const int64_t b = bk / s.Hk, hk = bk % s.Hk, nk = keys[b];
-      const acc_t* kb = mat<acc_t>(k, b, hk);
-      const acc_t* vb = mat<acc_t>(v, b, hk);
       acc_t* dkb = mat<acc_t>(dk, b, hk);
       acc_t* dvb = mat<acc_t>(dv, b, hk);
       if (nk < s.Lk) {  // hidden keys get no gradient
         dk[b][hk].narrow(0, nk, s.Lk - nk).zero_();
         dv[b][hk].narrow(0, nk, s.Lk - nk).zero_();
       }
-      bool first = true;
-      for (int64_t h = hk * s.groups; h < (hk + 1) * s.groups; ++h) {
-        for (int64_t blk = 0; blk < nblocks; ++blk) {
-          const int64_t i0 = blk * s.block, m = std::min(s.block, s.Lq - i0);
-          const acc_t* qb = mat<acc_t>(q, b, h, i0);
-          const acc_t* gb = mat<acc_t>(go, b, h, i0);
-          acc_t* sp = S.data_ptr<acc_t>();
-          acc_t* pp = Pd.data_ptr<acc_t>();
-          gemm_rm<acc_t>(false, true, m, nk, s.D, 1, qb, q.stride(2), kb, k.stride(2), 0, sp, s.Lk);  // the scores again
-          gemm_rm<acc_t>(false, true, m, nk, s.Dv, 1, gb, go.stride(2), vb, v.stride(2), 0, pp, s.Lk);  // dP = dO · Vᵀ
-          for (int64_t r = 0; r < m; ++r) {
-            const int64_t R = (b * s.Hq + h) * s.Lq + i0 + r;
-            const int64_t n = std::min(causal_limit(a, R), nk);
-            acc_t* row = sp + r * s.Lk;
-            acc_t* drow = pp + r * s.Lk;
-            const acc_t mx = max_p[R], inv = inv_p[R];
-            int64_t done = 0;
-            if (n > 0 && mx != -std::numeric_limits<acc_t>::infinity()) {
-              acc_t* z = scratch.z.data();
-              row_logits<acc_t, mask_t>(a, mv, R, row, n, z);
-              if (a.dropout.active) {  // one Philox pass per row serves dP and the dropped P
-                fill_mult(a.dropout, a.keep_scale, static_cast<uint64_t>(R) * static_cast<uint64_t>(s.Lk), n, scratch);
-                backward_row<true>(z, row, drow, scratch.mult.data(), n, mx, inv, scale);
-              } else {
-                backward_row<false>(z, row, drow, static_cast<const acc_t*>(nullptr), n, mx, inv, scale);
-              }
-              done = n;
-            }
-            for (int64_t j = done; j < nk; ++j) row[j] = drow[j] = acc_t(0);
-          }
-          const acc_t beta = first ? 0 : 1;
-          // dV (+)= P_droppedᵀ · dO (the dropped P is in Pd now)
-          gemm_rm<acc_t>(true, false, nk, s.Dv, m, 1, pp, s.Lk, gb, go.stride(2), beta, dvb, dv.stride(2));
-          // dQ_blk = dS · K, dK (+)= dSᵀ · Q_blk
-          gemm_rm<acc_t>(false, false, m, s.D, nk, 1, sp, s.Lk, kb, k.stride(2), 0, mat<acc_t>(dq, b, h, i0),
-                         dq.stride(2));
-          gemm_rm<acc_t>(true, false, nk, s.D, m, 1, sp, s.Lk, qb, q.stride(2), beta, dkb, dk.stride(2));
-          first = false;
-        }
-      }
-      if (first) {  // no query rows: the gradients of k and v are zero
+      const DenseRows<mask_t> rows{a, mv, b * s.Hq * s.Lq, s.Lq, s.Lk};
+      const bool wrote = bwd_task<acc_t>(rows, a, hk, s.groups, s.Lq, nk, s.block, s.D, s.Dv, dense_rows<acc_t>(q, b),
+                                         dense_rows<acc_t>(go, b), dense_rows<acc_t>(dq, b), mat<acc_t>(k, b, hk),
+                                         k.stride(2), mat<acc_t>(v, b, hk), v.stride(2), dkb, dk.stride(2), dvb,
+                                         dv.stride(2), S.data_ptr<acc_t>(), Pd.data_ptr<acc_t>(), s.Lk, scratch, max_p,
+                                         inv_p);
+      if (!wrote) {  // no query rows: the gradients of k and v are zero
         dk[b][hk].narrow(0, 0, nk).zero_();
         dv[b][hk].narrow(0, 0, nk).zero_();
       }
@@ -371,6 +465,129 @@ void bwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Te
       }
     }
   });
+}
+
+// ------------------------------------------------------------------------------------------------
+// Variable-length (packed) sequences: the same loops per sequence
+// ------------------------------------------------------------------------------------------------
+
+// Query rows per block of a sequence of L tokens: its [block, L] scores (in the backward two such
+// buffers) within the 512 KB the dense form measured best, at least 16 rows.
+inline int64_t varlen_block(int64_t L, int64_t element_size) {
+  const int64_t budget = 512 * 1024 / element_size;
+  return std::max<int64_t>(16, std::min<int64_t>(std::max<int64_t>(L, 1), budget / std::max<int64_t>(L, 1)));
+}
+
+// The sequences with rows, longest first (ties in order): the work items are handed out in this
+// order, so the long sequences, most of the work, start first and the short ones fill in.
+inline std::vector<int64_t> longest_first(const std::vector<int64_t>& cu) {
+  std::vector<int64_t> order;
+  for (int64_t b = 0; b + 1 < static_cast<int64_t>(cu.size()); ++b)
+    if (cu[b + 1] > cu[b]) order.push_back(b);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return cu[x + 1] - cu[x] > cu[y + 1] - cu[y]; });
+  return order;
+}
+
+// Runs work(i, state) for i in 0 .. n - 1 on up to torch's thread count of threads, the items handed
+// out one at a time (dynamic: items of very different cost balance); state = make_state(), one per
+// thread (its buffers). An item's results never depend on the thread that runs it.
+template <typename MakeState, typename Work>
+void for_each_item(int64_t n, MakeState&& make_state, Work&& work) {
+  if (n <= 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // see fwd
+    auto state = make_state();
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) work(i, state);
+  });
+}
+
+// The largest [block, L] score buffer of the sequences.
+inline int64_t varlen_buffer(const std::vector<int64_t>& cu, int64_t element_size, int64_t* longest) {
+  int64_t size = 0, lmax = 0;
+  for (size_t b = 0; b + 1 < cu.size(); ++b) {
+    const int64_t L = cu[b + 1] - cu[b];
+    lmax = std::max(lmax, L);
+    size = std::max(size, varlen_block(L, element_size) * L);
+  }
+  *longest = lmax;
+  return size;
+}
+
+// Forward work items: (sequence, query head, block of rows), longest sequences first.
+template <typename scalar_t>
+void varlen_fwd_impl(const VarlenShapes& s, const SoftmaxArgs& a, const std::vector<int64_t>& cu, const at::Tensor& q,
+                     const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& stats) {
+  using acc_t = scalar_t;
+  struct Item {
+    int64_t b, h, i0;
+  };
+  std::vector<Item> items;
+  for (int64_t b : longest_first(cu)) {
+    const int64_t L = cu[b + 1] - cu[b], block = varlen_block(L, q.element_size());
+    for (int64_t h = 0; h < s.Hq; ++h)
+      for (int64_t i0 = 0; i0 < L; i0 += block) items.push_back({b, h, i0});
+  }
+  int64_t lmax = 0;
+  const int64_t buffer = varlen_buffer(cu, q.element_size(), &lmax);
+  acc_t* max_p = stats.data_ptr<acc_t>();
+  acc_t* inv_p = max_p + s.Hq * s.T;
+  struct State {
+    at::Tensor S;
+    RowScratch<acc_t> scratch;
+  };
+  for_each_item(
+      static_cast<int64_t>(items.size()),
+      [&] { return State{at::empty({buffer}, q.options()), RowScratch<acc_t>(lmax, a.dropout.active)}; },
+      [&](int64_t it, State& st) {
+        const Item& w = items[it];
+        const int64_t start = cu[w.b], L = cu[w.b + 1] - start, block = varlen_block(L, q.element_size());
+        const int64_t m = std::min(block, L - w.i0), hk = w.h / s.groups;
+        const VarlenRows rows{a.scale, a.causal, s.T, start};
+        fwd_block<acc_t>(rows, a, w.h, w.i0, m, L, s.D, s.Dv, packed_rows<acc_t>(q, start).at(w.h, w.i0), q.stride(0),
+                         packed_rows<acc_t>(k, start).at(hk), k.stride(0), packed_rows<acc_t>(v, start).at(hk),
+                         v.stride(0), packed_rows<acc_t>(out, start).at(w.h, w.i0), out.stride(0),
+                         st.S.template data_ptr<acc_t>(), L, st.scratch, max_p, inv_p);
+      });
+}
+
+// Backward tasks: (sequence, kv head), longest sequences first; each writes its rows of dk and dv whole
+// (the group's query heads summed in a fixed order) and its query heads' rows of dq.
+template <typename scalar_t>
+void varlen_bwd_impl(const VarlenShapes& s, const SoftmaxArgs& a, const std::vector<int64_t>& cu,
+                     const at::Tensor& go, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& stats, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+  using acc_t = scalar_t;
+  std::vector<std::pair<int64_t, int64_t>> tasks;  // (sequence, kv head)
+  for (int64_t b : longest_first(cu))
+    for (int64_t hk = 0; hk < s.Hk; ++hk) tasks.emplace_back(b, hk);
+  int64_t lmax = 0;
+  const int64_t buffer = varlen_buffer(cu, q.element_size(), &lmax);
+  const acc_t* max_p = stats.data_ptr<acc_t>();
+  const acc_t* inv_p = max_p + s.Hq * s.T;
+  struct State {
+    at::Tensor S, Pd;  // the scores, then dS; dP, then the dropped P
+    RowScratch<acc_t> scratch;
+  };
+  for_each_item(
+      static_cast<int64_t>(tasks.size()),
+      [&] {
+        return State{at::empty({buffer}, q.options()), at::empty({buffer}, q.options()),
+                     RowScratch<acc_t>(lmax, a.dropout.active)};
+      },
+      [&](int64_t it, State& st) {
+        const auto [b, hk] = tasks[it];
+        const int64_t start = cu[b], L = cu[b + 1] - start;
+        const VarlenRows rows{a.scale, a.causal, s.T, start};
+        bwd_task<acc_t>(rows, a, hk, s.groups, L, L, varlen_block(L, q.element_size()), s.D, s.Dv,
+                        packed_rows<acc_t>(q, start), packed_rows<acc_t>(go, start), packed_rows<acc_t>(dq, start),
+                        packed_rows<acc_t>(k, start).at(hk), k.stride(0), packed_rows<acc_t>(v, start).at(hk),
+                        v.stride(0), packed_rows<acc_t>(dk, start).at(hk), dk.stride(0),
+                        packed_rows<acc_t>(dv, start).at(hk), dv.stride(0), st.S.template data_ptr<acc_t>(),
+                        st.Pd.template data_ptr<acc_t>(), L, st.scratch, max_p, inv_p);
+      });
 }
 
 template <typename scalar_t, typename F>
@@ -417,6 +634,40 @@ void flash_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Te
   });
 }
 
+at::Tensor varlen_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens,
+                          double scale, bool causal, int64_t seed, int64_t offset, double p, at::Tensor out) {
+  using namespace attention_impl;
+  const char* op = "varlen_fwd";
+  const VarlenShapes s = check_varlen_qkv(op, q, k, v, cu_seqlens, "CPU", [](const at::Tensor& t) { return t.device().is_cpu(); });
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, "dmfx::", op,
+              ": the fused CPU attention takes float32 or float64, got ", q.scalar_type());
+  check_varlen_out(op, "out", out, {s.T, s.Hq, s.Dv}, q);
+  const SoftmaxArgs a = varlen_args(scale, causal, seed, offset, p);
+  const std::vector<int64_t> cu = cu_seqlens_values(op, cu_seqlens, s.T);
+  at::Tensor stats = at::empty({2, s.Hq, s.T}, q.options());
+  if (s.Hq * s.T == 0) return stats;
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dmfx_varlen_fwd", [&] { varlen_fwd_impl<scalar_t>(s, a, cu, q, k, v, out, stats); });
+  return stats;
+}
+
+void varlen_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& out, const at::Tensor& stats, const at::Tensor& cu_seqlens, double scale,
+                    bool causal, int64_t seed, int64_t offset, double p, at::Tensor dq, at::Tensor dk, at::Tensor dv) {
+  using namespace attention_impl;
+  const char* op = "varlen_bwd";
+  const VarlenShapes s = check_varlen_qkv(op, q, k, v, cu_seqlens, "CPU", [](const at::Tensor& t) { return t.device().is_cpu(); });
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, "dmfx::", op,
+              ": the fused CPU attention takes float32 or float64, got ", q.scalar_type());
+  check_varlen_backward(s, grad_out, q, k, v, out, stats, q.scalar_type(), dq, dk, dv);  // (stats in q's dtype)
+  const SoftmaxArgs a = varlen_args(scale, causal, seed, offset, p);
+  const std::vector<int64_t> cu = cu_seqlens_values(op, cu_seqlens, s.T);
+  if (s.Hk * s.T == 0) return;
+  // (out is not read: the row pass computes rowsum(dropout(dP) * P) from the scores it recomputes)
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dmfx_varlen_bwd", [&] {
+    varlen_bwd_impl<scalar_t>(s, a, cu, grad_out, q, k, v, stats, dq, dk, dv);
+  });
+}
+
 // Whether the flash kernels call BLAS directly (the default when libtorch links one); returns the
 // previous setting. Off, they run the same GEMMs through at::addmm_out (the fallback path).
 bool flash_use_blas(bool on) { return attention_impl::use_blas().exchange(on); }
@@ -444,6 +695,18 @@ void bind_attention(pybind11::module_& m) {
         pybind11::arg("mask"), pybind11::arg("scale"), pybind11::arg("causal"), pybind11::arg("seed"),
         pybind11::arg("offset"), pybind11::arg("p"), pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"),
         pybind11::arg("bias_part") = pybind11::none());
+  m.def("varlen_fwd", &varlen_fwd_cpu,
+        "fused attention over packed variable-length sequences (CPU); writes out [T, Hq, Dv], returns the row "
+        "statistics [2, Hq, T]",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("cu_seqlens"), pybind11::arg("scale"),
+        pybind11::arg("causal"), pybind11::arg("seed"), pybind11::arg("offset"), pybind11::arg("p"),
+        pybind11::arg("out"));
+  m.def("varlen_bwd", &varlen_bwd_cpu,
+        "fused attention backward over packed variable-length sequences (CPU); writes dq, dk and dv in place",
+        pybind11::arg("grad_out"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
+        pybind11::arg("stats"), pybind11::arg("cu_seqlens"), pybind11::arg("scale"), pybind11::arg("causal"),
+        pybind11::arg("seed"), pybind11::arg("offset"), pybind11::arg("p"), pybind11::arg("dq"), pybind11::arg("dk"),
+        pybind11::arg("dv"));
 }
 
 }  // namespace dmfx
@@ -468,6 +731,15 @@ struct CpuAttention {
   static Tensor flash_fwd(A&&... a) { return cpu_kernels().flash_fwd(std::forward<A>(a)...); }
   template <class... A>
   static void flash_bwd(A&&... a) { cpu_kernels().flash_bwd(std::forward<A>(a)...); }
+  // The varlen kernels: float32 and float64; float16 / bfloat16 computed in float32.
+  static bool varlen_ok(const Tensor& q, const Tensor&) { return is_score_dtype(q.scalar_type()); }
+  static at::ScalarType varlen_dtype(at::ScalarType st) {
+    return st == at::kHalf || st == at::kBFloat16 ? at::kFloat : st;
+  }
+  template <class... A>
+  static Tensor varlen_fwd(A&&... a) { return cpu_kernels().varlen_fwd(std::forward<A>(a)...); }
+  template <class... A>
+  static void varlen_bwd(A&&... a) { cpu_kernels().varlen_bwd(std::forward<A>(a)...); }
 };
 
 // What the GEMM form's Functions keep of a forward besides its tensors: scale, p, the mask's shape and
@@ -615,6 +887,68 @@ struct QkvFlashAttentionFn : public torch::autograd::Function<QkvFlashAttentionF
   }
 };
 
+// The varlen form's Functions: the backward (through dmfx::varlen_attention_backward /
+// qkv_varlen_attention_backward) reads the forward's output (CUDA: delta = rowsum(dO ∘ O)) and row
+// statistics (not differentiable); cu_seqlens and the seed get no gradient.
+void save_varlen(AutogradContext* ctx, variable_list tensors, const variable_list& out, const Tensor& cu_seqlens,
+                 double scale, bool causal, const Opt& seed, double p) {
+  ctx->saved_data["scale"] = scale;
+  ctx->saved_data["causal"] = causal;
+  ctx->saved_data["p"] = p;
+  ctx->set_materialize_grads(false);
+  ctx->mark_non_differentiable({out[1]});
+  tensors.insert(tensors.end(), {out[0], out[1], cu_seqlens, seed.value_or(Tensor())});
+  ctx->save_for_backward(tensors);
+}
+
+bool varlen_grads_needed(const variable_list& g) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!g[1].defined(),
+                              "dmfx::varlen_attention: a gradient through the row statistics (stats) is not supported");
+  return g[0].defined();
+}
+
+struct VarlenAttentionFn : public torch::autograd::Function<VarlenAttentionFn> {
+  static constexpr const char* name = "dmfx::varlen_attention";
+  using Sig = decltype(varlen_attention<CpuAttention>);
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                               const Tensor& cu_seqlens, double scale, bool causal, const Opt& seed, double p) {
+    auto out = AutogradKernel<VarlenAttentionFn>::below(q, k, v, cu_seqlens, scale, causal, seed, p);
+    save_varlen(ctx, {q, k, v}, out, cu_seqlens, scale, causal, seed, p);
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    if (!varlen_grads_needed(g)) return variable_list(8);
+    const auto s = ctx->get_saved_variables();  // q, k, v, out, stats, cu_seqlens, seed
+    static const auto backward_op =
+        dmfx_op<decltype(varlen_attention_backward<CpuAttention>)>("dmfx::varlen_attention_backward");
+    auto [dq, dk, dv] = backward_op.call(g[0], s[0], s[1], s[2], s[3], s[4], s[5], saved_double(ctx, "scale"),
+                                         ctx->saved_data["causal"].toBool(), opt(s[6]), saved_double(ctx, "p"));
+    return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+struct QkvVarlenAttentionFn : public torch::autograd::Function<QkvVarlenAttentionFn> {
+  static constexpr const char* name = "dmfx::qkv_varlen_attention";
+  using Sig = decltype(qkv_varlen_attention<CpuAttention>);
+  static variable_list forward(AutogradContext* ctx, const Tensor& qkv, int64_t heads, const Tensor& cu_seqlens,
+                               double scale, bool causal, const Opt& seed, double p) {
+    auto out = AutogradKernel<QkvVarlenAttentionFn>::below(qkv, heads, cu_seqlens, scale, causal, seed, p);
+    ctx->saved_data["heads"] = heads;
+    save_varlen(ctx, {qkv}, out, cu_seqlens, scale, causal, seed, p);
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    if (!varlen_grads_needed(g)) return variable_list(7);
+    const auto s = ctx->get_saved_variables();  // qkv, out, stats, cu_seqlens, seed
+    static const auto backward_op =
+        dmfx_op<decltype(qkv_varlen_attention_backward<CpuAttention>)>("dmfx::qkv_varlen_attention_backward");
+    Tensor dqkv = backward_op.call(g[0], s[0], ctx->saved_data["heads"].toInt(), s[1], s[2], s[3],
+                                   saved_double(ctx, "scale"), ctx->saved_data["causal"].toBool(), opt(s[4]),
+                                   saved_double(ctx, "p"));
+    return {dqkv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
 template <class Fn>
 struct BackwardOp {  // a backward op of the family, for NoDoubleBackward
   static constexpr const char* name = Fn::name;
@@ -637,6 +971,14 @@ struct QkvFlashAttentionBackward {
   static constexpr const char* name = "dmfx::qkv_flash_attention_backward";
   using Sig = decltype(qkv_flash_attention_backward<CpuAttention>);
 };
+struct VarlenAttentionBackward {
+  static constexpr const char* name = "dmfx::varlen_attention_backward";
+  using Sig = decltype(varlen_attention_backward<CpuAttention>);
+};
+struct QkvVarlenAttentionBackward {
+  static constexpr const char* name = "dmfx::qkv_varlen_attention_backward";
+  using Sig = decltype(qkv_varlen_attention_backward<CpuAttention>);
+};
 
 }  // namespace
 }  // namespace attention_ops
@@ -656,6 +998,11 @@ TORCH_LIBRARY_IMPL(dmfx, Autograd, m) {
   m.impl("flash_attention_backward", &AutogradKernel<NoDoubleBackward<BackwardOp<FlashAttentionBackward>>>::call);
   m.impl("qkv_flash_attention_backward",
          &AutogradKernel<NoDoubleBackward<BackwardOp<QkvFlashAttentionBackward>>>::call);
+  m.impl("varlen_attention", &AutogradKernel<VarlenAttentionFn>::call);
+  m.impl("qkv_varlen_attention", &AutogradKernel<QkvVarlenAttentionFn>::call);
+  m.impl("varlen_attention_backward", &AutogradKernel<NoDoubleBackward<BackwardOp<VarlenAttentionBackward>>>::call);
+  m.impl("qkv_varlen_attention_backward",
+         &AutogradKernel<NoDoubleBackward<BackwardOp<QkvVarlenAttentionBackward>>>::call);
 }
 #endif  // DMFX_KERNELS_ONLY
 #endif  // DMFX_CPU_GLUE

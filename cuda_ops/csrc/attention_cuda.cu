@@ -37,6 +37,17 @@
 //   shared table (RowTable), not in registers: that is what keeps the kernels near 128 registers.
 // * bias_part (per-(batch, head) column sums of dq, dk, dv) is computed after the kernels with ATen
 //   reductions: same values as the CPU kernel's, not fused.
+// * Varlen (packed sequences, varlen_fwd / varlen_bwd): the same three kernels with kVarlen = true.
+//   q [T, Hq, D] holds B sequences back to back (cu_seqlens [B + 1]); a block works on one (head,
+//   64-row tile of one sequence): the forward and dQ on query tiles, dK/dV on key tiles, each tile
+//   seeing only its own sequence's keys / queries. The grid cannot use the longest sequence (a host
+//   read of cu_seqlens, a synchronization): varlen_tiles_kernel (one block) clamps each sequence into
+//   [0, T] (so any cu_seqlens is memory-safe), counts its 64-row tiles and scans the counts; a
+//   launch covers ceil(T / 64) + B tiles per head (an upper bound: each sequence wastes less than
+//   one), each block finds its tile's sequence by binary search in the map and surplus blocks find
+//   none and exit. Row index h * T + s + i (statistics [2, Hq, T], delta), Philox element
+//   (h * T + s + i) * T + s + j. The backward's delta = rowsum(dO ∘ O) reads the forward's out
+//   (varlen_delta_kernel) instead of recomputing O. Shared memory and registers as the dense kernels.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <c10/cuda/CUDAException.h>
@@ -110,8 +121,13 @@ struct Params {
   float* stats = nullptr;  // [2, B, Hq, Lq]: max, then 1 / sum
   float* delta = nullptr;  // [B, Hq, Lq]: rowsum(dO ∘ O)
   MaskPtr mask;
-  SoftmaxArgs a;  // Sq = Lq, Sk = Lk, scale, causal, dropout: causal_limit and the Philox indexing
+  SoftmaxArgs a;  // scale, causal, dropout (Sq, Sk: unused, the lengths below are per sequence)
   int64_t B = 0, Hq = 0, Hk = 0, Lq = 0, Lk = 0, groups = 1;
+  int64_t nstat = 0;  // rows of the statistics: B * Hq * Lq (dense), Hq * T (varlen)
+  // varlen: the packed tokens and the tile map (varlen_tiles_kernel): the first tile of each sequence
+  // [B + 1] (tiles[B]: the total), then the sequences' first rows [B] and lengths [B], clamped
+  int64_t T = 0;
+  const int64_t* tiles = nullptr;
   int D = 0, Dv = 0;
 };
 
@@ -146,10 +162,94 @@ __device__ __forceinline__ void store_row(scalar_t* row, const float (&acc)[NC],
   }
 }
 
-// The keys any row of the query block [i0, i0 + rows) of (batch, head) `bh` sees: the causal limit of
-// its last row (all Lk without a causal mask).
-__device__ __forceinline__ int64_t block_key_end(const SoftmaxArgs& a, int64_t Lq, int64_t bh, int64_t i0, int rows) {
-  return causal_limit(a, bh * Lq + (i0 + rows < Lq ? i0 + rows : Lq) - 1);
+// The keys query row i of a sequence of Lq queries and Lk keys sees: keys 0 .. limit - 1 (causal:
+// j <= i + (Lk - Lq), aligned to the end as softmax_api.h's causal_limit; else all Lk).
+__device__ __forceinline__ int64_t row_limit(bool causal, int64_t i, int64_t Lq, int64_t Lk) {
+  if (!causal) return Lk;
+  const int64_t lim = i + (Lk - Lq) + 1;
+  return lim < 0 ? 0 : (lim > Lk ? Lk : lim);
+}
+
+// The keys any row of the query block [i0, i0 + rows) sees: the limit of its last row.
+__device__ __forceinline__ int64_t block_key_end(bool causal, int64_t i0, int rows, int64_t Lq, int64_t Lk) {
+  return row_limit(causal, (i0 + rows < Lq ? i0 + rows : Lq) - 1, Lq, Lk);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Addressing: dense [B, H, L, D] batches or packed variable-length sequences (kVarlen)
+// ------------------------------------------------------------------------------------------------
+// A block works on one batch element or sequence (Seq) and one head. Dense: batch element b, Lq
+// queries and Lk keys; row i of query head h is probability row (b * Hq + h) * Lq + i, its Philox
+// elements that row * Lk + j. Varlen (q [T, Hq, D] ..., Mats whose "batch" stride is the row stride):
+// the sequence of L tokens from packed row s; row i of head h is row h * T + s + i of the
+// block-diagonal [Hq, T, T] scores, its Philox elements that row * T + s + j. The row index also
+// indexes the statistics and delta. Work items: dense (batch, head, 64-row tile); varlen (head, tile)
+// with the tiles numbered across the sequences by varlen_tiles_kernel's map (no host ever reads
+// cu_seqlens: the grid is sized from T and B, surplus blocks find no item and exit).
+
+constexpr int kVarlenTile = 64;  // rows per varlen tile: the forward / dQ query tile and the dK/dV key tile
+static_assert(Tiles<32>::kQ == kVarlenTile && Tiles<128>::kQ == kVarlenTile && Tiles<32>::kKeys == kVarlenTile &&
+                  Tiles<128>::kKeys == kVarlenTile,
+              "the varlen tile map assumes 64-row query and key tiles");
+
+struct Seq {
+  int64_t b;       // Mat::at's first index: the batch element, or the sequence's first packed row
+  int64_t Lq, Lk;  // its queries and keys
+  int64_t row0;    // row index of (head h, row i): row0 + h * rh + i
+  int64_t rh;
+  int64_t col0;    // Philox element of (row R, key j): R * ld + col0 + j
+  int64_t ld;
+};
+
+template <bool kVarlen, typename scalar_t>
+__device__ __forceinline__ Seq seq_of(const Params<scalar_t>& P, int64_t b) {
+  if constexpr (kVarlen) {
+    const int64_t start = P.tiles[P.B + 1 + b], len = P.tiles[2 * P.B + 1 + b];
+    return Seq{start, len, len, start, P.T, start, P.T};
+  } else {
+    return Seq{b, P.Lq, P.Lk, b * P.Hq * P.Lq, P.Lq, 0, P.Lk};
+  }
+}
+
+__device__ __forceinline__ uint64_t drop_index(const Seq& s, int64_t R, int64_t j) {
+  return static_cast<uint64_t>(R * s.ld + s.col0 + j);
+}
+
+// The sequence that tile t (< tiles[B]) lies in: the last b < B with tiles[b] <= t.
+__device__ __forceinline__ int64_t tile_sequence(const int64_t* tiles, int64_t B, int64_t t) {
+  int64_t lo = 0, hi = B - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (tiles[mid] <= t) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Work items of a launch over `heads` heads: dense (batch, head, tile of `per` rows, nb tiles per
+// batch element), varlen (head, tile of the map).
+template <bool kVarlen, typename scalar_t>
+__device__ __forceinline__ int64_t work_items(const Params<scalar_t>& P, int64_t heads, int64_t nb) {
+  if constexpr (kVarlen) return heads * P.tiles[P.B];
+  return P.B * heads * nb;
+}
+
+// Item `item` of such a launch: its Seq, head and first row (query rows for the forward and dQ, keys
+// for dK/dV).
+template <bool kVarlen, typename scalar_t>
+__device__ __forceinline__ Seq work_item(const Params<scalar_t>& P, int64_t heads, int64_t nb, int per, int64_t item,
+                                         int64_t& h, int64_t& r0) {
+  if constexpr (kVarlen) {
+    const int64_t ntiles = P.tiles[P.B], t = item % ntiles, b = tile_sequence(P.tiles, P.B, t);
+    h = item / ntiles;
+    r0 = (t - P.tiles[b]) * per;
+    return seq_of<true>(P, b);
+  } else {
+    const int64_t bh = item / nb;
+    h = bh % heads;
+    r0 = (item % nb) * per;
+    return seq_of<false>(P, bh / heads);
+  }
 }
 
 // Dropout multiplier (0 or 1 / (1 - p); 1 without dropout) of probability element `idx`.
@@ -259,16 +359,16 @@ struct RowTable {
   }
 };
 
-// Fills the table for query rows i0 .. i0 + rows - 1 of (batch, head) bh. Called by all threads;
-// the caller synchronizes before the table is read.
+// Fills the table for query rows i0 .. i0 + rows - 1 of sequence sq (its head's row 0 has row index
+// Rh). Called by all threads; the caller synchronizes before the table is read.
 template <bool kStats, typename scalar_t>
-__device__ __forceinline__ void fill_rows(const Params<scalar_t>& P, const RowTable& t, int rows, int64_t bh,
-                                          int64_t i0) {
-  const int64_t N = P.B * P.Hq * P.Lq;
+__device__ __forceinline__ void fill_rows(const Params<scalar_t>& P, const RowTable& t, int rows, const Seq& sq,
+                                          int64_t Rh, int64_t i0) {
+  const int64_t N = P.nstat;
   for (int x = threadIdx.x; x < rows; x += kThreads) {
-    const int64_t i = i0 + x, R = bh * P.Lq + i;
-    const bool valid = i < P.Lq;
-    int64_t lim = valid ? causal_limit(P.a, R) : 0;
+    const int64_t i = i0 + x, R = Rh + i;
+    const bool valid = i < sq.Lq;
+    int64_t lim = valid ? row_limit(P.a.causal, i, sq.Lq, sq.Lk) : 0;
     if constexpr (kStats) {
       const float mx = valid ? P.stats[R] : neg_inf();
       if (mx == neg_inf()) lim = 0;  // fully masked (a NaN max still runs: NaN propagates)
@@ -295,8 +395,9 @@ __device__ __forceinline__ float logit(const Params<scalar_t>& P, float s, float
 // ------------------------------------------------------------------------------------------------
 
 // kDelta = false: writes out and stats. kDelta = true: writes delta[R] = sum_d dO[R][d] * O[R][d]
-// (O as the forward computes it, before rounding to scalar_t).
-template <typename scalar_t, int kHead, bool kDelta>
+// (O as the forward computes it, before rounding to scalar_t; dense only: the varlen backward reads
+// the forward's out, varlen_delta_kernel).
+template <typename scalar_t, int kHead, bool kDelta, bool kVarlen>
 __global__ void __launch_bounds__(kThreads, 2) flash_fwd_kernel(const Params<scalar_t> P) {
   using T = Tiles<kHead>;
   constexpr int BM = T::kQ, BN = T::kK, RM = BM / 16, CN = BN / 16, NC = kHead / 16, LD = T::kLd, LDP = BN + 4;
@@ -309,14 +410,15 @@ __global__ void __launch_bounds__(kThreads, 2) flash_fwd_kernel(const Params<sca
   const int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
   const float scale = static_cast<float>(P.a.scale), keep_scale = static_cast<float>(P.a.keep_scale);
   const bool dropout = P.a.dropout.active;
-  const int64_t nqb = (P.Lq + BM - 1) / BM, items = P.B * P.Hq * nqb, N = P.B * P.Hq * P.Lq;
+  const int64_t nqb = (P.Lq + BM - 1) / BM, items = work_items<kVarlen>(P, P.Hq, nqb), N = P.nstat;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {  // uniform per block
-    const int64_t bh = item / nqb, b = bh / P.Hq, h = bh % P.Hq, hk = h / P.groups;
-    const int64_t i0 = (item % nqb) * BM;
-    const int64_t R0 = bh * P.Lq + i0 + ty * RM;  // probability row of this thread's row r: R0 + r
+    int64_t h, i0;
+    const Seq sq = work_item<kVarlen>(P, P.Hq, nqb, BM, item, h, i0);
+    const int64_t b = sq.b, hk = h / P.groups, Rh = sq.row0 + h * sq.rh;
+    const int64_t R0 = Rh + i0 + ty * RM;  // probability row of this thread's row r: R0 + r
     __syncthreads();  // the previous item's reads of Qs and the row table are done
-    load_tile<scalar_t, BM, kHead>(Qs, P.q, P.q.at(b, h), i0, P.Lq, P.D);
-    fill_rows<false>(P, rows, BM, bh, i0);
+    load_tile<scalar_t, BM, kHead>(Qs, P.q, P.q.at(b, h), i0, sq.Lq, P.D);
+    fill_rows<false>(P, rows, BM, sq, Rh, i0);
     float m[RM], l[RM], o[RM][NC];
 #pragma unroll
     for (int r = 0; r < RM; ++r) {
@@ -325,13 +427,13 @@ __global__ void __launch_bounds__(kThreads, 2) flash_fwd_kernel(const Params<sca
 #pragma unroll
       for (int n = 0; n < NC; ++n) o[r][n] = 0.f;
     }
-    const int64_t kend = block_key_end(P.a, P.Lq, bh, i0, BM);
+    const int64_t kend = block_key_end(P.a.causal, i0, BM, sq.Lq, sq.Lk);
     const scalar_t* kb = P.k.at(b, hk);
     const scalar_t* vb = P.v.at(b, hk);
     for (int64_t j0 = 0; j0 < kend; j0 += BN) {
       __syncthreads();  // Ks, Vs, Ps free again (Qs and the row table visible on the first step)
-      load_tile<scalar_t, BN, kHead>(Ks, P.k, kb, j0, P.Lk, P.D);
-      load_tile<scalar_t, BN, kHead>(Vs, P.v, vb, j0, P.Lk, P.Dv);
+      load_tile<scalar_t, BN, kHead>(Ks, P.k, kb, j0, sq.Lk, P.D);
+      load_tile<scalar_t, BN, kHead>(Vs, P.v, vb, j0, sq.Lk, P.Dv);
       __syncthreads();
       float s[RM][CN];
 #pragma unroll
@@ -360,7 +462,7 @@ __global__ void __launch_bounds__(kThreads, 2) flash_fwd_kernel(const Params<sca
           const int64_t j = j0 + tx + 16 * c;
           const float e = softmax_impl::sm_exp(s[r][c] - msub);
           tsum += e;
-          const float pd = dropout ? e * drop_mult(P.a, keep_scale, static_cast<uint64_t>((R0 + r) * P.Lk + j)) : e;
+          const float pd = dropout ? e * drop_mult(P.a, keep_scale, drop_index(sq, R0 + r, j)) : e;
           Ps[(ty * RM + r) * LDP + tx + 16 * c] = pd;
         }
         tsum = half_warp_sum(tsum);
@@ -379,7 +481,7 @@ __global__ void __launch_bounds__(kThreads, 2) flash_fwd_kernel(const Params<sca
       const float inv = empty ? 0.f : 1.f / l[r];
       if constexpr (kDelta) {
         float dot = 0.f;
-        if (i < P.Lq && !empty) {
+        if (i < sq.Lq && !empty) {
           const scalar_t* g = P.go.at(b, h) + i * P.go.sl;
 #pragma unroll
           for (int n = 0; n < NC; ++n) {
@@ -388,9 +490,9 @@ __global__ void __launch_bounds__(kThreads, 2) flash_fwd_kernel(const Params<sca
           }
         }
         dot = half_warp_sum(dot);
-        if (tx == 0 && i < P.Lq) P.delta[R0 + r] = dot;
+        if (tx == 0 && i < sq.Lq) P.delta[R0 + r] = dot;
       } else {
-        if (i < P.Lq) {
+        if (i < sq.Lq) {
           scalar_t* orow = P.out.at(b, h) + i * P.out.sl;
 #pragma unroll
           for (int n = 0; n < NC; ++n) {
@@ -411,7 +513,7 @@ __global__ void __launch_bounds__(kThreads, 2) flash_fwd_kernel(const Params<sca
 // Backward: dQ
 // ------------------------------------------------------------------------------------------------
 
-template <typename scalar_t, int kHead>
+template <typename scalar_t, int kHead, bool kVarlen>
 __global__ void __launch_bounds__(kThreads, 2) flash_bwd_dq_kernel(const Params<scalar_t> P) {
   using T = Tiles<kHead>;
   constexpr int BM = T::kQ, BN = T::kK, RM = BM / 16, CN = BN / 16, NC = kHead / 16, LD = T::kLd, LDS = BN + 4;
@@ -425,27 +527,28 @@ __global__ void __launch_bounds__(kThreads, 2) flash_bwd_dq_kernel(const Params<
   const int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
   const float scale = static_cast<float>(P.a.scale), keep_scale = static_cast<float>(P.a.keep_scale);
   const bool dropout = P.a.dropout.active;
-  const int64_t nqb = (P.Lq + BM - 1) / BM, items = P.B * P.Hq * nqb;
+  const int64_t nqb = (P.Lq + BM - 1) / BM, items = work_items<kVarlen>(P, P.Hq, nqb);
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const int64_t bh = item / nqb, b = bh / P.Hq, h = bh % P.Hq, hk = h / P.groups;
-    const int64_t i0 = (item % nqb) * BM;
-    const int64_t R0 = bh * P.Lq + i0 + ty * RM;
+    int64_t h, i0;
+    const Seq sq = work_item<kVarlen>(P, P.Hq, nqb, BM, item, h, i0);
+    const int64_t b = sq.b, hk = h / P.groups, Rh = sq.row0 + h * sq.rh;
+    const int64_t R0 = Rh + i0 + ty * RM;
     __syncthreads();  // the previous item's reads of Qs, Gs and the row table are done
-    load_tile<scalar_t, BM, kHead>(Qs, P.q, P.q.at(b, h), i0, P.Lq, P.D);
-    load_tile<scalar_t, BM, kHead>(Gs, P.go, P.go.at(b, h), i0, P.Lq, P.Dv);
-    fill_rows<true>(P, rows, BM, bh, i0);
+    load_tile<scalar_t, BM, kHead>(Qs, P.q, P.q.at(b, h), i0, sq.Lq, P.D);
+    load_tile<scalar_t, BM, kHead>(Gs, P.go, P.go.at(b, h), i0, sq.Lq, P.Dv);
+    fill_rows<true>(P, rows, BM, sq, Rh, i0);
     float acc[RM][NC];
 #pragma unroll
     for (int r = 0; r < RM; ++r)
 #pragma unroll
       for (int n = 0; n < NC; ++n) acc[r][n] = 0.f;
-    const int64_t kend = block_key_end(P.a, P.Lq, bh, i0, BM);
+    const int64_t kend = block_key_end(P.a.causal, i0, BM, sq.Lq, sq.Lk);
     const scalar_t* kb = P.k.at(b, hk);
     const scalar_t* vb = P.v.at(b, hk);
     for (int64_t j0 = 0; j0 < kend; j0 += BN) {
       __syncthreads();  // Ks, Vs, Ss free again (Qs, Gs and the row table visible on the first step)
-      load_tile<scalar_t, BN, kHead>(Ks, P.k, kb, j0, P.Lk, P.D);
-      load_tile<scalar_t, BN, kHead>(Vs, P.v, vb, j0, P.Lk, P.Dv);
+      load_tile<scalar_t, BN, kHead>(Ks, P.k, kb, j0, sq.Lk, P.D);
+      load_tile<scalar_t, BN, kHead>(Vs, P.v, vb, j0, sq.Lk, P.Dv);
       __syncthreads();
       float s[RM][CN], dp[RM][CN];
 #pragma unroll
@@ -466,7 +569,7 @@ __global__ void __launch_bounds__(kThreads, 2) flash_bwd_dq_kernel(const Params<
           if (j < lim) {
             const float p = softmax_impl::sm_exp(logit(P, s[r][c], scale, moff, j) - mx) * inv;
             const float g =
-                dropout ? dp[r][c] * drop_mult(P.a, keep_scale, static_cast<uint64_t>((R0 + r) * P.Lk + j)) : dp[r][c];
+                dropout ? dp[r][c] * drop_mult(P.a, keep_scale, drop_index(sq, R0 + r, j)) : dp[r][c];
             ds = scale * p * (g - dl);
           }
           Ss[x * LDS + tx + 16 * c] = ds;
@@ -478,7 +581,7 @@ __global__ void __launch_bounds__(kThreads, 2) flash_bwd_dq_kernel(const Params<
 #pragma unroll
     for (int r = 0; r < RM; ++r) {
       const int64_t i = i0 + ty * RM + r;
-      if (i >= P.Lq) continue;
+      if (i >= sq.Lq) continue;
       store_row(P.dq.at(b, h) + i * P.dq.sl, acc[r], tx, P.D);
     }
   }
@@ -488,7 +591,7 @@ __global__ void __launch_bounds__(kThreads, 2) flash_bwd_dq_kernel(const Params<
 // Backward: dK and dV
 // ------------------------------------------------------------------------------------------------
 
-template <typename scalar_t, int kHead>
+template <typename scalar_t, int kHead, bool kVarlen>
 __global__ void __launch_bounds__(kThreads, 2) flash_bwd_dkdv_kernel(const Params<scalar_t> P) {
   using T = Tiles<kHead>;
   // tile rows are keys (RM per thread), tile columns queries (CN per thread)
@@ -504,13 +607,14 @@ __global__ void __launch_bounds__(kThreads, 2) flash_bwd_dkdv_kernel(const Param
   const int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
   const float scale = static_cast<float>(P.a.scale), keep_scale = static_cast<float>(P.a.keep_scale);
   const bool dropout = P.a.dropout.active;
-  const int64_t nkb = (P.Lk + BN - 1) / BN, items = P.B * P.Hk * nkb;
+  const int64_t nkb = (P.Lk + BN - 1) / BN, items = work_items<kVarlen>(P, P.Hk, nkb);
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const int64_t bk = item / nkb, b = bk / P.Hk, hk = bk % P.Hk;
-    const int64_t j0 = (item % nkb) * BN;
+    int64_t hk, j0;
+    const Seq sq = work_item<kVarlen>(P, P.Hk, nkb, BN, item, hk, j0);
+    const int64_t b = sq.b;
     __syncthreads();  // the previous item's reads of Ks and Vs are done
-    load_tile<scalar_t, BN, kHead>(Ks, P.k, P.k.at(b, hk), j0, P.Lk, P.D);
-    load_tile<scalar_t, BN, kHead>(Vs, P.v, P.v.at(b, hk), j0, P.Lk, P.Dv);
+    load_tile<scalar_t, BN, kHead>(Ks, P.k, P.k.at(b, hk), j0, sq.Lk, P.D);
+    load_tile<scalar_t, BN, kHead>(Vs, P.v, P.v.at(b, hk), j0, sq.Lk, P.Dv);
     float dk[RM][NC], dv[RM][NC];
 #pragma unroll
     for (int r = 0; r < RM; ++r)
@@ -518,16 +622,16 @@ __global__ void __launch_bounds__(kThreads, 2) flash_bwd_dkdv_kernel(const Param
       for (int n = 0; n < NC; ++n) dk[r][n] = dv[r][n] = 0.f;
     // causal: query i sees key j0 iff j0 < i + (Lk - Lq) + 1 (causal_limit), so rows before
     // j0 - (Lk - Lq) see none of this block's keys
-    const int64_t first = (P.a.causal && j0 > P.Lk - P.Lq) ? j0 - (P.Lk - P.Lq) : 0;
+    const int64_t first = (P.a.causal && j0 > sq.Lk - sq.Lq) ? j0 - (sq.Lk - sq.Lq) : 0;
     for (int64_t h = hk * P.groups; h < (hk + 1) * P.groups; ++h) {
-      const int64_t bh = b * P.Hq + h;
+      const int64_t Rh = sq.row0 + h * sq.rh;
       const scalar_t* qb = P.q.at(b, h);
       const scalar_t* gb = P.go.at(b, h);
-      for (int64_t i0 = first / BM * BM; i0 < P.Lq; i0 += BM) {
+      for (int64_t i0 = first / BM * BM; i0 < sq.Lq; i0 += BM) {
         __syncthreads();  // Qs, Gs, Ts and the row table free again (Ks, Vs visible on the first step)
-        load_tile<scalar_t, BM, kHead>(Qs, P.q, qb, i0, P.Lq, P.D);
-        load_tile<scalar_t, BM, kHead>(Gs, P.go, gb, i0, P.Lq, P.Dv);
-        fill_rows<true>(P, rows, BM, bh, i0);
+        load_tile<scalar_t, BM, kHead>(Qs, P.q, qb, i0, sq.Lq, P.D);
+        load_tile<scalar_t, BM, kHead>(Gs, P.go, gb, i0, sq.Lq, P.Dv);
+        fill_rows<true>(P, rows, BM, sq, Rh, i0);
         __syncthreads();
         float s[RM][CN], dp[RM][CN];
 #pragma unroll
@@ -539,7 +643,7 @@ __global__ void __launch_bounds__(kThreads, 2) flash_bwd_dkdv_kernel(const Param
 #pragma unroll
         for (int c = 0; c < CN; ++c) {
           const int x = tx + 16 * c;  // query row i0 + x
-          const int64_t lim = rows.lim[x], moff = rows.moff[x], R = bh * P.Lq + i0 + x;
+          const int64_t lim = rows.lim[x], moff = rows.moff[x], R = Rh + i0 + x;
           const float mx = rows.mx[x], inv = rows.inv[x], dl = rows.dl[x];
 #pragma unroll
           for (int r = 0; r < RM; ++r) {
@@ -547,7 +651,7 @@ __global__ void __launch_bounds__(kThreads, 2) flash_bwd_dkdv_kernel(const Param
             float pd = 0.f, ds = 0.f;
             if (j < lim) {  // lim <= Lk: keys past Lk, rows past Lq and fully masked rows skip
               const float p = softmax_impl::sm_exp(logit(P, s[r][c], scale, moff, j) - mx) * inv;
-              const float mult = dropout ? drop_mult(P.a, keep_scale, static_cast<uint64_t>(R * P.Lk + j)) : 1.f;
+              const float mult = dropout ? drop_mult(P.a, keep_scale, drop_index(sq, R, j)) : 1.f;
               pd = p * mult;
               ds = scale * p * (dp[r][c] * mult - dl);
             }
@@ -569,10 +673,77 @@ __global__ void __launch_bounds__(kThreads, 2) flash_bwd_dkdv_kernel(const Param
 #pragma unroll
     for (int r = 0; r < RM; ++r) {
       const int64_t j = j0 + ty * RM + r;
-      if (j >= P.Lk) continue;
+      if (j >= sq.Lk) continue;
       store_row(P.dk.at(b, hk) + j * P.dk.sl, dk[r], tx, P.D);
       store_row(P.dv.at(b, hk) + j * P.dv.sl, dv[r], tx, P.Dv);
     }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Varlen: the tile map and the backward's delta
+// ------------------------------------------------------------------------------------------------
+
+struct TileMapArgs {
+  const void* cu = nullptr;  // cu_seqlens [B + 1], int32 or int64
+  bool cu64 = false;
+  int64_t B = 0, T = 0;
+  int64_t* out = nullptr;  // [3 * B + 1]: Params::tiles
+};
+
+__device__ __forceinline__ int64_t cu_at(const TileMapArgs& M, int64_t i) {
+  return M.cu64 ? static_cast<const int64_t*>(M.cu)[i] : static_cast<const int32_t*>(M.cu)[i];
+}
+
+// One block: sequence b's rows clamped into [0, T] (start = clamp(cu[b], 0, T), end = clamp(cu[b + 1],
+// start, T): any cu_seqlens gives in-bounds sequences; a valid one gives its own), its kVarlenTile-row
+// tiles counted, and the counts scanned into each sequence's first tile (out[0 .. B], out[B] = total).
+__global__ void __launch_bounds__(kThreads) varlen_tiles_kernel(const TileMapArgs M) {
+  __shared__ int64_t scan[kThreads];
+  int64_t carry = 0;  // tiles of the chunks before (the same in every thread)
+  for (int64_t b0 = 0; b0 < M.B; b0 += kThreads) {  // uniform
+    const int64_t b = b0 + threadIdx.x;
+    int64_t n = 0;
+    if (b < M.B) {
+      const int64_t c0 = cu_at(M, b), c1 = cu_at(M, b + 1);
+      const int64_t start = c0 < 0 ? 0 : (c0 > M.T ? M.T : c0);
+      const int64_t end = c1 < start ? start : (c1 > M.T ? M.T : c1);
+      M.out[M.B + 1 + b] = start;
+      M.out[2 * M.B + 1 + b] = end - start;
+      n = (end - start + kVarlenTile - 1) / kVarlenTile;
+    }
+    scan[threadIdx.x] = n;
+    __syncthreads();
+    for (int off = 1; off < kThreads; off <<= 1) {  // inclusive scan (Hillis-Steele)
+      const int64_t add = static_cast<int>(threadIdx.x) >= off ? scan[threadIdx.x - off] : 0;
+      __syncthreads();
+      scan[threadIdx.x] += add;
+      __syncthreads();
+    }
+    if (b < M.B) M.out[b] = carry + scan[threadIdx.x] - n;
+    carry += scan[kThreads - 1];
+    __syncthreads();  // scan is rewritten by the next chunk
+  }
+  if (threadIdx.x == 0) M.out[M.B] = carry;
+}
+
+// delta[h * T + i] = sum_d dO[i, h, d] * O[i, h, d] with O the forward's output (as stored): 16 rows
+// per block step, a half-warp per row.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) varlen_delta_kernel(const Params<scalar_t> P) {
+  const int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
+  const int64_t rows = P.Hq * P.T;
+  for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * 16; r0 < rows; r0 += static_cast<int64_t>(gridDim.x) * 16) {
+    const int64_t r = r0 + ty;
+    float dot = 0.f;
+    if (r < rows) {
+      const int64_t h = r / P.T, i = r % P.T;
+      const scalar_t* g = P.go.at(i, h);
+      const scalar_t* o = P.out.at(i, h);
+      for (int c = tx; c < P.Dv; c += 16) dot += static_cast<float>(g[c]) * static_cast<float>(o[c]);
+    }
+    dot = half_warp_sum(dot);  // (all 32 lanes: the loop is uniform per block)
+    if (tx == 0 && r < rows) P.delta[r] = dot;
   }
 }
 
@@ -628,6 +799,53 @@ Params<scalar_t> make_params(const Shapes& s, const SoftmaxArgs& a, const MaskVi
   P.Lq = s.Lq;
   P.Lk = s.Lk;
   P.groups = s.groups;
+  P.nstat = s.B * s.Hq * s.Lq;
+  P.D = static_cast<int>(s.D);
+  P.Dv = static_cast<int>(s.Dv);
+  return P;
+}
+
+// A packed [T, H, cols] operand: Mat's "batch" index is the packed row (Seq::b, a sequence's start).
+template <typename T>
+Mat<T> packed_mat(const at::Tensor& t, int64_t cols) {
+  Mat<T> m;
+  m.p = static_cast<T*>(t.data_ptr());
+  m.sb = t.stride(0);
+  m.sh = t.stride(1);
+  m.sl = t.stride(0);
+  m.vec = cols % 4 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % (4 * t.element_size()) == 0 &&
+          (t.size(0) <= 1 || t.stride(0) % 4 == 0) && (t.size(1) <= 1 || t.stride(1) % 4 == 0);
+  return m;
+}
+
+inline VarlenShapes check_varlen(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& cu_seqlens) {
+  const VarlenShapes s =
+      check_varlen_qkv(op, q, k, v, cu_seqlens, "CUDA", [](const at::Tensor& t) { return t.device().is_cuda(); });
+  const auto st = q.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kHalf || st == at::kBFloat16, "dmfx::", op,
+              ": the fused CUDA attention takes float32, float16 or bfloat16, got ", st);
+  TORCH_CHECK(s.D <= kMaxHead && s.Dv <= kMaxHead, "dmfx::", op, ": the fused CUDA attention takes head dims up to ",
+              kMaxHead, ", got D = ", s.D, " and Dv = ", s.Dv);
+  return s;
+}
+
+template <typename scalar_t>
+Params<scalar_t> make_varlen_params(const VarlenShapes& s, const SoftmaxArgs& a, const at::Tensor& q,
+                                    const at::Tensor& k, const at::Tensor& v, const at::Tensor& tiles) {
+  Params<scalar_t> P;
+  P.q = packed_mat<const scalar_t>(q, s.D);
+  P.k = packed_mat<const scalar_t>(k, s.D);
+  P.v = packed_mat<const scalar_t>(v, s.Dv);
+  P.a = a;
+  P.B = s.B;
+  P.Hq = s.Hq;
+  P.Hk = s.Hk;
+  P.Lq = P.Lk = s.T;  // (unused: the lengths are per sequence)
+  P.groups = s.groups;
+  P.nstat = s.Hq * s.T;
+  P.T = s.T;
+  P.tiles = tiles.data_ptr<int64_t>();
   P.D = static_cast<int>(s.D);
   P.Dv = static_cast<int>(s.Dv);
   return P;
@@ -680,7 +898,27 @@ void launch(Kernel kernel, int64_t items, size_t floats, const Arg& P) {
 template <typename scalar_t, int kHead, bool kDelta>
 void launch_fwd(const Params<scalar_t>& P) {
   const int64_t items = P.B * P.Hq * ((P.Lq + Tiles<kHead>::kQ - 1) / Tiles<kHead>::kQ);
-  launch(flash_fwd_kernel<scalar_t, kHead, kDelta>, items, Tiles<kHead>::fwd_floats, P);
+  launch(flash_fwd_kernel<scalar_t, kHead, kDelta, false>, items, Tiles<kHead>::fwd_floats, P);
+}
+
+// The tile map of cu_seqlens (Params::tiles), computed on the device: no host reads cu_seqlens.
+inline at::Tensor varlen_tile_map(const at::Tensor& cu_seqlens, int64_t B, int64_t T) {
+  at::Tensor tiles = at::empty({3 * B + 1}, cu_seqlens.options().dtype(at::kLong));
+  const at::Tensor cu = cu_seqlens.contiguous();  // (alive until the launch: the stream orders any reuse)
+  TileMapArgs M;
+  M.cu = cu.data_ptr();
+  M.cu64 = cu.scalar_type() == at::kLong;
+  M.B = B;
+  M.T = T;
+  M.out = tiles.data_ptr<int64_t>();
+  launch(varlen_tiles_kernel, 1, 0, M);
+  return tiles;
+}
+
+// Blocks for the varlen work items over `heads` heads: at most ceil(T / 64) + B tiles (each sequence
+// wastes less than one), the real count read by the blocks from the tile map (surplus blocks exit).
+inline int64_t varlen_items(int64_t heads, int64_t T, int64_t B) {
+  return heads * ((T + kVarlenTile - 1) / kVarlenTile + B);
 }
 
 }  // namespace attention_impl
@@ -689,14 +927,15 @@ void launch_fwd(const Params<scalar_t>& P) {
 // Entry points (same signatures, checks and outputs as attention_cpu.cpp; stats are float32)
 // ------------------------------------------------------------------------------------------------
 
-// Whether the fused kernels take q [B, Hq, Lq, D] and v [B, Hk, Lk, Dv] on q's GPU: float32, float16 or
+// Whether the fused kernels take q [B, Hq, Lq, D] and v [B, Hk, Lk, Dv] (or the varlen form's q [T, Hq, D],
+// v [T, Hk, Dv]) on q's GPU: float32, float16 or
 // bfloat16, D and Dv up to kMaxHead, and kMaxSmemBytes of shared memory per block (the attention ops
 // run the unfused form otherwise; cuda_ops/attention.py's flash_supported answers the same for the passes).
 bool flash_supported_cuda(const at::Tensor& q, const at::Tensor& v) {
   using namespace attention_impl;
   const auto st = q.scalar_type();
   if (!(st == at::kFloat || st == at::kHalf || st == at::kBFloat16)) return false;
-  if (q.size(3) > kMaxHead || v.size(3) > kMaxHead) return false;
+  if (q.size(-1) > kMaxHead || v.size(-1) > kMaxHead) return false;
   int optin = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.device().index()));
   return static_cast<size_t>(optin) >= kMaxSmemBytes;
@@ -748,9 +987,9 @@ void flash_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& q, const at::T
       constexpr int kHead = decltype(head)::value;
       using T = Tiles<kHead>;
       launch_fwd<scalar_t, kHead, true>(P);  // delta
-      launch(flash_bwd_dq_kernel<scalar_t, kHead>, s.B * s.Hq * ((s.Lq + T::kQ - 1) / T::kQ), T::dq_floats, P);
-      launch(flash_bwd_dkdv_kernel<scalar_t, kHead>, s.B * s.Hk * ((s.Lk + T::kKeys - 1) / T::kKeys), T::dkdv_floats,
-             P);
+      launch(flash_bwd_dq_kernel<scalar_t, kHead, false>, s.B * s.Hq * ((s.Lq + T::kQ - 1) / T::kQ), T::dq_floats, P);
+      launch(flash_bwd_dkdv_kernel<scalar_t, kHead, false>, s.B * s.Hk * ((s.Lk + T::kKeys - 1) / T::kKeys),
+             T::dkdv_floats, P);
     });
   });
   if (bias_part) {  // [3, B, H, D]: each (batch, head)'s column sums of dq, dk, dv (groups == 1)
@@ -759,6 +998,63 @@ void flash_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& q, const at::T
       at::sum_out(part, t == 0 ? dq : t == 1 ? dk : dv, {2});
     }
   }
+}
+
+// The varlen form (attention_api.h): one block per (head, 64-row tile of a sequence). Never reads
+// cu_seqlens on the host (no synchronization): varlen_tiles_kernel clamps each sequence into [0, T]
+// and numbers the tiles; the grid covers ceil(T / 64) + B tiles per head.
+at::Tensor varlen_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens,
+                           double scale, bool causal, int64_t seed, int64_t offset, double p, at::Tensor out) {
+  using namespace attention_impl;
+  const VarlenShapes s = check_varlen("varlen_fwd", q, k, v, cu_seqlens);
+  check_varlen_out("varlen_fwd", "out", out, {s.T, s.Hq, s.Dv}, q);
+  const SoftmaxArgs a = varlen_args(scale, causal, seed, offset, p);
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  at::Tensor stats = at::empty({2, s.Hq, s.T}, q.options().dtype(at::kFloat));
+  if (s.Hq * s.T == 0) return stats;
+  const at::Tensor tiles = varlen_tile_map(cu_seqlens, s.B, s.T);
+  with_dtype(q.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    Params<scalar_t> P = make_varlen_params<scalar_t>(s, a, q, k, v, tiles);
+    P.out = packed_mat<scalar_t>(out, s.Dv);
+    P.stats = stats.data_ptr<float>();
+    with_head(std::max(s.D, s.Dv), [&](auto head) {
+      constexpr int kHead = decltype(head)::value;
+      launch(flash_fwd_kernel<scalar_t, kHead, false, true>, varlen_items(s.Hq, s.T, s.B), Tiles<kHead>::fwd_floats, P);
+    });
+  });
+  return stats;
+}
+
+void varlen_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& out, const at::Tensor& stats, const at::Tensor& cu_seqlens, double scale,
+                     bool causal, int64_t seed, int64_t offset, double p, at::Tensor dq, at::Tensor dk, at::Tensor dv) {
+  using namespace attention_impl;
+  const VarlenShapes s = check_varlen("varlen_bwd", q, k, v, cu_seqlens);
+  check_varlen_backward(s, grad_out, q, k, v, out, stats, at::kFloat, dq, dk, dv);  // (stats float32)
+  const SoftmaxArgs a = varlen_args(scale, causal, seed, offset, p);
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  if (s.Hk * s.T == 0) return;
+  const at::Tensor tiles = varlen_tile_map(cu_seqlens, s.B, s.T);
+  at::Tensor delta = at::empty({s.Hq, s.T}, q.options().dtype(at::kFloat));
+  with_dtype(q.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    Params<scalar_t> P = make_varlen_params<scalar_t>(s, a, q, k, v, tiles);
+    P.go = packed_mat<const scalar_t>(grad_out, s.Dv);
+    P.out = packed_mat<scalar_t>(out, s.Dv);  // (read only: delta)
+    P.dq = packed_mat<scalar_t>(dq, s.D);
+    P.dk = packed_mat<scalar_t>(dk, s.D);
+    P.dv = packed_mat<scalar_t>(dv, s.Dv);
+    P.stats = const_cast<float*>(stats.data_ptr<float>());  // read only
+    P.delta = delta.data_ptr<float>();
+    launch(varlen_delta_kernel<scalar_t>, (s.Hq * s.T + 15) / 16, 0, P);
+    with_head(std::max(s.D, s.Dv), [&](auto head) {
+      constexpr int kHead = decltype(head)::value;
+      using T = Tiles<kHead>;
+      launch(flash_bwd_dq_kernel<scalar_t, kHead, true>, varlen_items(s.Hq, s.T, s.B), T::dq_floats, P);
+      launch(flash_bwd_dkdv_kernel<scalar_t, kHead, true>, varlen_items(s.Hk, s.T, s.B), T::dkdv_floats, P);
+    });
+  });
 }
 
 }  // namespace dmfx

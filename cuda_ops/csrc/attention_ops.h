@@ -17,10 +17,12 @@
 #include <torch/library.h>
 
 #include <array>
+#include <cmath>
 #include <tuple>
 #include <utility>
 #include <vector>
 
+#include "attention_api.h"
 #include "op_api.h"
 
 namespace dmfx {
@@ -341,6 +343,150 @@ std::tuple<Tensor, Tensor> qkv_flash_attention_backward(const Tensor& grad_out, 
   return {dqkv, dbias};
 }
 
+// ----------------------------------------------------------------------------------------- varlen form
+//
+// Packed sequences (q [T, Hq, D], k [T, Hk, D], v [T, Hk, Dv], sequence b in rows cu_seqlens[b] ..
+// cu_seqlens[b + 1]): K's fused kernels only (K::varlen_ok(q, v): whether they take the dtype and head
+// dims; K::varlen_dtype: the dtype they compute a dtype in, the CPU's float32 for float16 / bfloat16:
+// inputs upcast, outputs cast back; K::varlen_fwd, K::varlen_bwd with the signatures of
+// attention_cpu.cpp's varlen_fwd_cpu / varlen_bwd_cpu). There is no unfused form to fall back to:
+// elsewhere the ops raise NotImplementedError (the pass asks varlen_supported first).
+
+// q, k, v ([T, H, D] views, any strides) and cu_seqlens (1-D int32 / int64 [B + 1], B >= 1, on q's device).
+inline void check_varlen(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu) {
+  const std::pair<const char*, const Tensor*> named[] = {{"q", &q}, {"k", &k}, {"v", &v}};
+  for (const auto& [name, t] : named) {
+    TORCH_CHECK_VALUE(t->dim() == 3, "dmfx::", op, ": ", name, " must be 3-D [tokens, heads, head_dim], got shape ",
+                      t->sizes());
+    TORCH_CHECK_TYPE(is_score_dtype(t->scalar_type()), "dmfx::", op, ": ", name,
+                     " must be float32, float16, bfloat16 or float64, got ", t->scalar_type());
+  }
+  TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "dmfx::", op,
+                   ": q, k and v must have one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+                   v.scalar_type());
+  TORCH_CHECK_VALUE(q.device() == k.device() && k.device() == v.device(), "dmfx::", op,
+                    ": q, k and v must be on one device, got ", q.device(), ", ", k.device(), ", ", v.device());
+  const int64_t Hq = q.size(1), Hk = k.size(1);
+  TORCH_CHECK_VALUE(q.size(0) == k.size(0) && k.size(0) == v.size(0) && Hk == v.size(1) && q.size(2) == k.size(2),
+                    "dmfx::", op, ": q ", q.sizes(), ", k ", k.sizes(), " and v ", v.sizes(),
+                    " do not fit [T, Hq, D], [T, Hk, D], [T, Hk, Dv] (the same T packed tokens)");
+  TORCH_CHECK_VALUE(Hk != 0 && Hq % Hk == 0, "dmfx::", op, ": q's ", Hq, " heads must be a multiple of k's and v's ",
+                    Hk, " heads");
+  TORCH_CHECK_VALUE(cu.dim() == 1, "dmfx::", op, ": cu_seqlens must be 1-D [batch + 1], got shape ", cu.sizes());
+  TORCH_CHECK_TYPE(cu.scalar_type() == at::kInt || cu.scalar_type() == at::kLong, "dmfx::", op,
+                   ": cu_seqlens must be int32 or int64, got ", cu.scalar_type());
+  TORCH_CHECK_VALUE(cu.device() == q.device(), "dmfx::", op, ": cu_seqlens is on ", cu.device(), " but q is on ",
+                    q.device(), " (it must be on q's device)");
+  TORCH_CHECK_VALUE(cu.size(0) >= 2, "dmfx::", op,
+                    ": cu_seqlens must hold at least one sequence [0, ..., T] (batch + 1 >= 2 entries), got shape ",
+                    cu.sizes());
+}
+
+// q, k, v ([T, heads, D] views) of the stacked projection qkv [T, 3 * heads * D].
+inline std::array<Tensor, 3> split_packed_qkv(const char* op, const Tensor& qkv, int64_t heads) {
+  TORCH_CHECK_VALUE(qkv.dim() == 2, "dmfx::", op, ": qkv must be 2-D [tokens, 3 * heads * head_dim], got shape ",
+                    qkv.sizes());
+  TORCH_CHECK_VALUE(heads > 0 && qkv.size(1) % (3 * heads) == 0, "dmfx::", op, ": qkv's last dim ", qkv.size(1),
+                    " is not 3 * heads * head_dim with heads=", heads);
+  const Tensor per = qkv.unflatten(1, {3, heads, qkv.size(1) / (3 * heads)});  // [T, 3, H, D]
+  return {per.select(1, 0), per.select(1, 1), per.select(1, 2)};
+}
+
+// Everything a varlen op checks before its kernels run: the arguments, the kernels' support for the dtype
+// and head dims (NotImplementedError), and, on the CPU, cu_seqlens' values (cheap there; a CUDA op never
+// reads them on the host: no synchronization, its kernels clamp every sequence into [0, T] instead).
+template <class K>
+void check_varlen_call(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu, double scale,
+                       const Opt& seed, double p) {
+  check_varlen(op, q, k, v, cu);
+  check_dropout(op, p, seed);
+  TORCH_CHECK_VALUE(std::isfinite(scale), "dmfx::", op, ": scale must be finite, got ", scale);
+  TORCH_CHECK_NOT_IMPLEMENTED(K::varlen_ok(q, v), "dmfx::", op, ": no fused kernel for ", q.scalar_type(),
+                              " with head dims D = ", q.size(2), ", Dv = ", v.size(2), " on ", q.device(),
+                              ". Supported: CPU float32 and float64 (float16 and bfloat16 computed in float32), "
+                              "CUDA float32, float16 and bfloat16 with head dims up to 128 (on a GPU with enough "
+                              "shared memory per block); dmfx.cuda_ops.attention.varlen_supported says which");
+  if (cu.device().is_cpu()) attention_impl::cu_seqlens_values(op, cu, q.size(0));
+}
+
+// x in the dtype K's varlen kernels compute in, with a unit last-dim stride.
+template <class K>
+Tensor varlen_in(const Tensor& x, at::ScalarType st) {
+  const auto ct = K::varlen_dtype(st);
+  return rows(ct == x.scalar_type() ? x : x.to(ct));
+}
+
+// (out [T, Hq, Dv] contiguous, in dtype `out_dtype`; stats [2, Hq, T]) for q, k, v already in K's compute dtype.
+template <class K>
+std::tuple<Tensor, Tensor> varlen_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu,
+                                          double scale, bool causal, const Opt& seed, double p,
+                                          at::ScalarType out_dtype) {
+  const auto [s, o] = seed_values("varlen_attention", seed);
+  Tensor out = at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
+  Tensor stats = K::varlen_fwd(q, k, v, cu, scale, causal, s, o, p, out);
+  if (out.scalar_type() != out_dtype) out = out.to(out_dtype);
+  return {std::move(out), std::move(stats)};
+}
+
+template <class K>
+std::tuple<Tensor, Tensor> varlen_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
+                                            double scale, bool causal, const Opt& seed, double p) {
+  const char* op = "varlen_attention";
+  check_varlen_call<K>(op, q, k, v, cu_seqlens, scale, seed, p);
+  const auto st = q.scalar_type();
+  return varlen_forward<K>(varlen_in<K>(q, st), varlen_in<K>(k, st), varlen_in<K>(v, st), cu_seqlens, scale, causal,
+                           seed, p, st);
+}
+
+template <class K>
+Tensor3 varlen_attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const Tensor& out, const Tensor& stats, const Tensor& cu_seqlens, double scale,
+                                  bool causal, const Opt& seed, double p) {
+  const char* op = "varlen_attention_backward";
+  check_varlen_call<K>(op, q, k, v, cu_seqlens, scale, seed, p);
+  const auto st = q.scalar_type();
+  const auto ct = K::varlen_dtype(st);
+  const auto [s, o] = seed_values(op, seed);
+  Tensor dq = at::empty(q.sizes(), q.options().dtype(ct)), dk = at::empty(k.sizes(), q.options().dtype(ct)),
+         dv = at::empty(v.sizes(), q.options().dtype(ct));
+  K::varlen_bwd(varlen_in<K>(grad_out, st), varlen_in<K>(q, st), varlen_in<K>(k, st), varlen_in<K>(v, st),
+                varlen_in<K>(out, st), stats, cu_seqlens, scale, causal, s, o, p, dq, dk, dv);
+  if (ct != st) return {dq.to(st), dk.to(st), dv.to(st)};
+  return {dq, dk, dv};
+}
+
+template <class K>
+std::tuple<Tensor, Tensor> qkv_varlen_attention(const Tensor& qkv, int64_t heads, const Tensor& cu_seqlens,
+                                                double scale, bool causal, const Opt& seed, double p) {
+  const char* op = "qkv_varlen_attention";
+  const auto [q, k, v] = split_packed_qkv(op, qkv, heads);
+  check_varlen_call<K>(op, q, k, v, cu_seqlens, scale, seed, p);
+  const auto st = qkv.scalar_type();
+  const Tensor x = K::varlen_dtype(st) == st ? qkv : qkv.to(K::varlen_dtype(st));  // (upcast once)
+  const auto [xq, xk, xv] = split_packed_qkv(op, x, heads);
+  return varlen_forward<K>(rows(xq), rows(xk), rows(xv), cu_seqlens, scale, causal, seed, p, st);
+}
+
+// dq, dk, dv written straight into the column blocks of one contiguous dqkv [T, 3 * heads * D].
+template <class K>
+Tensor qkv_varlen_attention_backward(const Tensor& grad_out, const Tensor& qkv, int64_t heads, const Tensor& out,
+                                     const Tensor& stats, const Tensor& cu_seqlens, double scale, bool causal,
+                                     const Opt& seed, double p) {
+  const char* op = "qkv_varlen_attention_backward";
+  const auto [q, k, v] = split_packed_qkv(op, qkv, heads);
+  check_varlen_call<K>(op, q, k, v, cu_seqlens, scale, seed, p);
+  const auto st = qkv.scalar_type();
+  const auto ct = K::varlen_dtype(st);
+  const Tensor x = ct == st ? qkv : qkv.to(ct);
+  const auto [xq, xk, xv] = split_packed_qkv(op, x, heads);
+  const auto [s, o] = seed_values(op, seed);
+  Tensor dqkv = at::empty(qkv.sizes(), qkv.options().dtype(ct));
+  const auto [dq, dk, dv] = split_packed_qkv(op, dqkv, heads);
+  K::varlen_bwd(varlen_in<K>(grad_out, st), rows(xq), rows(xk), rows(xv), varlen_in<K>(out, st), stats, cu_seqlens,
+                scale, causal, s, o, p, dq, dk, dv);
+  return ct == st ? dqkv : dqkv.to(st);
+}
+
 template <class K>
 void register_kernels(torch::Library& m) {
   m.impl("attention", &attention);
@@ -351,6 +497,10 @@ void register_kernels(torch::Library& m) {
   m.impl("flash_attention_backward", &flash_attention_backward<K>);
   m.impl("qkv_flash_attention", &qkv_flash_attention<K>);
   m.impl("qkv_flash_attention_backward", &qkv_flash_attention_backward<K>);
+  m.impl("varlen_attention", &varlen_attention<K>);
+  m.impl("varlen_attention_backward", &varlen_attention_backward<K>);
+  m.impl("qkv_varlen_attention", &qkv_varlen_attention<K>);
+  m.impl("qkv_varlen_attention_backward", &qkv_varlen_attention_backward<K>);
 }
 
 }  // namespace attention_ops

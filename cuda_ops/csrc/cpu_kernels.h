@@ -51,6 +51,11 @@ at::Tensor flash_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
 void flash_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& stats, const OptTensor& mask, double scale, bool causal, int64_t seed,
                    int64_t offset, double p, at::Tensor dq, at::Tensor dk, at::Tensor dv, const OptTensor& bias_part);
+at::Tensor varlen_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens,
+                          double scale, bool causal, int64_t seed, int64_t offset, double p, at::Tensor out);
+void varlen_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& out, const at::Tensor& stats, const at::Tensor& cu_seqlens, double scale,
+                    bool causal, int64_t seed, int64_t offset, double p, at::Tensor dq, at::Tensor dk, at::Tensor dv);
 
 // cross_entropy family (cross_entropy_cpu.cpp)
 Tensors cross_entropy_fwd_cpu(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
@@ -61,7 +66,7 @@ at::Tensor cross_entropy_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& 
 
 struct CpuKernels {
   // What a table must match to be used: its layout (the size) and this version of the list.
-  static constexpr int64_t kVersion = 2;
+  static constexpr int64_t kVersion = 3;
   int64_t size = sizeof(CpuKernels);
   int64_t version = kVersion;
   decltype(&norm_fwd_cpu) norm_fwd = &norm_fwd_cpu;
@@ -76,6 +81,8 @@ struct CpuKernels {
   decltype(&rope_cpu) rope = &rope_cpu;
   decltype(&flash_fwd_cpu) flash_fwd = &flash_fwd_cpu;
   decltype(&flash_bwd_cpu) flash_bwd = &flash_bwd_cpu;
+  decltype(&varlen_fwd_cpu) varlen_fwd = &varlen_fwd_cpu;
+  decltype(&varlen_bwd_cpu) varlen_bwd = &varlen_bwd_cpu;
   decltype(&cross_entropy_fwd_cpu) cross_entropy_fwd = &cross_entropy_fwd_cpu;
   decltype(&cross_entropy_bwd_cpu) cross_entropy_bwd = &cross_entropy_bwd_cpu;
 };

@@ -155,6 +155,11 @@ def explain(model: torch.nn.Module, *args: Any, training: bool = True, measure: 
     before, before_rt, before_peak = _compile_and_run(model, args, kwargs, training, unfused)
     if not after:
         raise RuntimeError("dmfx.explain: dmfx compiled no graph for this model (nothing to explain)")
+    rows_of_tokens = [_real_token_hint(c) for c in after]
+    unpad = None
+    if after_options.get("unpad") and any(r is not None for r in rows_of_tokens):
+        padded, padded_rt, _ = _compile_and_run(model, args, kwargs, training, {**after_options, "unpad": False})
+        unpad = _unpad_section(rows_of_tokens, after_rt, padded_rt, padded)
     fallbacks = [c.record.fallback for c in after if c.record.fallback]
 
     after_rows, after_graphs = _analyze(after, "after")
@@ -195,6 +200,7 @@ def explain(model: torch.nn.Module, *args: Any, training: bool = True, measure: 
         "copies_added": [{"graph_id": r.graph_id, **c} for r in records for c in r.copies],
         "fallbacks": fallbacks,
         "runtime": runtime,
+        "unpad": unpad,
         "peak_memory": {"before": before_peak.to_dict(), "after": after_peak.to_dict()},
         "measure": None,
         "notes": [VIEW_NOTE, "bytes of a tensor = element size * min(numel, extent addressed by its strides)",
@@ -205,6 +211,37 @@ def explain(model: torch.nn.Module, *args: Any, training: bool = True, measure: 
         data["measure"] = measure_kernels(data, {s: [(c.record, c.inputs) for c in cs] for s, cs in stages.items()},
                                           device, measure_rounds)
     return Report(data)
+
+
+def _real_token_hint(entry: _Compiled) -> tuple[int, int] | None:
+    """For a graph the unpad pass rewrote: (padded rows B * S, real tokens T) of its first call, and T
+    made the hint of the graph's data-dependent size, so that the static cost of its ops counts the
+    rows that ran. None for other graphs."""
+    info = entry.record.unpad
+    if not info.get("option") or entry.inputs is None:
+        return None
+    mask = entry.inputs[info["input_index"]]
+    real = int((mask != 0).sum())
+    for kind in ("forward", "inference"):
+        gm = getattr(entry.record, f"{kind}_graph")
+        for n in gm.graph.nodes if gm is not None else ():
+            if n.target is torch.ops.dmfx.unpad_index.default:
+                size = n.meta["val"][0].shape[0]
+                if isinstance(size, torch.SymInt):
+                    env, sym = size.node.shape_env, size.node.expr
+                    if isinstance(getattr(env, "var_to_hint_override", None), dict):  # (the optimization hints)
+                        env.var_to_hint_override[sym] = real
+    return mask.numel(), real
+
+
+def _unpad_section(tokens: list, unpadded_rt, padded_rt, padded: list[_Compiled]) -> dict:
+    """What option unpad did: rows computed and bytes moved (counted at run time) with and without it."""
+    rows_padded = sum(t[0] for t in tokens if t)
+    rows_real = sum(t[1] for t in tokens if t)
+    return {"rows_padded": rows_padded, "rows_computed": rows_real,
+            "padding_pct": 100.0 * (rows_padded - rows_real) / rows_padded if rows_padded else 0.0,
+            "bytes_without_unpad": padded_rt.total, "bytes_with_unpad": unpadded_rt.total,
+            "reduction_pct": 100.0 * (padded_rt.total - unpadded_rt.total) / padded_rt.total if padded_rt.total else 0.0}
 
 
 def _merge_counts(dicts: Iterable[dict]) -> dict:

@@ -131,6 +131,11 @@ class Report:
             parts = [f"{s}: static {_fmt_bytes(rt[s]['static_bytes'])} vs dispatched {_fmt_bytes(rt[s]['total'])} "
                      f"({rt[s]['diff_pct']:+.1f}%)" for s in ("before", "after") if s in rt]
             lines.append("run-time check (bytes counted by a dispatch mode in a real step): " + "; ".join(parts))
+        up = d.get("unpad")
+        if up:
+            lines.append(f"unpad: {up['rows_computed']} of {up['rows_padded']} token rows computed ({up['padding_pct']:.0f}% "
+                         f"padding skipped); bytes moved, counted at run time: {_fmt_bytes(up['bytes_without_unpad'])} "
+                         f"fused without unpad -> {_fmt_bytes(up['bytes_with_unpad'])} with it ({up['reduction_pct']:.1f}% less)")
         pm = d.get("peak_memory") or {}
         if pm:
             lines.append(f"peak live memory of a step ({pm['after']['method']}): before {_fmt_bytes(pm['before']['peak_bytes'])}, "

@@ -1,0 +1,97 @@
+"""The unpad family: where the real tokens of a padded batch are.
+
+``dmfx::unpad_index(Tensor mask) -> (Tensor indices, Tensor cu_seqlens)``
+    ``mask`` ``[B, S]``: an HF padding mask (``attention_mask``: 1 for a real token, 0 for padding;
+    bool, integer or floating point, padding on either side or in holes). ``indices`` (int64 ``[T]``)
+    are the flat positions ``b * S + s`` of the real tokens in row-major order, so the packed tensor
+    ``x.view(B * S, ...)[indices]`` holds sequence after sequence, each in position order;
+    ``cu_seqlens`` (int32 ``[B + 1]``) their offsets: sequence b is packed rows
+    ``cu_seqlens[b]:cu_seqlens[b + 1]``, as the varlen attention ops read them
+    (``dmfx::varlen_attention``). T, the number of real tokens, depends on the mask's values: in a
+    traced graph it is a data-dependent size (an unbacked SymInt), so a batch with another number of
+    real tokens runs the same compiled graph, without a recompile.
+
+    A mask value other than 0 and 1 raises ValueError: HF's own masks treat such values differently
+    from one attention implementation to the next, so dmfx does not guess (the unpad pass, which
+    emits this op, documents it). On CUDA finding the real tokens synchronizes with the host once
+    (``nonzero``), as every unpadding implementation does (FlashAttention's ``unpad_input``).
+
+The op is computed with ATen ops (``nonzero``, ``cumsum``), once per forward pass: it has no kernel
+of its own and no autograd formula (its outputs are integer indices). The pass that emits it is
+passes/unpad.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._library import LIB, check_tensor
+
+LIB.define("unpad_index(Tensor mask) -> (Tensor indices, Tensor cu_seqlens)")
+
+OPS = ("unpad_index",)
+
+
+def _check_mask(mask: Tensor) -> None:
+    check_tensor("unpad_index", "mask", mask)
+    if mask.dim() != 2:
+        raise ValueError(f"dmfx::unpad_index: mask must be a 2-D [batch, seq] padding mask, got shape {list(mask.shape)}")
+    if mask.is_complex():
+        raise TypeError(f"dmfx::unpad_index: mask must be bool, integer or floating point, got {mask.dtype}")
+
+
+def _unpad_index(mask: Tensor) -> tuple[Tensor, Tensor]:
+    _check_mask(mask)
+    keep = mask if mask.dtype == torch.bool else mask != 0
+    if mask.dtype != torch.bool and bool((keep & (mask != 1)).any()):
+        bad = mask[keep & (mask != 1)][0].item()
+        raise ValueError(
+            f"dmfx::unpad_index: the padding mask (attention_mask) must hold only 0 (padding) and 1 (a real "
+            f"token), got {bad}; pass a 0/1 mask, or compile without options={{'unpad': True}}"
+        )
+    indices = keep.reshape(-1).nonzero().reshape(-1)
+    cu_seqlens = torch.zeros(mask.shape[0] + 1, dtype=torch.int32, device=mask.device)
+    torch.cumsum(keep.sum(1, dtype=torch.int32), 0, dtype=torch.int32, out=cu_seqlens[1:])
+    return indices, cu_seqlens
+
+
+LIB.impl("unpad_index", _unpad_index, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("dmfx::unpad_index")
+def _unpad_index_fake(mask: Tensor) -> tuple[Tensor, Tensor]:
+    _check_mask(mask)
+    rows = mask.shape[0] * mask.shape[1]
+    shape_env = getattr(torch.library.get_ctx(), "_shape_env", None)
+    if shape_env is None:
+        raise RuntimeError("dmfx::unpad_index: the number of real tokens is data-dependent; tracing it needs a "
+                           "fake mode with a shape environment (torch.compile's)")
+    # The number of real tokens: data-dependent, 0 to every position. Made directly rather than with
+    # ctx.new_dynamic_size(), which Dynamo's shape environment refuses outside fullgraph=True: this
+    # size is always valid, and dmfx (not Dynamo) emits the op.
+    from torch.fx.experimental.symbolic_shapes import _constrain_range_for_size
+
+    tokens = shape_env.create_unbacked_symint()
+    _constrain_range_for_size(tokens, min=0, max=rows if isinstance(rows, int) else None)
+    return (mask.new_empty((tokens,), dtype=torch.int64),
+            mask.new_empty((mask.shape[0] + 1,), dtype=torch.int32))
+
+
+def unpad_index(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(indices, cu_seqlens) of the real tokens of the padding mask `mask` [B, S] (see the module
+    docstring)."""
+    check_tensor("unpad_index", "mask", mask)
+    return torch.ops.dmfx.unpad_index(mask)
+
+
+def unpad(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The real tokens of `x` [B, S, ...] packed: (x_packed [T, ...], indices, cu_seqlens)."""
+    indices, cu_seqlens = unpad_index(mask)
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).index_select(0, indices), indices, cu_seqlens
+
+
+def pad(x_packed: Tensor, indices: Tensor, batch: int, seq: int) -> Tensor:
+    """`x_packed` [T, ...] scattered back to [batch, seq, ...], zeros at the padding."""
+    full = x_packed.new_zeros((batch * seq, *x_packed.shape[1:]))
+    return full.index_copy(0, indices, x_packed).view(batch, seq, *x_packed.shape[1:])

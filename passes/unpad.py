@@ -1,0 +1,1237 @@
+"""``unpad``: skip the padding of a batch (option ``unpad=True``).
+
+An encoder batch is padded to its longest sequence; every engine then computes every position, the
+padding too. Where a graph's attentions all read one HF padding mask (``attention_mask`` ``[B, S]``,
+1 for a real token, 0 for padding, as HF's mask utilities turn it into an additive or bool mask),
+this pass gathers the real tokens into packed ``[T, ...]`` tensors where they enter the encoder, runs
+every row-wise op on them (GEMMs, norms, activations, dropout, embeddings, element-wise glue), runs
+each attention as variable-length attention over the packed sequences
+(``dmfx::varlen_attention`` / ``qkv_varlen_attention``, offsets from ``dmfx::unpad_index``), and
+scatters the rows back to ``[B, S, ...]`` where a value leaves the packed region (a graph output, a
+pooler reading token 0, a loss over every position). Positions where the mask is 0 then hold zeros in
+those outputs (as ModernBERT's own unpadding gives), instead of the values eager computes there from
+the real tokens: no real token ever reads them, so every real position's output and every parameter
+gradient are eager's as long as nothing downstream reads the padding positions' outputs (a loss over
+every position: give padding the label -100).
+
+T, the number of real tokens, is a data-dependent size (an unbacked SymInt, cuda_ops/unpad.py): a
+batch with another number of real tokens runs the same graph, with no recompile and no kernel build.
+
+How the region is found. A *token tensor* is one whose dims 0 and ``seq`` are the batch and sequence
+positions of the mask's ``[B, S]`` grid (``Tok(seq)``), or whose dim 0 is both, flattened
+(``Tok(0)``: ``[B * S, ...]``); its packed form drops the batch dim and puts T at the sequence dim.
+An op joins the region only when it is *row-wise* over the tokens: each output row depends on the
+same row of its token operands alone (an allowlist, ``_RULES``: element-wise ops, reshapes that keep
+the tokens leading, permutations that keep the batch first, GEMMs over the feature dim, embeddings,
+norms and reductions over feature dims, dmfx's row-wise fused ops). Starting from the attentions'
+q, k and v, producers join while they are row-wise (the embeddings, back to ``input_ids``), then
+readers join while they are row-wise. Operands from outside are gathered once (a position table
+``[1, S, H]`` by each token's position, a ``[B, 1, ...]`` tensor by its sequence), and region values
+read outside are scattered once.
+
+Near-misses (recorded, the graph left as it is): a mask that is not a padding mask (causal, sliding
+window, a learned bias such as T5's, a mask computed from more than one input), attention
+probabilities read elsewhere, cross-attention, more than one padding mask, dtypes or head sizes the
+varlen kernels do not take.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from .attention import sdpa_call
+from .fusion import record
+from .graph_utils import PassContext, aten, insert_call, insert_getitems, is_op, tensor_meta, val
+
+log = logging.getLogger("dmfx")
+dmfx = torch.ops.dmfx
+
+# An HF padding mask hides a key with finfo.min (or -inf, or False); kept keys read 0 (or True).
+_HIDDEN = -1e30
+
+
+# ----------------------------------------------------------------------------------------- sizes
+
+
+def _eq(a: Any, b: Any) -> bool:
+    """a == b for ints and SymInts, decided without adding a guard (undecided: False)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:
+        return False
+
+
+def _hint(x: Any) -> int:
+    from .graph_utils import concrete_int
+
+    return concrete_int(x)
+
+
+@dataclass(frozen=True)
+class Tok:
+    """Where a tensor's tokens are: ``seq`` > 0: dim 0 is the batch and dim ``seq`` the sequence;
+    ``seq`` == 0: dim 0 holds both, flattened batch-major (``[B * S, ...]``)."""
+
+    seq: int
+
+    @property
+    def flat(self) -> bool:
+        return self.seq == 0
+
+    def packed_dim(self, d: int) -> int:
+        """The packed tensor's dim of dim `d` (not the batch dim) of the padded one."""
+        return d if self.flat else d - 1
+
+    def packed_shape(self, shape: Any, tokens: Any) -> list:
+        shape = list(shape)
+        if self.flat:
+            return [tokens, *shape[1:]]
+        return [*shape[1:self.seq], tokens, *shape[self.seq + 1:]]
+
+
+@dataclass
+class Grid:
+    """The padded batch's token grid: the mask input and its sizes."""
+
+    mask: Node
+    B: Any
+    S: Any
+
+    def tok_of(self, shape: Any, seq: int | None = None) -> Tok | None:
+        """The token annotation a tensor of `shape` can have: Tok(seq) when given and it fits; else
+        Tok(1) for [B, S, ...], Tok(0) for [B * S, ...]."""
+        shape = list(shape)
+        if seq is not None:
+            if seq == 0:
+                return Tok(0) if shape and _eq(shape[0], self.B * self.S) else None
+            ok = len(shape) > seq and _eq(shape[0], self.B) and _eq(shape[seq], self.S)
+            return Tok(seq) if ok else None
+        if len(shape) >= 2 and _eq(shape[0], self.B) and _eq(shape[1], self.S):
+            return Tok(1)
+        if shape and _eq(shape[0], self.B * self.S):
+            return Tok(0)
+        return None
+
+    def fits(self, shape: Any, tok: Tok) -> bool:
+        return self.tok_of(shape, tok.seq) == tok
+
+
+# ----------------------------------------------------------------------------------------- the mask
+
+
+def _ancestors(n: Node) -> list[Node]:
+    """`n` and every node it is computed from, in graph order."""
+    seen, stack = {n}, [n]
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    order = {x: i for i, x in enumerate(n.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
+
+
+def _mask_program(gm: GraphModule, mask: Node) -> tuple[Node, Callable[[torch.Tensor], torch.Tensor]] | str:
+    """The one tensor input `mask` is computed from and the computation as a function of it; else why
+    not (the mask reads parameters or several inputs: not a padding mask alone)."""
+    nodes = _ancestors(mask)
+    inputs = [n for n in nodes if n.op == "placeholder" and isinstance(val(n), torch.Tensor)]
+    if not inputs:
+        return "the attention mask is a constant (causal, or a window), not computed from a padding mask"
+    if len(inputs) != 1:
+        names = ", ".join(n.name for n in inputs)
+        return f"the attention mask is computed from {names}, not from one padding mask alone (a learned bias?)"
+    (source,) = inputs
+    g = Graph()
+    env: dict[Node, Any] = {}
+    for n in nodes:
+        if n is source:
+            env[n] = g.placeholder("mask")
+        elif n.op == "placeholder":  # a SymInt input (dynamic shapes): its example value
+            env[n] = _hint(val(n))
+        else:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(env[mask])
+    sub = GraphModule(gm, g)
+    return source, lambda m: sub(m)
+
+
+def _probes(B: int, S: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """0/1 masks that tell a padding mask from any other: none padded, all padded, right and left
+    padding, and random holes."""
+    gen = torch.Generator().manual_seed(17)
+    lengths = torch.randint(0, S + 1, (B,), generator=gen)
+    pos = torch.arange(S)
+    right = pos[None, :] < lengths[:, None]
+    probes = [torch.ones(B, S, dtype=torch.bool), torch.zeros(B, S, dtype=torch.bool), right, right.flip(1)]
+    probes += [torch.rand(B, S, generator=gen) < 0.5 for _ in range(3)]
+    return [p.to(dtype=dtype, device=device) for p in probes]
+
+
+def padding_mask_input(gm: GraphModule, mask: Any, heads: Any, B: Any, S: Any,
+                       cache: dict) -> tuple[Node, None] | tuple[None, str]:
+    """(the graph input, None) when `mask` (an attention's mask over [B, heads, S, S] scores) is an HF
+    padding mask of it: key j of batch b is hidden (-inf, <= -1e30 or False) exactly where
+    ``input[b, j] == 0``, in every head and query row, and a kept key reads 0 (or True), so dropping
+    the mask from attention over the packed sequences changes no result. Decided by running the mask's
+    computation on probe masks (_probes). Else (None, why not)."""
+    if mask is None:
+        return None, "the attention has no mask: nothing marks padding"
+    if not isinstance(mask, Node):
+        return None, "the attention mask is not a tensor of the graph"
+    if mask in cache:
+        return cache[mask]
+    found = _mask_program(gm, mask)
+    if isinstance(found, str):
+        cache[mask] = None, found
+        return cache[mask]
+    source, program = found
+    sv = val(source)
+    if sv.dim() != 2 or not (_eq(sv.shape[0], B) and _eq(sv.shape[1], S)):
+        cache[mask] = None, f"the attention mask comes from {source.name} {list(sv.shape)}, not a [batch, seq] padding mask"
+        return cache[mask]
+    b, s, h = _hint(B), _hint(S), _hint(heads)
+    why = None
+    try:
+        for probe in _probes(b, s, sv.dtype, sv.device):
+            out = program(probe)
+            full = torch.broadcast_to(out, (b, h, s, s))
+            expect = (probe != 0)[:, None, None, :].expand(b, h, s, s)
+            if out.dtype == torch.bool:
+                ok = torch.equal(full, expect)
+            else:
+                ok = bool(((full == 0) == expect).all()) and bool((full[~expect] <= _HIDDEN).all())
+            if not ok:
+                why = "the attention mask is not a padding mask of its input (causal, a window, or values other than 0 and a large negative)"
+                break
+    except Exception as e:  # (shapes the probes cannot take, ops that need other inputs)
+        why = f"the attention mask's computation could not be checked ({type(e).__name__})"
+    cache[mask] = (None, why) if why else (source, None)
+    return cache[mask]
+
+
+# ----------------------------------------------------------------------------------------- attention
+
+
+NEW_SEED = object()  # an attention whose dropout needs a seed drawn for the varlen op
+
+
+@dataclass
+class AttentionCall:
+    """One attention the pass can run over packed sequences."""
+
+    node: Node
+    out: Node  # the node holding the attention output [B, Hq, S, Dv] (a getitem, or the node)
+    operands: dict[str, Node]  # "q", "k", "v" ([B, H, S, D]) or "qkv" ([B, S, 3 * H * D])
+    heads: int | None  # with qkv
+    mask: Any
+    scale: float
+    causal: bool
+    seed: Any  # a seed node, None, or NEW_SEED (dropout inside an SDPA call: one is drawn)
+    p: float
+
+
+_DMFX_ATTENTION = {dmfx.flash_attention.default: 1, dmfx.attention.default: 1,
+                   dmfx.qkv_flash_attention.default: 1, dmfx.qkv_attention.default: 1}
+
+
+def _only_output_read(n: Node) -> Node | None:
+    """The getitem reading output 0 of a tuple-returning `n`, when nothing reads another output."""
+    reads = list(n.users)
+    if len(reads) != 1 or reads[0].target is not operator.getitem or reads[0].args[1] != 0:
+        return None
+    return reads[0]
+
+
+def attention_call(n: Node) -> AttentionCall | str | None:
+    """The attention `n` computes (a dmfx attention op or a scaled_dot_product_attention call), or why
+    it cannot run over packed sequences, or None (not an attention)."""
+    if n.op != "call_function":
+        return None
+    if n.target in _DMFX_ATTENTION:
+        out = _only_output_read(n)
+        if out is None:
+            return "the attention probabilities or row statistics are read elsewhere"
+        if n.target in (dmfx.qkv_flash_attention.default, dmfx.qkv_attention.default):
+            qkv, heads, mask, scale, causal, seed, p = n.args[:7]
+            return AttentionCall(n, out, {"qkv": qkv}, heads, mask, scale, causal, seed, p)
+        q, k, v, mask, scale, causal, seed, p = n.args[:8]
+        return AttentionCall(n, out, {"q": q, "k": k, "v": v}, None, mask, scale, causal, seed, p)
+    call = sdpa_call(n)
+    if call is None:
+        return None
+    p = call["dropout"]
+    if not isinstance(p, (int, float)):
+        return "scaled_dot_product_attention with a run-time dropout probability"
+    out = n
+    if call["extra_outputs"]:
+        out = _only_output_read(n)
+        if out is None:
+            return "scaled_dot_product_attention's logsumexp is read"
+    qm = tensor_meta(call["q"])
+    if qm is None or qm.dim() != 4:
+        return "scaled_dot_product_attention on tensors that are not 4-D"
+    scale = call["scale"]
+    if scale is None:
+        if not isinstance(qm.shape[-1], int):
+            return "a symbolic head size: the scale is not known"
+        scale = qm.shape[-1] ** -0.5
+    # (dropout inside the call: the varlen op drops out with dmfx's Philox stream and a fresh seed)
+    return AttentionCall(n, out, {"q": call["q"], "k": call["k"], "v": call["v"]}, None, call["mask"], float(scale),
+                         bool(call["causal"]), NEW_SEED if p else None, float(p))
+
+
+def _attention_shapes(a: AttentionCall) -> tuple[Any, Any, Any, Any, torch.Tensor] | str:
+    """(B, heads, S, head dim, q's value) of a self-attention over one token grid, or why not."""
+    if "qkv" in a.operands:
+        m = tensor_meta(a.operands["qkv"])
+        if m is None or m.dim() != 3:
+            return "the stacked q/k/v projection is not 3-D"
+        B, S, w = m.shape
+        return B, a.heads, S, w // (3 * a.heads), m
+    qm, km, vm = (tensor_meta(a.operands[x]) for x in "qkv")
+    if any(t is None or t.dim() != 4 for t in (qm, km, vm)):
+        return "q, k or v is not 4-D [B, H, S, D]"
+    if not (_eq(qm.shape[2], km.shape[2]) and _eq(qm.shape[0], km.shape[0])):
+        return "cross-attention (queries and keys from different sequences)"
+    return qm.shape[0], qm.shape[1], qm.shape[2], qm.shape[3], qm
+
+
+def _varlen_ok(q: torch.Tensor, head_dim: Any, value_dim: Any) -> str | None:
+    from .. import cuda_ops
+
+    supported = getattr(cuda_ops, "varlen_supported", None)
+    if supported is None or supported(q.device, q.dtype, head_dim, value_dim):
+        return None
+    return f"no varlen attention kernel for {q.dtype} on {q.device.type} with head dim {head_dim}"
+
+
+# ----------------------------------------------------------------------------------------- row-wise rules
+#
+# A rule says, for a node and the token annotation of its output, which of its arguments are token
+# operands (and their annotation) and how the packed node is built; `forward` gives the output's
+# annotation from one token operand's. Operand roles: "token" (packed: its packed value), "bcast"
+# (broadcast over the tokens: as is, or without its size-1 batch dim), "pos" ([1, S, ...]: gathered by
+# each token's position), "batch" ([B, 1, ...]: gathered by each token's sequence).
+
+
+@dataclass
+class Role:
+    kind: str  # "token", "bcast", "pos", "batch"
+    tok: Tok | None = None
+
+
+def _tensor_args(n: Node) -> list[tuple[tuple, Node]]:
+    """(path, node) of each tensor argument of `n`: path ("a", i) / ("a", i, j) / ("k", name)."""
+    found = []
+    for i, a in enumerate(n.args):
+        if isinstance(a, Node) and isinstance(val(a), torch.Tensor):
+            found.append((("a", i), a))
+        elif isinstance(a, (list, tuple)):
+            found += [(("a", i, j), x) for j, x in enumerate(a) if isinstance(x, Node) and isinstance(val(x), torch.Tensor)]
+    for k, a in n.kwargs.items():
+        if isinstance(a, Node) and isinstance(val(a), torch.Tensor):
+            found.append((("k", k), a))
+    return found
+
+
+def _elementwise_roles(n: Node, tok: Tok, grid: Grid) -> dict[tuple, Role] | None:
+    out = tensor_meta(n)
+    if out is None:
+        return None
+    nd = out.dim()
+    roles = {}
+    for path, a in _tensor_args(n):
+        shape = list(val(a).shape)
+        off = nd - len(shape)
+        if tok.flat:
+            if off == 0 and _eq(shape[0], grid.B * grid.S):
+                roles[path] = Role("token", Tok(0))
+            elif off > 0 or _eq(shape[0], 1):
+                roles[path] = Role("bcast")
+            else:
+                return None
+            continue
+        b = shape[0 - off] if off <= 0 else None
+        s = shape[tok.seq - off] if tok.seq - off >= 0 else None
+        one = lambda x: x is None or _eq(x, 1)  # noqa: E731
+        if off == 0 and _eq(b, grid.B) and _eq(s, grid.S):
+            roles[path] = Role("token", tok)
+        elif one(b) and one(s):
+            roles[path] = Role("bcast")
+        elif one(b) and s is not None and _eq(s, grid.S) and tok.seq == 1:
+            roles[path] = Role("pos")
+        elif off == 0 and _eq(b, grid.B) and one(s) and tok.seq == 1:
+            roles[path] = Role("batch")
+        else:
+            return None
+    return roles
+
+
+class Rule:
+    """Row-wise ops whose every output is one tensor with the output annotation (element-wise)."""
+
+    def roles(self, n: Node, tok: Tok, grid: Grid) -> dict[tuple, Role] | None:
+        return _elementwise_roles(n, tok, grid)
+
+    def out_tok(self, n: Node, path: tuple, tok: Tok, grid: Grid) -> Tok | None:
+        """The output annotation when the operand at `path` has annotation `tok`."""
+        out = tensor_meta(n)
+        return tok if out is not None and out.dim() == val(_arg(n, path)).dim() else None
+
+    def outputs(self, n: Node, tok: Tok) -> Any:
+        """The annotation of each output (a tuple for tuple-returning ops)."""
+        return tok
+
+    def args(self, n: Node, tok: Tok, T: Any) -> tuple[tuple, dict]:
+        """The packed node's non-tensor arguments (tensor operands are replaced by the caller)."""
+        return n.args, dict(n.kwargs)
+
+
+def _arg(n: Node, path: tuple) -> Any:
+    if path[0] == "k":
+        return n.kwargs[path[1]]
+    a = n.args[path[1]]
+    return a[path[2]] if len(path) == 3 else a
+
+
+class Reduce(Rule):
+    """Reductions and softmaxes over feature dims (not a token dim)."""
+
+    def __init__(self, dims_at: int, keepdim_at: int | None):
+        self.dims_at, self.keepdim_at = dims_at, keepdim_at
+
+    def _dims(self, n: Node) -> list[int] | None:
+        x = tensor_meta(n.args[0])
+        dims = n.args[self.dims_at] if len(n.args) > self.dims_at else n.kwargs.get("dim")
+        if dims is None:
+            return None
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        return [d % x.dim() for d in dims]
+
+    def _keepdim(self, n: Node) -> bool:
+        if self.keepdim_at is None:
+            return True
+        return bool(n.args[self.keepdim_at] if len(n.args) > self.keepdim_at else n.kwargs.get("keepdim", False))
+
+    def roles(self, n, tok, grid):
+        dims = self._dims(n)
+        if dims is None or any(d <= tok.seq for d in dims) or not self._keepdim(n) and tok.seq > min(dims):
+            return None
+        x = n.args[0]
+        return {("a", 0): Role("token", tok)} if grid.fits(val(x).shape, tok) else None
+
+    def out_tok(self, n, path, tok, grid):
+        return tok if path == ("a", 0) else None
+
+    def args(self, n, tok, T):
+        args = list(n.args)
+        dims = self._dims(n)
+        new = [tok.packed_dim(d) for d in dims]
+        orig = n.args[self.dims_at] if len(n.args) > self.dims_at else n.kwargs.get("dim")
+        value = new[0] if isinstance(orig, int) else new
+        kwargs = dict(n.kwargs)
+        if len(args) > self.dims_at:
+            args[self.dims_at] = value
+        else:
+            kwargs["dim"] = value
+        return tuple(args), kwargs
+
+
+class Reshape(Rule):
+    """view / reshape keeping the tokens leading: [B, S, ...] or [B * S, ...] on both sides."""
+
+    def roles(self, n, tok, grid):
+        out, x = tensor_meta(n), tensor_meta(n.args[0])
+        if tok.seq > 1 or not grid.fits(out.shape, tok):
+            return None
+        xtok = grid.tok_of(x.shape)
+        if xtok is None or xtok.seq > 1:
+            return None
+        rest = tok.packed_shape(out.shape, 1)[1:]
+        if not all(isinstance(d, int) for d in rest):
+            return None  # (a symbolic feature size: the packed shape would freeze it)
+        return {("a", 0): Role("token", xtok)}
+
+    def out_tok(self, n, path, tok, grid):
+        return grid.tok_of(tensor_meta(n).shape) if tok.seq <= 1 else None
+
+    def args(self, n, tok, T):
+        return (n.args[0], tok.packed_shape(tensor_meta(n).shape, T)), {}
+
+
+def _perm(n: Node) -> list[int] | None:
+    x = tensor_meta(n.args[0])
+    if is_op(n, aten.permute):
+        return [d % x.dim() for d in n.args[1]]
+    a, b = (d % x.dim() for d in n.args[1:3])
+    perm = list(range(x.dim()))
+    perm[a], perm[b] = perm[b], perm[a]
+    return perm
+
+
+class Permute(Rule):
+    """transpose / permute that keep the batch (or flattened token) dim first."""
+
+    def roles(self, n, tok, grid):
+        perm = _perm(n)
+        if perm[0] != 0:
+            return None
+        xtok = Tok(0) if tok.flat else Tok(perm[tok.seq])
+        return {("a", 0): Role("token", xtok)} if grid.fits(val(n.args[0]).shape, xtok) else None
+
+    def out_tok(self, n, path, tok, grid):
+        perm = _perm(n)
+        if perm[0] != 0:
+            return None
+        return tok if tok.flat else Tok(perm.index(tok.seq))
+
+    def args(self, n, tok, T):
+        if is_op(n, aten.transpose):
+            x = tensor_meta(n.args[0])
+            xtok = tok if tok.flat else Tok(_perm(n)[tok.seq])
+            return (n.args[0], *(xtok.packed_dim(d % x.dim()) for d in n.args[1:3])), {}
+        perm = _perm(n)
+        xtok = tok if tok.flat else Tok(perm[tok.seq])
+        packed = [xtok.packed_dim(p) for p in (perm if tok.flat else perm[1:])]
+        return (n.args[0], packed), {}
+
+
+class Expand(Rule):
+    """expand that leaves the token dims as they are (an expand over them is a gather: _gather)."""
+
+    def roles(self, n, tok, grid):
+        x, out = tensor_meta(n.args[0]), tensor_meta(n)
+        if x.dim() != out.dim() or not grid.fits(x.shape, tok):
+            return None
+        return {("a", 0): Role("token", tok)}
+
+    def out_tok(self, n, path, tok, grid):
+        return tok if tensor_meta(n.args[0]).dim() == tensor_meta(n).dim() else None
+
+    def args(self, n, tok, T):
+        return (n.args[0], tok.packed_shape(list(n.args[1]), -1)), {}
+
+
+class Linear(Rule):
+    """addmm(bias, x, w) / mm(x, w) with x [B * S, K]: a GEMM over the feature dim."""
+
+    def __init__(self, x_at: int):
+        self.x_at = x_at
+
+    def roles(self, n, tok, grid):
+        if not tok.flat:
+            return None
+        roles = {("a", self.x_at): Role("token", Tok(0))}
+        for path, a in _tensor_args(n):
+            if path != ("a", self.x_at):
+                if grid.tok_of(val(a).shape) is not None and val(a).dim() > 1 and _eq(val(a).shape[0], grid.B * grid.S):
+                    return None  # (a token tensor as the weight: not a linear layer)
+                roles[path] = Role("bcast")
+        return roles
+
+    def out_tok(self, n, path, tok, grid):
+        return Tok(0) if path == ("a", self.x_at) and tok.flat else None
+
+
+class Embedding(Rule):
+    """embedding(weight, ids): each token's row of the table."""
+
+    def roles(self, n, tok, grid):
+        ids = val(n.args[1])
+        if not tok.flat and tok.seq >= ids.dim() or not grid.fits(ids.shape, tok):
+            return None
+        return {("a", 0): Role("bcast"), ("a", 1): Role("token", tok)}
+
+    def out_tok(self, n, path, tok, grid):
+        return tok if path == ("a", 1) else None
+
+
+class LayerNorm(Rule):
+    """aten.native_layer_norm over trailing feature dims: (out, mean, rstd), all row-wise."""
+
+    def roles(self, n, tok, grid):
+        x = val(n.args[0])
+        k = len(n.args[1])
+        if tok.seq >= x.dim() - k or not grid.fits(x.shape, tok):
+            return None
+        roles = {("a", 0): Role("token", tok)}
+        roles.update({path: Role("bcast") for path, _ in _tensor_args(n) if path != ("a", 0)})
+        return roles
+
+    def out_tok(self, n, path, tok, grid):
+        return tok if path == ("a", 0) else None
+
+    def outputs(self, n, tok):
+        return (tok, tok, tok)
+
+
+class RowOp(Rule):
+    """dmfx's row-wise fused ops (the last dim is the row): `x_args` hold token operands of x's shape
+    (residual, up), the others broadcast (weights, biases, seeds); outputs of x's shape or of
+    x.shape[:-1] (statistics) are token tensors, empty ones (an output not asked for) are not."""
+
+    def __init__(self, x_args: tuple[int, ...]):
+        self.x_args = x_args
+
+    def roles(self, n, tok, grid):
+        x = val(n.args[0])
+        if tok.seq >= x.dim() - 1 or not grid.fits(x.shape, tok):
+            return None
+        roles = {}
+        for path, a in _tensor_args(n):
+            if path[0] == "a" and path[1] in self.x_args:
+                if list(val(a).shape) != list(x.shape):
+                    return None
+                roles[path] = Role("token", tok)
+            else:
+                roles[path] = Role("bcast")
+        return roles
+
+    def out_tok(self, n, path, tok, grid):
+        return tok if path[0] == "a" and path[1] in self.x_args else None
+
+    def outputs(self, n, tok):
+        v = val(n)
+        if not isinstance(v, (tuple, list)):
+            return tok
+        x = val(n.args[0])
+        return tuple(tok if isinstance(o, torch.Tensor) and o.dim() >= x.dim() - 1 and o.numel() != 0 else None for o in v)
+
+
+class Split(Rule):
+    """split / split_with_sizes / unbind / select / slice / narrow along a feature dim."""
+
+    def __init__(self, dim_at: int, default_dim: int = 0):
+        self.dim_at, self.default_dim = dim_at, default_dim
+
+    def _dim(self, n: Node) -> int:
+        x = tensor_meta(n.args[0])
+        d = n.args[self.dim_at] if len(n.args) > self.dim_at else n.kwargs.get("dim", self.default_dim)
+        return d % x.dim()
+
+    def roles(self, n, tok, grid):
+        if self._dim(n) <= tok.seq or not grid.fits(val(n.args[0]).shape, tok):
+            return None
+        return {("a", 0): Role("token", tok)}
+
+    def out_tok(self, n, path, tok, grid):
+        return tok if self._dim(n) > tok.seq else None
+
+    def outputs(self, n, tok):
+        v = val(n)
+        if isinstance(v, (tuple, list)):
+            return tuple(tok for _ in v)
+        return tok
+
+    def args(self, n, tok, T):
+        args, kwargs = list(n.args), dict(n.kwargs)
+        d = tok.packed_dim(self._dim(n))
+        if len(args) > self.dim_at:
+            args[self.dim_at] = d
+        else:
+            kwargs["dim"] = d
+        return tuple(args), kwargs
+
+
+_ELEMENTWISE = (
+    aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.pow, aten.rsqrt, aten.sqrt, aten.exp, aten.log,
+    aten.gelu, aten.relu, aten.silu, aten.tanh, aten.sigmoid, aten.erf, aten.where, aten.clone, aten.alias,
+    aten.native_dropout, aten._to_copy, aten.masked_fill, aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge,
+    aten.abs, aten.reciprocal, aten.clamp, aten.minimum, aten.maximum, aten.bitwise_and, aten.bitwise_or,
+    aten.logical_not, aten.type_as,
+)
+_RULES: dict[Any, Rule] = {op: Rule() for op in _ELEMENTWISE}
+_RULES.update({
+    aten.mean: Reduce(1, 2), aten.sum: Reduce(1, 2), aten.amax: Reduce(1, 2), aten.var: Reduce(1, 3),
+    aten._softmax: Reduce(1, None), aten._log_softmax: Reduce(1, None),
+    aten.view: Reshape(), aten._unsafe_view: Reshape(), aten.reshape: Reshape(),
+    aten.transpose: Permute(), aten.permute: Permute(), aten.expand: Expand(),
+    aten.addmm: Linear(1), aten.mm: Linear(0), aten.embedding: Embedding(), aten.native_layer_norm: LayerNorm(),
+    aten.split: Split(2), aten.split_with_sizes: Split(2), aten.unbind: Split(1), aten.select: Split(1),
+    aten.slice: Split(1), aten.narrow: Split(1),
+    dmfx.layer_norm: RowOp((0,)), dmfx.rms_norm: RowOp((0,)), dmfx.bias_dropout_residual_norm: RowOp((0, 2)),
+    dmfx.dropout: RowOp((0,)), dmfx.bias_act_dropout: RowOp((0,)), dmfx.glu: RowOp((0, 1)),
+})
+
+
+def _rule(n: Node) -> Rule | None:
+    if n.op != "call_function":
+        return None
+    return _RULES.get(getattr(n.target, "overloadpacket", None))
+
+
+def _output_toks(n: Node, tok: Any) -> Any:
+    """Per output of `n` (a tuple for tuple values) its annotation, `tok` being the node's entry."""
+    return tok
+
+
+# ----------------------------------------------------------------------------------------- the region
+
+
+class Region:
+    """The nodes that run on packed tokens: node -> its output's annotation (a tuple per output for
+    tuple-returning nodes), and the attentions it converts."""
+
+    def __init__(self, grid: Grid, attentions: list[AttentionCall]):
+        self.grid = grid
+        self.tok: dict[Node, Any] = {}
+        self.attentions = {a.node: a for a in attentions}
+        self.entries: dict[tuple[Node, Tok], None] = {}  # operands gathered from outside
+
+    def value_tok(self, n: Node) -> Tok | None:
+        """The annotation of value `n` (a tensor node) when it is in the region."""
+        t = self.tok.get(n)
+        return t if isinstance(t, Tok) else None
+
+    # --- growth
+    def demand(self, x: Any, tok: Tok) -> bool:
+        """The region needs `x` packed with annotation `tok`: pull its producer in where it is
+        row-wise, else gather it. False on a conflict (x already packed otherwise)."""
+        if not isinstance(x, Node):
+            return False
+        if x in self.tok:
+            return self.tok[x] == tok
+        if x.target is operator.getitem and isinstance(x.args[0], Node):
+            src = x.args[0]
+            if src in self.tok:
+                outs = self.tok[src]
+                return isinstance(outs, tuple) and outs[x.args[1]] == tok
+        if x.target is operator.getitem and isinstance(x.args[0], Node):
+            return self._demand_output(x, tok)
+        rule = _rule(x)
+        roles = rule.roles(x, tok, self.grid) if rule is not None and isinstance(val(x), torch.Tensor) else None
+        if roles is None:
+            self.entries[(x, tok)] = None
+            return True
+        self.tok[x] = rule.outputs(x, tok)
+        for path, role in roles.items():
+            if role.kind == "token" and not self.demand(_arg(x, path), role.tok):
+                return False
+        return True
+
+    def _demand_output(self, x: Node, tok: Tok) -> bool:
+        """`x` = getitem(src, i): pull `src` in where its i-th output can be `tok`, else gather `x`."""
+        src, i = x.args
+        rule = _rule(src)
+        roles = rule.roles(src, tok, self.grid) if rule is not None else None
+        outs = rule.outputs(src, tok) if roles is not None else None
+        if not (isinstance(outs, tuple) and outs[i] == tok):
+            self.entries[(x, tok)] = None
+            return True
+        self.tok[src] = outs
+        self.tok[x] = tok
+        return all(r.kind != "token" or self.demand(_arg(src, p), r.tok) for p, r in roles.items())
+
+    def grow_forward(self) -> None:
+        """Readers of packed values join while they are row-wise in them."""
+        changed = True
+        while changed:
+            changed = False
+            for n in list(self.tok):
+                for path_user in list(n.users):
+                    if path_user in self.tok or path_user.op != "call_function":
+                        continue
+                    if self._try_join(path_user):
+                        changed = True
+
+    def _try_join(self, u: Node) -> bool:
+        if u.target is operator.getitem:
+            src, i = u.args
+            outs = self.tok.get(src)
+            if isinstance(outs, tuple) and outs[i] is not None:
+                self.tok[u] = outs[i]
+                return True
+            return False
+        rule = _rule(u)
+        if rule is None or not isinstance(val(u), torch.Tensor) and not isinstance(val(u), (tuple, list)):
+            return False
+        for path, a in _tensor_args(u):
+            t = self.value_tok(a) if a in self.tok else self._getitem_tok(a)
+            if t is None:
+                continue
+            out = rule.out_tok(u, path, t, self.grid)
+            if out is None:
+                continue
+            roles = rule.roles(u, out, self.grid)
+            if roles is None or roles.get(path) is None or roles[path].kind != "token" or roles[path].tok != t:
+                continue
+            snapshot = (dict(self.tok), dict(self.entries))
+            self.tok[u] = rule.outputs(u, out)
+            if all(r.kind != "token" or self.demand(_arg(u, p), r.tok) for p, r in roles.items()):
+                return True
+            self.tok, self.entries = snapshot
+        return False
+
+    def _getitem_tok(self, a: Node) -> Tok | None:
+        if a.target is operator.getitem and a.args[0] in self.tok:
+            outs = self.tok[a.args[0]]
+            if isinstance(outs, tuple):
+                return outs[a.args[1]]
+        return None
+
+
+def _token_sources(region: Region, x: Node) -> set[Node]:
+    """The region nodes and gathered inputs that `x`'s tokens come from (through token operands)."""
+    found: set[Node] = set()
+    stack = [x]
+    while stack:
+        n = stack.pop()
+        if n in found:
+            continue
+        found.add(n)
+        if n in region.attentions:
+            stack += list(region.attentions[n].operands.values())
+            continue
+        t = region.tok.get(n)
+        if t is None:
+            continue  # (gathered from outside)
+        if n.target is operator.getitem:
+            stack.append(n.args[0])
+            continue
+        tok = t if isinstance(t, Tok) else next(o for o in t if o is not None)
+        roles = _rule(n).roles(n, tok, region.grid) or {}
+        stack += [_arg(n, p) for p, r in roles.items() if r.kind == "token"]
+    return found
+
+
+def _self_attention(region: Region, a: AttentionCall) -> bool:
+    """Whether q, k and v are computed from one token tensor (so each query is a token of the keys'
+    grid, and a padding key is a padding query): not cross-attention that only looks alike."""
+    operands = list(a.operands.values())
+    if len(operands) == 1:
+        return True
+    common = set.intersection(*(_token_sources(region, x) for x in operands))
+    return bool(common)
+
+
+def _seed_attention(region: Region, a: AttentionCall) -> bool:
+    """The attention joins the region: its output [B, H, S, Dv] is Tok(2); q, k, v are demanded as
+    Tok(2) ([B, H, S, D]) or the stacked projection as Tok(1)."""
+    region.tok[a.node] = (Tok(2), None) if a.out is not a.node else Tok(2)
+    if a.out is not a.node:
+        region.tok[a.out] = Tok(2)
+    for name, x in a.operands.items():
+        if not region.demand(x, Tok(1) if name == "qkv" else Tok(2)):
+            return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------- rewriting
+
+
+class Packer:
+    """Builds the packed graph: the index op, gathers, packed nodes, scatters."""
+
+    def __init__(self, gm: GraphModule, ctx: PassContext, region: Region):
+        self.gm, self.graph, self.ctx, self.region, self.grid = gm, gm.graph, ctx, region, region.grid
+        self.packed: dict[Node, Node] = {}
+        self.gathered: dict[tuple[Node, Tok], Node] = {}
+        self._pos: Node | None = None
+        self._batch: Node | None = None
+        self._sizes: dict[Any, Node] = {}
+        last_input = [n for n in self.graph.nodes if n.op == "placeholder"][-1]
+        with _at(self.graph, last_input):
+            self.index = insert_call(self.graph, ctx, dmfx.unpad_index.default, (self.grid.mask,))
+            _bind_unbacked(self.index)
+            self.indices, self.cu_seqlens = insert_getitems(self.graph, self.index, 2)
+            self.T = insert_call(self.graph, ctx, aten.sym_size.int, (self.indices, 0))
+        self.cursor = self.T
+
+    def _call(self, target: Any, args: tuple, kwargs: dict | None = None) -> Node:
+        return insert_call(self.graph, self.ctx, target, args, kwargs)
+
+    def _size(self, x: Any) -> Any:
+        """A size for an op's argument: an int, or a node computing the SymInt (B, S or B * S)."""
+        if isinstance(x, int):
+            return x
+        for i, d in enumerate((self.grid.B, self.grid.S)):
+            if _eq(x, d):
+                return self._mask_size(i)
+        if _eq(x, self.grid.B * self.grid.S):
+            if "BS" not in self._sizes:
+                with self._prologue():
+                    self._sizes["BS"] = self._call(operator.mul, (self._mask_size(0), self._mask_size(1)))
+            return self._sizes["BS"]
+        raise _Unsupported(f"a symbolic size {x} that is not the batch's or the sequence's")
+
+    def _mask_size(self, i: int) -> Any:
+        d = (self.grid.B, self.grid.S)[i]
+        if isinstance(d, int):
+            return d
+        if i not in self._sizes:
+            with self._prologue():
+                self._sizes[i] = self._call(aten.sym_size.int, (self.grid.mask, i))
+        return self._sizes[i]
+
+    def _prologue(self):
+        """Insert after the prologue (the index op, sizes, positions, early gathers), extending it."""
+        packer = self
+
+        class _Insert:
+            def __enter__(self):
+                self.ctx = _at(packer.graph, packer.cursor)
+                self.ctx.__enter__()
+                self.before = packer.cursor.next
+
+            def __exit__(self, *exc):
+                self.ctx.__exit__(*exc)
+                packer.cursor = self.before.prev  # the last node inserted
+
+        return _Insert()
+
+    def _near(self, x: Node):
+        """Insert right after `x` when it comes after the prologue, else at the prologue's end."""
+        return _at(self.graph, x) if _later(x, self.cursor) else self._prologue()
+
+    def positions(self) -> Node:
+        """Each packed token's position in its sequence."""
+        if self._pos is None:
+            S = self._mask_size(1)
+            with self._prologue():
+                self._pos = self._call(aten.remainder.Scalar, (self.indices, S))
+        return self._pos
+
+    def batches(self) -> Node:
+        """Each packed token's sequence."""
+        if self._batch is None:
+            S = self._mask_size(1)
+            with self._prologue():
+                self._batch = self._call(aten.div.Tensor_mode, (self.indices, S), {"rounding_mode": "floor"})
+        return self._batch
+
+    # --- operands
+    def gather(self, x: Node, tok: Tok) -> Node:
+        """`x` (a padded token tensor from outside the region) packed."""
+        key = (x, tok)
+        if key not in self.gathered:
+            self.positions() if is_op(x, aten.expand) else None  # (made first: the gather may read it)
+            self.batches() if is_op(x, aten.expand) else None
+            with self._near(x):
+                self.gathered[key] = self._gather(x, tok)
+        return self.gathered[key]
+
+    def _gather(self, x: Node, tok: Tok) -> Node:
+        shape = list(val(x).shape)
+        if tok.flat:
+            return self._call(aten.index_select.default, (x, 0, self.indices))
+        if tok.seq != 1:  # tokens leading first, gathered, then back in place
+            moved = self._call(aten.movedim.int, (x, tok.seq, 1))
+            packed = self._gather(moved, Tok(1))
+            return self._call(aten.movedim.int, (packed, 0, tok.seq - 1))
+        rest = shape[2:]
+        if not all(isinstance(d, int) for d in rest):
+            raise _Unsupported(f"{x.name} has symbolic feature sizes")
+        if is_op(x, aten.expand) and tensor_meta(x.args[0]).dim() == len(shape):
+            src = tensor_meta(x.args[0]).shape
+            if _eq(src[0], 1) and _eq(src[1], self.grid.S) and list(src[2:]) == rest:
+                return self._rows(x.args[0], rest, self._pos)  # a position table: no [B, S, ...] copy
+            if _eq(src[0], self.grid.B) and _eq(src[1], 1) and list(src[2:]) == rest:
+                return self._rows(x.args[0], rest, self._batch)
+        return self._rows(x, rest, self.indices)
+
+    def _rows(self, x: Node, rest: list, index: Node) -> Node:
+        """index_select(x.reshape(-1, *rest), 0, index)."""
+        flat = self._call(aten.reshape.default, (x, [-1, *rest]))
+        return self._call(aten.index_select.default, (flat, 0, index))
+
+    def operand(self, x: Node, role: Role, out_tok: Tok, out_nd: int | None) -> Node:
+        """The packed node's operand for `x` in `role`."""
+        if role.kind == "token":
+            return self.packed[x] if x in self.packed else self.gather(x, role.tok)
+        if role.kind == "bcast":
+            return x  # (a size-1 batch dim is squeezed by the caller, who knows the output's rank)
+        shape = list(val(x).shape)
+        seq_at = out_tok.seq - (out_nd - len(shape))  # (pos and batch operands: out_tok.seq == 1)
+        rest = shape[seq_at + 1:]
+        if not all(isinstance(d, int) for d in rest):
+            raise _Unsupported(f"{x.name} has symbolic feature sizes")
+        index = self.positions() if role.kind == "pos" else self.batches()
+        with self._near(x):
+            return self._rows(x, rest, index)
+
+    # --- nodes
+    def pack(self, n: Node) -> None:
+        """The packed version of region node `n`, inserted after it."""
+        tok = self.region.tok[n]
+        if n in self.region.attentions:
+            self._pack_attention(self.region.attentions[n])
+            return
+        if n.target is operator.getitem:
+            src = self.packed.get(n.args[0])
+            if src is None:  # (an attention's output: packed with it)
+                return
+            with _at(self.graph, src if _later(src, n) else n):
+                g = self.graph.call_function(operator.getitem, (src, n.args[1]))
+                sv = val(src)
+                if isinstance(sv, (tuple, list)):
+                    g.meta["val"] = sv[n.args[1]]
+            self.packed[n] = g
+            return
+        rule = _rule(n)
+        out_tok = tok if isinstance(tok, Tok) else next(t for t in tok if t is not None)
+        roles = rule.roles(n, out_tok, self.grid)
+        args, kwargs = rule.args(n, out_tok, self.T)
+        args, kwargs = list(args), dict(kwargs)
+        out_nd = tensor_meta(n).dim() if isinstance(val(n), torch.Tensor) else None
+        with _at(self.graph, self._latest(n, roles)):
+            for path, role in roles.items():
+                x = _arg(n, path)
+                new = self.operand(x, role, out_tok, out_nd)
+                if role.kind == "bcast" and out_nd is not None and val(x).dim() == out_nd and not out_tok.flat:
+                    new = self._call(aten.squeeze.dim, (x, 0))  # (its batch dim is 1: the packed output has none)
+                _set_arg(args, kwargs, path, new)
+            self.packed[n] = self._call(n.target, tuple(args), kwargs)
+
+    def _latest(self, n: Node, roles: dict) -> Node:
+        """Where the packed node of `n` goes: after `n` and after every packed operand it reads."""
+        at = n
+        for path in roles:
+            x = _arg(n, path)
+            p = self.packed.get(x)
+            if p is not None and _later(p, at):
+                at = p
+        return at
+
+    def _pack_attention(self, a: AttentionCall) -> None:
+        g = self.graph
+        at = a.node
+        for x in a.operands.values():
+            p = self.packed.get(x)
+            if p is not None and _later(p, at):
+                at = p
+        with _at(g, at):
+            if a.seed is NEW_SEED:  # (an SDPA call that drops out: its own RNG state is PyTorch's)
+                from .graph_utils import insert_seed
+
+                a.seed = insert_seed(g, self.ctx)
+            ops = {}
+            for name, x in a.operands.items():
+                tok = Tok(1) if name == "qkv" else Tok(2)
+                ops[name] = self.packed[x] if x in self.packed else self.gather(x, tok)
+            if "qkv" in a.operands:
+                node = self._call(dmfx.qkv_varlen_attention.default,
+                                  (ops["qkv"], a.heads, self.cu_seqlens, a.scale, a.causal, a.seed, a.p))
+            else:
+                thd = [self._call(aten.transpose.int, (ops[x], 0, 1)) for x in "qkv"]
+                node = self._call(dmfx.varlen_attention.default,
+                                  (*thd, self.cu_seqlens, a.scale, a.causal, a.seed, a.p))
+            out, _ = insert_getitems(g, node, 2)
+            # the original output [B, H, S, Dv] packed is [H, T, Dv]
+            self.packed[a.out] = self._call(aten.transpose.int, (out, 0, 1))
+        record(self.ctx, "unpad", [a.node], into=node)
+
+    def scatter(self, n: Node, tok: Tok) -> Node:
+        """Region value `n` back in its padded shape, zeros at the padding."""
+        p = self.packed[n]
+        shape = list(val(n).shape)
+        with _at(self.graph, p):
+            if not tok.flat and tok.seq != 1:
+                moved = self._call(aten.movedim.int, (p, tok.seq - 1, 0))
+                full = self._scatter_rows(moved, shape[:1] + [shape[tok.seq]] + [d for i, d in enumerate(shape) if i not in (0, tok.seq)])
+                return self._call(aten.movedim.int, (full, 1, tok.seq))
+            return self._scatter_rows(p, shape)
+
+    def _scatter_rows(self, p: Node, shape: list) -> Node:
+        """[T, ...] -> zeros [B * S, ...] with the rows at indices -> `shape` ([B, S, ...] or [B * S, ...])."""
+        rows = [self._size(self.grid.B * self.grid.S), *val(p).shape[1:]]
+        zeros = self._call(aten.new_zeros.default, (p, rows))
+        full = self._call(aten.index_copy.default, (zeros, 0, self.indices, p))
+        return self._call(aten.reshape.default, (full, [self._size(d) for d in shape]))
+
+
+def _bind_unbacked(n: Node) -> None:
+    """Record on `n` the data-dependent sizes its fake value made (``meta["unbacked_bindings"]``, as
+    a traced graph has them), taking them off the shape environment's pending list: tracing the graph
+    again (AOTAutograd) must not find symbols no node owns."""
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
+
+    mode = detect_fake_mode([n.meta.get("val")])
+    shape_env = getattr(mode, "shape_env", None)
+    if shape_env is not None:
+        bindings = compute_unbacked_bindings(shape_env, n.meta["val"])
+        if bindings:
+            n.meta["unbacked_bindings"] = bindings
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _at(graph: Graph, n: Node):
+    """Insert right after `n`, each new node after the previous one (FX's inserting_after would put
+    each right after `n`, in reverse order)."""
+    return graph.inserting_before(n.next)
+
+
+def _set_arg(args: list, kwargs: dict, path: tuple, new: Any) -> None:
+    if path[0] == "k":
+        kwargs[path[1]] = new
+    elif len(path) == 3:
+        seq = list(args[path[1]])
+        seq[path[2]] = new
+        args[path[1]] = type(args[path[1]])(seq) if isinstance(args[path[1]], tuple) else seq
+    else:
+        args[path[1]] = new
+
+
+def _later(a: Node, b: Node) -> bool:
+    """Whether node `a` comes after node `b` in their graph."""
+    n = b.next
+    while n.op != "root":
+        if n is a:
+            return True
+        n = n.next
+    return False
+
+
+# ----------------------------------------------------------------------------------------- the pass
+
+
+def unpad(gm: GraphModule, ctx: PassContext) -> None:
+    """The pass (module docstring); runs only with the option ``unpad=True``."""
+    if not getattr(ctx, "unpad", False):
+        return
+    graph = gm.graph
+    calls, cache = [], {}
+    for n in list(graph.nodes):
+        found = attention_call(n)
+        if found is None:
+            continue
+        if isinstance(found, str):
+            ctx.miss("unpad", n, found)
+            continue
+        shapes = _attention_shapes(found)
+        if isinstance(shapes, str):
+            ctx.miss("unpad", n, shapes)
+            continue
+        B, H, S, D, qm = shapes
+        why = _varlen_ok(qm, D, D if "qkv" in found.operands else tensor_meta(found.operands["v"]).shape[-1])
+        source = None
+        if why is None:
+            source, why = padding_mask_input(gm, found.mask, H, B, S, cache)
+        if why is not None:
+            ctx.miss("unpad", n, why)
+            continue
+        calls.append((found, source, B, S))
+    if not calls:
+        return
+    sources = {}
+    for c in calls:
+        sources.setdefault(c[1], []).append(c)
+    source, chosen = max(sources.items(), key=lambda kv: len(kv[1]))
+    for other, cs in sources.items():
+        if other is not source:
+            for c in cs:
+                ctx.miss("unpad", c[0].node, f"another padding mask ({other.name}) than {source.name}: one per graph is unpadded")
+    grid = Grid(source, chosen[0][2], chosen[0][3])
+    region = Region(grid, [c[0] for c in chosen])
+    for c in chosen:
+        alone = Region(grid, [c[0]])
+        if not (_seed_attention(alone, c[0]) and _self_attention(alone, c[0])):
+            region.attentions.pop(c[0].node)
+            ctx.miss("unpad", c[0].node, "q, k and v are not computed from one token tensor (cross-attention) or in "
+                                         "one layout")
+            continue
+        snapshot = (dict(region.tok), dict(region.entries))
+        if not _seed_attention(region, c[0]):
+            region.tok, region.entries = snapshot
+            region.attentions.pop(c[0].node)
+            ctx.miss("unpad", c[0].node, "q, k or v is packed in two different layouts")
+    if not region.attentions:
+        return
+    region.grow_forward()
+    try:
+        _rewrite(gm, ctx, region)
+    except _Unsupported as e:
+        raise RuntimeError(f"dmfx: unpad: {e}") from e
+
+
+# ----------------------------------------------------------------------------------------- the hint
+
+
+@dataclass(frozen=True)
+class PaddingHint:
+    """A graph that ``unpad=True`` would run on its real tokens: which input is its padding mask (its
+    position among the graph's inputs) and how many attentions read it."""
+
+    input_index: int
+    input_name: str
+    attentions: int
+
+
+def _eager_attention_masks(n: Node) -> list[Node]:
+    """What an unfused attention's softmax over 4-D scores adds to them, ``_softmax(add(a, b))``: both
+    operands (the scores' own fail padding_mask_input at once: they read the weights too)."""
+    if not is_op(n, aten._softmax) or not is_op(n.args[0], aten.add):
+        return []
+    x = n.args[0]
+    if tensor_meta(x) is None or tensor_meta(x).dim() != 4:
+        return []
+    return [a for a in x.args[:2] if isinstance(a, Node) and isinstance(val(a), torch.Tensor)]
+
+
+def padding_hint(gm: GraphModule) -> PaddingHint | None:
+    """Whether `gm` (a lowered graph, fused or not) has attentions that read one HF padding mask, so
+    that ``unpad=True`` would skip its padding: the hint the backend logs once, at the first call,
+    when the batch is mostly padding (the option is off). None when it has none."""
+    cache: dict = {}
+    found: dict[Node, int] = {}
+    for n in gm.graph.nodes:
+        masks = []
+        a = attention_call(n)
+        if isinstance(a, AttentionCall):
+            shapes = _attention_shapes(a)
+            if isinstance(shapes, str):
+                continue
+            B, H, S = shapes[:3]
+            masks = [(a.mask, H, B, S)]
+        else:
+            for m in _eager_attention_masks(n):
+                B, H, S = tensor_meta(n).shape[:3]
+                masks.append((m, H, B, S))
+        for mask, H, B, S in masks:
+            source, why = padding_mask_input(gm, mask, H, B, S, cache)
+            if source is not None:
+                found[source] = found.get(source, 0) + 1
+    if not found:
+        return None
+    source, count = max(found.items(), key=lambda kv: kv[1])
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return PaddingHint(inputs.index(source), source.name, count)
+
+
+def _rewrite(gm: GraphModule, ctx: PassContext, region: Region) -> None:
+    graph = gm.graph
+    packer = Packer(gm, ctx, region)
+    order = [n for n in graph.nodes if n in region.tok]
+    for n in order:
+        packer.pack(n)
+    # readers outside the region (and graph outputs) read the padded values back
+    for n in order:
+        if n not in packer.packed:
+            continue
+        outside = [u for u in n.users if u not in region.tok]
+        tok = region.tok[n]
+        if not outside or not isinstance(tok, Tok):
+            continue
+        full = packer.scatter(n, tok)
+        for u in outside:
+            u.replace_input_with(n, full)
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    ctx.unpadded = {"mask": region.grid.mask.name, "input_index": inputs.index(region.grid.mask),
+                    "attentions": len(region.attentions),
+                    "row_ops": sum(1 for n in order if n not in region.attentions and n.target is not operator.getitem)}
+    rows = " x ".join(str(d) for d in (region.grid.B, region.grid.S))
+    log.debug("dmfx: unpad: %d nodes run on the real tokens of %s's [%s] grid", len(order), region.grid.mask.name, rows)

@@ -1,0 +1,377 @@
+"""The unpad pass (passes/unpad.py, option ``unpad=True``): a padded encoder batch runs on its real
+tokens alone. Outputs at real positions and every parameter gradient equal eager's, padding positions
+hold zeros, a batch with another number of real tokens runs the same graph, and whatever is not an
+HF padding mask is left alone with the reason recorded."""
+
+import pytest
+import torch
+
+import dmfx
+
+transformers = pytest.importorskip("transformers")
+
+UNPAD = {"unpad": True, "fuse": "all"}
+SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def encoder(family: str, impl: str = "eager"):
+    """A small HF encoder of `family` (dropout off) and its padding token id."""
+    if family == "bert":
+        return transformers.BertModel(transformers.BertConfig(vocab_size=100, attn_implementation=impl, **SMALL)), 0
+    if family == "roberta":
+        cfg = transformers.RobertaConfig(vocab_size=100, pad_token_id=1, attn_implementation=impl, **SMALL)
+        return transformers.RobertaModel(cfg), 1
+    if family == "distilbert":
+        cfg = transformers.DistilBertConfig(vocab_size=100, dim=32, n_layers=2, n_heads=4, hidden_dim=64, dropout=0.0,
+                                            attention_dropout=0.0, attn_implementation=impl)
+        return transformers.DistilBertModel(cfg), 0
+    if family == "bart":
+        cfg = transformers.BartConfig(vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=1,
+                                      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                      decoder_ffn_dim=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                                      attn_implementation=impl)
+        return transformers.BartModel(cfg).get_encoder(), 1
+    if family == "t5":
+        cfg = transformers.T5Config(vocab_size=100, d_model=32, d_kv=8, num_layers=2, num_heads=4, d_ff=64,
+                                    dropout_rate=0.0, attn_implementation=impl)
+        return transformers.T5EncoderModel(cfg), 0
+    raise ValueError(family)
+
+
+def padded_batch(B=3, S=9, pad_id=0, lengths=(5, 9, 7), left=False, holes=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 100, (B, S), generator=g)
+    pos = torch.arange(S)
+    mask = (pos[None, :] < torch.tensor(lengths)[:, None]).long()
+    if left:
+        mask = mask.flip(1)
+    if holes:
+        mask[0, 1] = 0
+        mask[2, 3] = 0
+    ids = torch.where(mask.bool(), ids, torch.full_like(ids, pad_id))
+    return ids, mask
+
+
+def unpad_misses(record):
+    return [m for m in record.missed if m.startswith("unpad")]
+
+
+def forward_and_grads(model, run, ids, mask, R, params):
+    for p in params:
+        p.grad = None
+    out = run(input_ids=ids, attention_mask=mask).last_hidden_state
+    (out * R).sum().backward()
+    return out.detach(), [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
+
+
+def assert_grads_equal(grads, ref, tol=1e-5):
+    """Each gradient judged relative to the largest one (some, such as a key bias's, are zero
+    analytically: rounding alone)."""
+    top = max(g.abs().max().item() for g in ref)
+    for g, r in zip(grads, ref):
+        assert (g - r).abs().max().item() <= tol * top
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_bert_inference_runs_on_real_tokens(impl):
+    model, pad = encoder("bert", impl)
+    model.eval()
+    ids, mask = padded_batch(pad_id=pad)
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        out = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+    real = mask.bool()
+    assert torch.allclose(out[real], ref[real], atol=1e-5)
+    assert torch.equal(out[~real], torch.zeros_like(out[~real]))  # padding positions: zeros
+    (record,) = dmfx.records()
+    assert record.fired.get("unpad") == 2, record.summary()  # both layers' attention
+    assert not unpad_misses(record)
+    graph = record.inference_graph
+    assert sum(n.target is torch.ops.dmfx.unpad_index.default for n in graph.graph.nodes) == 1
+    assert sum(n.target is torch.ops.dmfx.varlen_attention.default for n in graph.graph.nodes) == 2
+
+
+@pytest.mark.parametrize("family,impl", [("bert", "eager"), ("bert", "sdpa"), ("roberta", "sdpa"),
+                                         ("distilbert", "eager"), ("bart", "eager"), ("bart", "sdpa")])
+def test_training_gradients_equal_eager(family, impl):
+    model, pad = encoder(family, impl)
+    model.train()
+    ids, mask = padded_batch(pad_id=pad)
+    real = mask.bool()
+    R = torch.randn(*ids.shape, 32) * real[..., None]  # the padding positions' outputs reach no loss
+    params = list(model.parameters())
+    ref, ref_grads = forward_and_grads(model, model, ids, mask, R, params)
+    out, grads = forward_and_grads(model, torch.compile(model, backend="dmfx", options=UNPAD), ids, mask, R, params)
+    assert torch.allclose(out[real], ref[real], atol=1e-5)
+    assert_grads_equal(grads, ref_grads)
+    record = dmfx.records()[-1]
+    assert record.fired.get("unpad") == 2, record.summary()
+
+
+@pytest.mark.parametrize("layout", ["left", "holes"])
+def test_left_padding_and_holes(layout):
+    """Left padding, and padding in the middle of a sequence: the packed sequences are each row's real
+    tokens in order; positions come from the padded layout (computed before the gather), as in eager."""
+    model, pad = encoder("bert")
+    model.eval()
+    ids, mask = padded_batch(pad_id=pad, left=layout == "left", holes=layout == "holes")
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        out = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+    real = mask.bool()
+    assert torch.allclose(out[real], ref[real], atol=1e-5)
+    assert dmfx.records()[-1].fired.get("unpad") == 2
+
+
+def test_another_batch_runs_the_same_graph():
+    """The number of real tokens is a data-dependent size: new batches (any padding, none, one real
+    token per row) neither recompile nor rebuild."""
+    model, pad = encoder("bert")
+    model.eval()
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD)
+    cases = [(5, 9, 7), (9, 9, 9), (1, 1, 1), (2, 8, 3)]
+    with torch.no_grad():
+        for lengths in cases:
+            ids, mask = padded_batch(pad_id=pad, lengths=lengths)
+            ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            out = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+            real = mask.bool()
+            assert torch.allclose(out[real], ref[real], atol=1e-5), lengths
+    assert len(dmfx.records()) == 1
+
+
+def test_a_row_of_padding_only_gives_zeros():
+    model, pad = encoder("bert")
+    model.eval()
+    ids, mask = padded_batch(pad_id=pad, lengths=(4, 0, 9))
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        out = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+    real = mask.bool()
+    assert torch.allclose(out[real], ref[real], atol=1e-5)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+def test_a_mask_that_is_not_0_1_raises():
+    model, pad = encoder("bert")
+    model.eval()
+    ids, mask = padded_batch(pad_id=pad)
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD)
+    with torch.no_grad():
+        compiled(input_ids=ids, attention_mask=mask)
+        with pytest.raises(ValueError, match="must hold only 0 .padding. and 1"):
+            compiled(input_ids=ids, attention_mask=mask * 2)
+
+
+def _heads():
+    cfg = transformers.BertConfig(vocab_size=100, num_labels=3, **SMALL)
+    return {
+        "sequence classification": (transformers.BertForSequenceClassification(cfg), "sequence"),
+        "token classification": (transformers.BertForTokenClassification(cfg), "token"),
+        "masked LM": (transformers.BertForMaskedLM(cfg), "token"),
+    }
+
+
+@pytest.mark.parametrize("head", ["sequence classification", "token classification", "masked LM"])
+def test_fine_tuning_heads_gradients_equal_eager(head):
+    """The issue's fine-tuning steps: the loss reads only real positions (the first token; labels
+    -100 at the padding), so every parameter gradient is eager's."""
+    model, kind = _heads()[head]
+    model.train()
+    ids, mask = padded_batch()
+    if kind == "sequence":
+        labels = torch.tensor([0, 2, 1])
+    else:
+        vocab = model.config.vocab_size if head == "masked LM" else 3
+        labels = torch.randint(0, vocab, ids.shape).masked_fill(~mask.bool(), -100)
+    params = list(model.parameters())
+
+    def step(run):
+        for p in params:
+            p.grad = None
+        loss = run(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+
+    ref_loss, ref_grads = step(model)
+    loss, grads = step(torch.compile(model, backend="dmfx", options=UNPAD))
+    assert torch.allclose(loss, ref_loss, rtol=1e-5)
+    assert_grads_equal(grads, ref_grads)
+    assert dmfx.records()[-1].fired.get("unpad") == 2
+
+
+def test_dropout_training_runs_and_is_reproducible():
+    cfg = transformers.BertConfig(vocab_size=100, **{**SMALL, "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1})
+    model = transformers.BertModel(cfg).train()
+    ids, mask = padded_batch()
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD)
+
+    def step(seed):
+        torch.manual_seed(seed)
+        model.zero_grad(set_to_none=True)
+        out = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+        out.square().sum().backward()
+        return out.detach(), model.embeddings.word_embeddings.weight.grad.clone()
+
+    a, ga = step(3)
+    b, gb = step(3)
+    assert torch.equal(a, b) and torch.equal(ga, gb)
+    assert torch.isfinite(ga).all()
+    assert dmfx.records()[-1].fired.get("unpad") == 2
+
+
+# ----------------------------------------------------------------------------------------- near-misses
+
+
+def _compile_and_compare(model, ids, mask, **kw):
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, **kw)
+        out = compiled(input_ids=ids, attention_mask=mask, **kw)
+    assert torch.allclose(out.last_hidden_state, ref.last_hidden_state, atol=1e-5)
+    return dmfx.records()[-1], out
+
+
+def test_t5_learned_position_bias_is_left_alone():
+    model, pad = encoder("t5")
+    model.eval()
+    ids, mask = padded_batch(pad_id=pad)
+    record, _ = _compile_and_compare(model, ids, mask)
+    assert "unpad" not in record.fired
+    assert any("not from one padding mask alone" in m for m in unpad_misses(record)), record.missed
+
+
+def test_causal_mask_is_left_alone():
+    cfg = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                                  attn_pdrop=0.0, attn_implementation="eager")
+    model = transformers.GPT2Model(cfg).eval()
+    ids, mask = padded_batch()
+    record, _ = _compile_and_compare(model, ids, mask)
+    assert "unpad" not in record.fired
+    assert any("not a padding mask" in m for m in unpad_misses(record)), record.missed
+
+
+def test_returned_attention_probabilities_are_left_alone():
+    model, pad = encoder("bert")
+    model.eval()
+    ids, mask = padded_batch(pad_id=pad)
+    record, out = _compile_and_compare(model, ids, mask, output_attentions=True)
+    assert "unpad" not in record.fired
+    # (where the attention fusion fired, unpad names the reason; under torch 2.11 that fusion itself misses)
+    assert all("probabilities" in m for m in unpad_misses(record)), record.missed
+
+
+def test_no_mask_is_left_alone():
+    model, pad = encoder("bert")
+    model.eval()
+    ids = torch.randint(2, 100, (2, 7))
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD)
+    with torch.no_grad():
+        assert torch.allclose(compiled(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state, atol=1e-5)
+    record = dmfx.records()[-1]
+    assert "unpad" not in record.fired
+
+
+def test_off_by_default():
+    model, pad = encoder("bert")
+    model.eval()
+    ids, mask = padded_batch(pad_id=pad)
+    with torch.no_grad():
+        torch.compile(model, backend="dmfx", options={"fuse": "all"})(input_ids=ids, attention_mask=mask)
+    assert "unpad" not in dmfx.records()[-1].fired
+
+
+def test_option_is_checked():
+    with pytest.raises(ValueError, match="unpad"):
+        dmfx.with_options(unpad="yes")
+
+
+# ----------------------------------------------------------------------------------------- the hint
+
+
+@pytest.mark.parametrize("options", [{"compiler": "fx"}, {"compiler": "inductor"}])
+def test_a_mostly_padded_batch_suggests_the_option(options, caplog):
+    """Without unpad, a graph whose attentions read a padding mask says once, at its first call, how
+    much of the batch was padding and what unpad=True would skip (also for a graph left to Inductor
+    whole)."""
+    import logging
+
+    model, pad = encoder("bert")
+    model.eval()
+    ids, mask = padded_batch(pad_id=pad, lengths=(2, 9, 3))  # 14 of 27 positions real: 48% padding
+    compiled = torch.compile(model, backend="dmfx", options=options)
+    with caplog.at_level(logging.INFO, logger="dmfx"), torch.no_grad():
+        compiled(input_ids=ids, attention_mask=mask)
+        compiled(input_ids=ids, attention_mask=mask)
+    said = [r.getMessage() for r in caplog.records if "would run its row-wise ops" in r.getMessage()]
+    assert len(said) == 1 and "48% padding" in said[0] and "options={'unpad': True}" in said[0]
+    assert "attention_mask" in said[0]  # (the input as the model names it)
+    record = dmfx.records()[-1]
+    assert record.unpad == {"option": False, "mask": record.unpad["mask"], "attentions": 2, "padding": 0.4815}
+
+
+def test_unpadded_graph_records_its_mask_and_padding():
+    model, pad = encoder("bert")
+    model.eval()
+    ids, mask = padded_batch(pad_id=pad, lengths=(2, 9, 3))
+    with torch.no_grad():
+        torch.compile(model, backend="dmfx", options=UNPAD)(input_ids=ids, attention_mask=mask)
+    record = dmfx.records()[-1]
+    assert record.unpad["option"] and record.unpad["attentions"] == 2 and record.unpad["padding"] == 0.4815
+    assert "attention_mask" in record.unpad["mask"]
+    assert record.unpad["row_ops"] > 10
+    assert "unpadded by" in record.summary()
+
+
+def test_explain_reports_rows_and_bytes_with_and_without_unpad():
+    model, pad = encoder("bert")
+    ids, mask = padded_batch(pad_id=pad, lengths=(2, 9, 3))
+    report = dmfx.explain(model, input_ids=ids, attention_mask=mask, training=True, dmfx_options={"unpad": True})
+    up = report["unpad"]
+    assert up["rows_padded"] == 27 and up["rows_computed"] == 14
+    assert up["bytes_with_unpad"] < up["bytes_without_unpad"]
+    rt = report["runtime"]["after"]
+    assert abs(rt["diff_pct"]) < 1.0  # the static cost counts the rows that ran (the real tokens' count)
+    assert "14 of 27 token rows computed" in str(report)
+
+
+def test_cross_attention_of_equal_lengths_is_left_alone():
+    """BART's decoder reads the encoder's states with the encoder's padding mask over keys of the
+    decoder's length here: cross-attention, not a padded self-attention (its queries are other tokens).
+    The encoder's self-attentions are unpadded; the cross-attention is not."""
+    cfg = transformers.BartConfig(vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                                  decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=0.0,
+                                  attention_dropout=0.0, activation_dropout=0.0, attn_implementation="eager")
+    model = transformers.BartModel(cfg).eval()
+    ids, mask = padded_batch(pad_id=1)
+    dec = torch.randint(2, 100, ids.shape)  # as long as the encoder's input
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, decoder_input_ids=dec)
+        out = compiled(input_ids=ids, attention_mask=mask, decoder_input_ids=dec)
+    assert torch.allclose(out.last_hidden_state, ref.last_hidden_state, atol=1e-5)  # the decoder: every position
+    real = mask.bool()
+    assert torch.allclose(out.encoder_last_hidden_state[real], ref.encoder_last_hidden_state[real], atol=1e-5)
+    record = dmfx.records()[-1]
+    assert record.fired.get("unpad", 0) <= 1, record.summary()  # at most the encoder's self-attention
+    assert any("cross-attention" in m for m in unpad_misses(record)), record.missed
+
+
+def test_dynamic_shapes_one_graph_for_every_batch_shape():
+    model, pad = encoder("bert")
+    model.eval()
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD, dynamic=True)
+    with torch.no_grad():
+        for B, S, lengths in [(3, 9, (5, 9, 7)), (2, 12, (12, 3)), (4, 7, (1, 7, 2, 5))]:
+            ids, mask = padded_batch(B, S, pad, lengths)
+            ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            out = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+            real = mask.bool()
+            assert torch.allclose(out[real], ref[real], atol=1e-5), (B, S)
+            assert not out[~real].any()
+    (record,) = dmfx.records()
+    assert record.fired.get("unpad") == 2
