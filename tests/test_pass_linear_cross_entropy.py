@@ -283,3 +283,21 @@ def test_hf_causal_lm_called_for_its_loss_alone_fires_and_matches_eager():
     largest = max(g.norm() for _, _, g in grads)
     for name, got, exp in grads:
         assert rel_err(got, exp, scale=largest) < 1e-5, name
+
+
+def test_under_inductor_the_op_is_an_extern_kernel_and_the_step_matches_eager():
+    """compiler="inductor" (users' default; fuse="all": a CPU graph without dropout would go to Inductor
+    whole): the op and its backward run as extern kernels inside Inductor's code."""
+    model = LossHead(bias=True, reduction="none")
+    ref = copy.deepcopy(model)
+    h, labels = torch.randn(2, 20, 16), torch.randint(0, 300, (2, 20))
+    x, xr = h.clone().requires_grad_(), h.clone().requires_grad_()
+    options = {"fallback": False, "compiler": "inductor", "fuse": "all"}
+    loss, want = torch.compile(model, backend="dmfx", options=options)(x, labels), ref(xr, labels)
+    R = torch.randn(want.shape)
+    (loss * R).sum().backward()
+    (want * R).sum().backward()
+    record = dmfx.records()[-1]
+    assert record.compiler == "inductor" and record.fired.get("linear_cross_entropy") == 1, (record.compiler, record.fired)
+    assert rel_err(loss, want) < 1e-6
+    _grads_match(model, ref, x.grad, xr.grad, 1e-5)
