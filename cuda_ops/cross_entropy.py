@@ -160,14 +160,15 @@ CHUNK_ELEMENTS = 1 << 24
 MIN_CHUNK = 256
 
 
-def default_chunk(N: int, V: int) -> int:
+def default_chunk(N: int | None, V: int) -> int:
     """The rows per chunk dmfx::linear_cross_entropy uses by default (the pass and the Python API): the
     largest power of two whose ``[chunk, V]`` logits hold at most ``CHUNK_ELEMENTS`` elements, at least
-    ``MIN_CHUNK``, and no more than N rounded up to a power of two (one chunk for a small batch).
-    V = 32000: 512 rows; GPT-2's 50257: 256; LLaMA 3's 128256: 256 (a 32.8M-element chunk)."""
+    ``MIN_CHUNK``, and no more than N rounded up to a power of two (one chunk for a small batch; N None:
+    not known when the graph is compiled, no cap). V = 32000: 512 rows; GPT-2's 50257: 256; LLaMA 3's
+    128256: 256 (a 32.8M-element chunk)."""
     rows = max(MIN_CHUNK, CHUNK_ELEMENTS // max(V, 1))
     rows = 1 << (rows.bit_length() - 1)
-    return max(1, min(rows, 1 << max(N - 1, 0).bit_length()))
+    return rows if N is None else max(1, min(rows, 1 << max(N - 1, 0).bit_length()))
 
 
 def _check_lce(op: str, hidden, weight, bias, target, label_smoothing, reduction, chunk) -> None:

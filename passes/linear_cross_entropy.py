@@ -27,7 +27,7 @@ Training: with a reduced loss (mean, sum) the op computes the gradients of the i
 in the forward, chunk by chunk (``grads``: 3 GEMMs over the logits in all instead of 4, measured in
 bench/RESULTS.md), and its backward scales them; with reduction none (a gradient per row, known only
 in the backward) the backward recomputes the logits chunk by chunk. The rows per chunk are
-``default_chunk(N, V)``, fixed when the graph is compiled.
+``default_chunk(N, V)``, fixed when the graph is compiled (by V alone where N is dynamic).
 """
 
 from __future__ import annotations
@@ -149,7 +149,9 @@ def match_linear_cross_entropy(ce: Node, ctx: PassContext) -> Match | Miss | Non
 
 def rewrite_linear_cross_entropy(graph: Graph, m: Match, ctx: PassContext) -> Replacement:
     x, w, bias = m["hidden"], m["weight"], m["bias"]
-    N, V = (concrete_int(s) for s in (tensor_meta(x).shape[0], tensor_meta(w).shape[0]))
+    N, V = tensor_meta(x).shape[0], concrete_int(tensor_meta(w).shape[0])
+    # a dynamic N (another batch may be larger than the example's): the chunk by V alone
+    chunk = default_chunk(N if isinstance(N, int) else None, V)
     # the gradients the backward will ask for, computed in the forward where the loss is reduced
     reduced = m["reduction"] != REDUCTIONS["none"]
     grads = [reduced and ctx.needs_grad(x), reduced and ctx.needs_grad(w),
@@ -157,7 +159,7 @@ def rewrite_linear_cross_entropy(graph: Graph, m: Match, ctx: PassContext) -> Re
     with graph.inserting_before(m["ce"]):
         fused = insert_call(graph, ctx, torch.ops.dmfx.linear_cross_entropy.default,
                             (x, w, bias, m["target"], m["ignore_index"], m["label_smoothing"], m["reduction"],
-                             default_chunk(N, V), grads))
+                             chunk, grads))
         loss = insert_getitems(graph, fused, 1)[0]
     return Replacement(fused, {g: loss for g in m.returned})
 

@@ -366,6 +366,7 @@ def test_default_chunk():
         c = default_chunk(1 << 20, V)
         assert c & (c - 1) == 0 and c >= 256 and (c * V <= CHUNK_ELEMENTS or c == 256), (V, c)
     assert default_chunk(100, 32000) == 128 and default_chunk(1, 32000) == 1 and default_chunk(0, 5) == 1
+    assert default_chunk(None, 32000) == 512 and default_chunk(None, 128256) == 256  # (N unknown: no cap)
 
 
 def test_linear_cross_entropy_bad_input_gives_clear_errors():

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from conftest import check_same, rel_err, rewrite
 
 import dmfx
+from dmfx.cuda_ops.cross_entropy import default_chunk
 
 aten, dmfx_ops = torch.ops.aten, torch.ops.dmfx
 V, H = 50, 16
@@ -301,3 +302,19 @@ def test_under_inductor_the_op_is_an_extern_kernel_and_the_step_matches_eager():
     assert record.compiler == "inductor" and record.fired.get("linear_cross_entropy") == 1, (record.compiler, record.fired)
     assert rel_err(loss, want) < 1e-6
     _grads_match(model, ref, x.grad, xr.grad, 1e-5)
+
+
+def test_dynamic_shapes_one_graph_for_every_batch_and_a_chunk_by_the_vocabulary_alone():
+    model = LossHead(vocab=300)
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="dmfx", options={"fallback": False}, dynamic=True)
+    for S in (9, 13, 40):
+        h, labels = torch.randn(2, S, 16), torch.randint(0, 300, (2, S))
+        x, xr = h.clone().requires_grad_(), h.clone().requires_grad_()
+        loss, want = compiled(x, labels), ref(xr, labels)
+        loss.backward()
+        want.backward()
+        assert rel_err(loss, want) < 1e-6 and rel_err(x.grad, xr.grad) < 1e-5
+    (record,) = dmfx.records()
+    (n,) = _fused(record.forward_graph)
+    assert record.fired.get("linear_cross_entropy") == 1 and n.args[7] == default_chunk(None, 300) == 32768
