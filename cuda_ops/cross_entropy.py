@@ -147,8 +147,6 @@ LIB.define(
     "Tensor? dhidden=None, Tensor? dweight=None, Tensor? dbias=None) -> (Tensor, Tensor, Tensor)"
 )
 
-LINEAR_OPS = ("linear_cross_entropy", "linear_cross_entropy_backward")
-
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _NAMES = ("hidden", "weight", "bias")
 
