@@ -16,6 +16,13 @@ Two workloads, each candidate timed interleaved (A B C A B C ...), medians:
   are compared with eager's with dropout off before timing.
 
     python -m bench.padded [--workload embed|finetune] [--batch 32] [--rounds 15] [--threads 2]
+
+Page faults: PyTorch's CPU tensors come from glibc's malloc, which returns large freed blocks to the
+OS, so every step faults its activations in again (the kernel zeroes each fresh page); ONNX Runtime
+keeps its own arena. On these machines that costs eager, Inductor and dmfx alike 2-3x per step. Run
+with ``MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296`` (glibc keeps freed
+memory; or preload jemalloc / tcmalloc, as PyTorch's CPU tuning guide advises) to see the candidates
+without it; bench/RESULTS.md reports both.
 """
 
 from __future__ import annotations
@@ -33,6 +40,9 @@ from .common import interleaved, log, median
 WORDS = ("data movement is all you need transformers spend most of their time moving tensors between memory "
          "and compute units rather than multiplying them so a compiler that fuses the small operators around "
          "each matrix multiplication saves bandwidth padding wastes work on tokens that carry no meaning").split()
+
+
+ROW_FUSIONS = ["norm_idioms", "layer_norm", "bias_dropout_residual_norm", "activation_idioms", "bias_act_dropout", "dropout"]
 
 
 def sentences(n: int, lo: int, hi: int, seed: int = 0) -> list[str]:
@@ -140,7 +150,10 @@ def embed(args) -> None:
     if "eager-sdpa" in wanted:
         cands["eager-sdpa"] = torch_case("eager-sdpa", load("sdpa"))
     compiled = {"inductor": dict(), "dmfx": dict(backend="dmfx"), "dmfx-unpad": dict(backend="dmfx", options={"unpad": True}),
-                "dmfx-unpad-fx": dict(backend="dmfx", options={"unpad": True, "compiler": "fx"})}
+                "dmfx-unpad-fx": dict(backend="dmfx", options={"unpad": True, "compiler": "fx"}),
+                # ablations: Inductor's own row-wise fusions around dmfx's varlen attention; one QKV GEMM
+                "dmfx-unpad-attn-only": dict(backend="dmfx", options={"unpad": True, "skip": ROW_FUSIONS}),
+                "dmfx-unpad-qkv": dict(backend="dmfx", options={"unpad": True, "stack_qkv": True})}
     for name, kw in compiled.items():
         if name in wanted:
             m = load(args.attn)
@@ -196,7 +209,7 @@ def finetune(args) -> None:
     torch.manual_seed(0)
     rng = random.Random(args.seed)
     S = args.seq
-    lengths = [rng.randint(max(2, S // 8), S) for _ in range(args.batch)]
+    lengths = [rng.randint(4, S) for _ in range(args.batch)]  # about half the positions are padding
     lengths[0] = S
     ids = torch.randint(1000, cfg.vocab_size, (args.batch, S))
     mask = (torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]).long()

@@ -1,6 +1,7 @@
 """The kernel cache: warm loads, concurrent builds, killed builds, corruption, read-only directories."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -179,6 +180,68 @@ def test_where_the_avx2_build_skips(monkeypatch, machine, flags, expected):
         with pytest.raises(build.KernelBuildError, match="cannot run here"):
             with build.using_cpu_build("cpu_avx2"):
                 pass
+
+
+# ------------------------------------------------------------------ the CPU build's translation units
+
+# What the glue needs and a kernel unit must not parse: ~15 s a unit together (build.py's docstring)
+GLUE_HEADERS = ("torch/library.h", "torch/csrc/autograd/custom_function.h", "torch/csrc/utils/pybind.h",
+                "torch/extension.h", "torch/python.h", "ATen/ATen.h")
+GLUE_PART = "#else  // DMFX_CPU_GLUE"
+
+
+def _includes(text: str, seen: set[str]) -> set[str]:
+    """The <...> headers `text` includes, directly or through the csrc headers it includes ("...")."""
+    found = set()
+    for kind, name in re.findall(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', text, re.M):
+        if kind == "<":
+            found.add(name)
+        elif name not in seen and (build.CSRC / name).is_file():
+            seen.add(name)
+            found |= _includes((build.CSRC / name).read_text(), seen)
+    return found
+
+
+@pytest.mark.parametrize("family", build.FAMILIES)
+def test_a_family_kernel_unit_parses_no_glue_header(family):
+    """<family>_cpu.cpp's kernel part (its own unit, -O3) includes none of the heavy headers the glue
+    needs, not even through a csrc header; its glue part comes after the marker cpu_bindings.cpp's
+    DMFX_CPU_GLUE selects."""
+    text = (build.CSRC / f"{family}_cpu.cpp").read_text()
+    assert text.count("#ifndef DMFX_CPU_GLUE") == 1 and text.count(GLUE_PART) == 1, family
+    kernels = text[: text.index(GLUE_PART)]
+    assert f"void bind_{family}(" not in kernels and "TORCH_LIBRARY_IMPL" not in kernels
+    heavy = _includes(kernels, set()) & set(GLUE_HEADERS)
+    assert not heavy, f"{family}_cpu.cpp's kernels include {sorted(heavy)}: put what needs them in its glue part"
+
+
+def test_the_glue_unit_holds_every_family_glue_at_O1():
+    text = (build.CSRC / "cpu_bindings.cpp").read_text()
+    first_include = text.index("#include")
+    assert text.index('#pragma GCC optimize("O1")') < first_include  # (covers the templates it instantiates)
+    assert text.index("#define DMFX_CPU_GLUE") < first_include
+    for family in build.FAMILIES:
+        assert f'#include "{family}_cpu.cpp"' in text and f"dmfx::bind_{family}(m);" in text, family
+    sources = build.FLAVORS["cpu"].sources
+    assert sources[0] == "cpu_bindings.cpp"  # the longest unit starts first
+    assert sorted(sources[1:]) == sorted(f"{f}_cpu.cpp" for f in build.FAMILIES)
+
+
+@pytest.mark.parametrize("gcc", [True, False])
+def test_the_cpu_build_tunes_gccs_garbage_collection_outside_the_hash(monkeypatch, tmp_path, gcc):
+    """With gcc the CPU units compile with a larger garbage-collection floor (faster, same objects); it
+    is not part of the module's name, and no other compiler gets gcc's --param."""
+    import torch.utils.cpp_extension as ext
+
+    seen = {}
+    monkeypatch.setattr(ext, "load", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(build, "_compiler_is_gcc", lambda: gcc)
+    name = build.module_name("cpu")
+    build._compile("cpu", build.FLAVORS["cpu"], tmp_path)
+    params = [f for f in seen["extra_cflags"] if f.startswith("--param")]
+    assert seen["extra_cflags"][: len(build.FLAVORS["cpu"].cflags)] == list(build.FLAVORS["cpu"].cflags)
+    assert bool(params) == (gcc and bool(build._gcc_gc_params())), params
+    assert build.module_name("cpu") == name
 
 
 # ------------------------------------------------------------------ the CUDA build's architectures

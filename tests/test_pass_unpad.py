@@ -359,3 +359,19 @@ def test_cross_attention_of_equal_lengths_is_left_alone():
     record = dmfx.records()[-1]
     assert record.fired.get("unpad", 0) <= 1, record.summary()  # at most the encoder's self-attention
     assert any("cross-attention" in m for m in unpad_misses(record)), record.missed
+
+
+def test_dynamic_shapes_one_graph_for_every_batch_shape():
+    model, pad = encoder("bert")
+    model.eval()
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD, dynamic=True)
+    with torch.no_grad():
+        for B, S, lengths in [(3, 9, (5, 9, 7)), (2, 12, (12, 3)), (4, 7, (1, 7, 2, 5))]:
+            ids, mask = padded_batch(B, S, pad, lengths)
+            ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            out = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+            real = mask.bool()
+            assert torch.allclose(out[real], ref[real], atol=1e-5), (B, S)
+            assert not out[~real].any()
+    (record,) = dmfx.records()
+    assert record.fired.get("unpad") == 2

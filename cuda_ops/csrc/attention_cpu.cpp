@@ -29,12 +29,16 @@
 // The row math is softmax_cpu.h's (shared with the softmax kernels).
 // float32 and float64 only: bf16/fp16 flash attention runs the unfused form, bf16/fp16 varlen attention
 // is upcast to float32 by its ops (cuda_ops/attention.py, attention_ops.h).
+//
+// The file has two parts (cuda_ops/build.py): the kernels, this file's own translation unit (-O3), and,
+// under DMFX_CPU_GLUE, the glue (the kernel functions' Python bindings, the ops' registration and
+// autograd formulas), which cpu_bindings.cpp includes into the one translation unit of every family's glue.
 
+#ifndef DMFX_CPU_GLUE
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
-#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Dispatch.h>
@@ -668,6 +672,16 @@ void varlen_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::T
 // previous setting. Off, they run the same GEMMs through at::addmm_out (the fallback path).
 bool flash_use_blas(bool on) { return attention_impl::use_blas().exchange(on); }
 
+}  // namespace dmfx
+
+#else  // DMFX_CPU_GLUE: the glue (in cpu_bindings.cpp's translation unit)
+#include <torch/csrc/utils/pybind.h>
+
+#include "cpu_kernels.h"
+
+namespace dmfx {
+bool flash_use_blas(bool on);
+
 void bind_attention(pybind11::module_& m) {
   m.def("flash_use_blas", &flash_use_blas, "flash kernels: call BLAS directly (true) or through ATen (false)",
         pybind11::arg("on"));
@@ -991,3 +1005,4 @@ TORCH_LIBRARY_IMPL(dmfx, Autograd, m) {
          &AutogradKernel<NoDoubleBackward<BackwardOp<QkvVarlenAttentionBackward>>>::call);
 }
 #endif  // DMFX_KERNELS_ONLY
+#endif  // DMFX_CPU_GLUE

@@ -1,12 +1,30 @@
-// The Python module of dmfx's CPU kernels (cuda_ops/build.py builds each family's <family>_cpu.cpp
-// as its own translation unit and links them with this file). Each family file defines
-// dmfx::bind_<family>(m), which adds its kernel functions to the module (the self-check and the tests
-// call them directly), and, unless built with DMFX_KERNELS_ONLY, registers its ops' CPU and Autograd
-// kernels with the dispatcher. Family internals live in named namespaces (dmfx::<family>_impl).
+// The Python module of dmfx's CPU kernels, and the one translation unit of every family's glue
+// (cuda_ops/build.py). Each <family>_cpu.cpp has two parts: its kernels, compiled as the file's own
+// translation unit, and, under DMFX_CPU_GLUE, its glue, included here: dmfx::bind_<family>(m), which
+// adds the family's kernel functions to the module (the self-check and the tests call them directly),
+// and, unless built with DMFX_KERNELS_ONLY, the registration of its ops' CPU and Autograd kernels with
+// the dispatcher (the ops on top of the kernel table, cpu_kernels.h, and the autograd formulas). Family
+// internals live in named namespaces (dmfx::<family>_impl, dmfx::<family>_ops).
+//
+// Why one glue unit: the glue is all templates of torch's heaviest headers (torch/library.h, the
+// autograd Function machinery, pybind11: about 15 s of parsing), parsed once here instead of once per
+// family; the kernel units parse ATen's tensor headers only.
+//
+// Why -O1 (the pragma, before any include, so it covers the templates instantiated here; the kernel
+// units keep the command line's -O3): this unit is host code that calls into libtorch, and a call of
+// an op costs the same with it at -O1 as at -O3 (bench/host_overhead, bench/RESULTS.md), while it
+// compiles about 20% faster; at -O0 a call costs 2-7x more. (gcc only; another compiler ignores it.)
 //
 // kernel_table / use_kernel_table: the table of kernel pointers the registered kernels call
 // (cpu_kernels.h), so build.using_cpu_build can run the ops on another CPU build's kernels.
-// (The pointwise family's bind_pointwise is the exception, defined below: see there why.)
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("O1")
+// At -O1 gcc 12's range analysis loses track of a std::vector<bool>'s size where the glue copies one
+// (the output_mask a kernel takes by value) and warns of a memmove of a "negative" size: a false positive.
+#pragma GCC diagnostic ignored "-Wstringop-overflow"
+#endif
+#define DMFX_CPU_GLUE
+
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -14,13 +32,13 @@
 
 #include "cpu_kernels.h"
 
-namespace dmfx {
-void bind_norm(pybind11::module_& m);
-void bind_softmax(pybind11::module_& m);
-void bind_pointwise(pybind11::module_& m);
-void bind_attention(pybind11::module_& m);
-void bind_cross_entropy(pybind11::module_& m);
+#include "norm_cpu.cpp"
+#include "softmax_cpu.cpp"
+#include "pointwise_cpu.cpp"
+#include "attention_cpu.cpp"
+#include "cross_entropy_cpu.cpp"
 
+namespace dmfx {
 namespace {
 const CpuKernels own_kernels;
 std::atomic<const CpuKernels*> active_kernels{&own_kernels};
@@ -39,24 +57,6 @@ int64_t use_kernel_table(int64_t address) {
 }  // namespace
 
 const CpuKernels& cpu_kernels() { return *active_kernels.load(std::memory_order_acquire); }
-}  // namespace dmfx
-
-// ------------------------------------------------------------------------------------ pointwise
-// The pointwise family's kernel functions are bound here rather than in pointwise_cpu.cpp, so that
-// translation unit does not parse torch's pybind header (about 4.5 s per translation unit here).
-namespace dmfx {
-void bind_pointwise(pybind11::module_& m) {
-  m.def("bias_act_fwd", &bias_act_fwd_cpu, "fused bias + activation + dropout forward (CPU)");
-  m.def("bias_act_bwd", &bias_act_bwd_cpu,
-        "fused bias + activation + dropout backward with the bias gradient (CPU); a stored bool mask "
-        "(native_dropout's) replaces the Philox one",
-        pybind11::arg("grad_out"), pybind11::arg("x"), pybind11::arg("bias"), pybind11::arg("act"),
-        pybind11::arg("seed"), pybind11::arg("offset"), pybind11::arg("p"), pybind11::arg("output_mask"),
-        pybind11::arg("mask") = pybind11::none(), pybind11::arg("mask_scale") = 1.0);
-  m.def("glu_fwd", &glu_fwd_cpu, "gated activation act(gate) * up (CPU)");
-  m.def("glu_bwd", &glu_bwd_cpu, "gated activation backward [dgate, dup] (CPU)");
-  m.def("rope", &rope_cpu, "rotary position embedding of q and k; inverse=True is its backward (CPU)");
-}
 }  // namespace dmfx
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

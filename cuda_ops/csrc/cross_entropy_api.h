@@ -20,8 +20,7 @@
 //
 // Logits are read through a row stride (unit stride along V), target as contiguous int64.
 #pragma once
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
 
 #include <cmath>
 #include <limits>

@@ -12,7 +12,12 @@
 // do not depend on the thread count; a reduced loss sums the rows' losses in row order, in double, after
 // the parallel loop: bit-reproducible whatever the thread count. A target that is neither a class nor
 // ignore_index raises IndexError before anything is computed.
-#include <torch/csrc/utils/pybind.h>
+//
+// The file has two parts (cuda_ops/build.py): the kernels, this file's own translation unit (-O3), and,
+// under DMFX_CPU_GLUE, the glue (the kernel functions' Python bindings, the ops' registration and
+// autograd formulas), which cpu_bindings.cpp includes into the one translation unit of every family's glue.
+#ifndef DMFX_CPU_GLUE
+#include <ATen/ops/scalar_tensor.h>
 
 #include <algorithm>
 #include <cmath>
@@ -216,6 +221,14 @@ at::Tensor cross_entropy_bwd_cpu(const at::Tensor& grad_loss_in, const at::Tenso
   return out;
 }
 
+}  // namespace dmfx
+
+#else  // DMFX_CPU_GLUE: the glue (in cpu_bindings.cpp's translation unit)
+#include <torch/csrc/utils/pybind.h>
+
+#include "cpu_kernels.h"
+
+namespace dmfx {
 void bind_cross_entropy(pybind11::module_& m) {
   m.def("cross_entropy_fwd", &cross_entropy_fwd_cpu,
         "fused log_softmax + nll_loss forward (CPU); returns [loss, lse]", pybind11::arg("logits"),
@@ -293,3 +306,4 @@ TORCH_LIBRARY_IMPL(dmfx, Autograd, m) {
   m.impl("cross_entropy_backward", &AutogradKernel<NoDoubleBackward<CrossEntropyBackwardOp>>::call);
 }
 #endif  // DMFX_KERNELS_ONLY
+#endif  // DMFX_CPU_GLUE

@@ -4,10 +4,13 @@
 // Every tensor is seen as [rows, H] with unit stride along H; the leading dimensions may have any
 // strides (RowIndexer), so permuted/sliced activations are read in place. Outputs are contiguous.
 // Accumulation is in at::opmath_type (float for fp16/bf16/fp32, double for fp64).
-#include <ATen/ATen.h>
-#include <torch/csrc/autograd/custom_function.h>
-#include <torch/csrc/utils/pybind.h>
-#include <torch/library.h>
+//
+// The file has two parts (cuda_ops/build.py): the kernels, this file's own translation unit (-O3), and,
+// under DMFX_CPU_GLUE, the glue (the kernel functions' Python bindings, the ops' registration and
+// autograd formulas), which cpu_bindings.cpp includes into the one translation unit of every family's glue.
+#ifndef DMFX_CPU_GLUE
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Dispatch.h>
@@ -388,6 +391,11 @@ at::Tensor dropout_cpu(const at::Tensor& x_in, int64_t seed, int64_t offset, dou
 
 }  // namespace dmfx
 
+#else  // DMFX_CPU_GLUE: the glue (in cpu_bindings.cpp's translation unit)
+#include <torch/csrc/utils/pybind.h>
+
+#include "cpu_kernels.h"
+
 namespace dmfx {
 void bind_norm(pybind11::module_& m) {
   m.def("norm_fwd", &norm_fwd_cpu, "fused bias+dropout+residual+LayerNorm/RMSNorm forward (CPU)");
@@ -551,3 +559,4 @@ TORCH_LIBRARY_IMPL(dmfx, Autograd, m) {
   m.impl("norm_backward", &AutogradKernel<NoDoubleBackward<NormBackwardOp>>::call);
 }
 #endif  // DMFX_KERNELS_ONLY
+#endif  // DMFX_CPU_GLUE

@@ -14,6 +14,11 @@
 // Vectorized<float> only uses AVX2/AVX-512 when CPU_CAPABILITY_* is defined (as in ATen's own kernel
 // builds and Inductor's C++ kernels); build.py compiles with -march=native, so select the matching
 // capability here. Without it, Vectorized falls back to its portable (slower) implementation.
+//
+// The file has two parts (cuda_ops/build.py): the kernels, this file's own translation unit (-O3), and,
+// under DMFX_CPU_GLUE, the glue (the kernel functions' Python bindings, the ops' registration and
+// autograd formulas), which cpu_bindings.cpp includes into the one translation unit of every family's glue.
+#ifndef DMFX_CPU_GLUE
 #if !defined(CPU_CAPABILITY)
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
     defined(__FMA__)
@@ -590,6 +595,26 @@ std::vector<at::Tensor> rope_cpu(const at::Tensor& q, const at::Tensor& k, const
 
 }  // namespace dmfx
 
+#else  // DMFX_CPU_GLUE: the glue (in cpu_bindings.cpp's translation unit)
+#include <torch/csrc/utils/pybind.h>
+
+#include "cpu_kernels.h"
+
+namespace dmfx {
+void bind_pointwise(pybind11::module_& m) {
+  m.def("bias_act_fwd", &bias_act_fwd_cpu, "fused bias + activation + dropout forward (CPU)");
+  m.def("bias_act_bwd", &bias_act_bwd_cpu,
+        "fused bias + activation + dropout backward with the bias gradient (CPU); a stored bool mask "
+        "(native_dropout's) replaces the Philox one",
+        pybind11::arg("grad_out"), pybind11::arg("x"), pybind11::arg("bias"), pybind11::arg("act"),
+        pybind11::arg("seed"), pybind11::arg("offset"), pybind11::arg("p"), pybind11::arg("output_mask"),
+        pybind11::arg("mask") = pybind11::none(), pybind11::arg("mask_scale") = 1.0);
+  m.def("glu_fwd", &glu_fwd_cpu, "gated activation act(gate) * up (CPU)");
+  m.def("glu_bwd", &glu_bwd_cpu, "gated activation backward [dgate, dup] (CPU)");
+  m.def("rope", &rope_cpu, "rotary position embedding of q and k; inverse=True is its backward (CPU)");
+}
+}  // namespace dmfx
+
 #ifndef DMFX_KERNELS_ONLY
 // ------------------------------------------------------------------------------------------------
 // The ops: CPU kernels (through the kernel table: cpu_kernels.h) and the family's autograd formulas
@@ -742,3 +767,4 @@ TORCH_LIBRARY_IMPL(dmfx, Autograd, m) {
   m.impl("glu_backward", &AutogradKernel<NoDoubleBackward<GluBackwardOp>>::call);
 }
 #endif  // DMFX_KERNELS_ONLY
+#endif  // DMFX_CPU_GLUE

@@ -13,8 +13,11 @@
 // exact mapping of dmfx_common.h) runs on 32 counter groups at once: AVX-512 intrinsics where the
 // compiler targets AVX-512, else a structure-of-arrays loop the compiler vectorizes.
 // Accumulation is fp32 for fp16/bf16/fp32 inputs, fp64 for fp64 inputs (with std::exp).
-#include <torch/csrc/utils/pybind.h>
-
+//
+// The file has two parts (cuda_ops/build.py): the kernels, this file's own translation unit (-O3), and,
+// under DMFX_CPU_GLUE, the glue (the kernel functions' Python bindings, the ops' registration and
+// autograd formulas), which cpu_bindings.cpp includes into the one translation unit of every family's glue.
+#ifndef DMFX_CPU_GLUE
 #include "softmax_cpu.h"
 #include "cpu_kernels.h"
 
@@ -206,6 +209,14 @@ at::Tensor softmax_bwd_cpu(const at::Tensor& grad_out_in, const at::Tensor& prob
   return grad;
 }
 
+}  // namespace dmfx
+
+#else  // DMFX_CPU_GLUE: the glue (in cpu_bindings.cpp's translation unit)
+#include <torch/csrc/utils/pybind.h>
+
+#include "cpu_kernels.h"
+
+namespace dmfx {
 void bind_softmax(pybind11::module_& m) {
   m.def("softmax_fwd", &softmax_fwd_cpu,
         "fused scale + mask + causal + softmax + dropout forward (CPU); returns [out, probs]",
@@ -304,3 +315,4 @@ TORCH_LIBRARY_IMPL(dmfx, Autograd, m) {
   m.impl("attention_softmax_backward", &AutogradKernel<NoDoubleBackward<SoftmaxBackwardOp>>::call);
 }
 #endif  // DMFX_KERNELS_ONLY
+#endif  // DMFX_CPU_GLUE
