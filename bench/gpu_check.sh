@@ -35,5 +35,15 @@ for dt in bfloat16 float32; do
   python3 -m bench.cross_entropy --device cuda --tokens 4096 --vocab 32000 --dtype $dt --rounds 20 2>>"$out/gpu_bench.err" \
     | tee -a "$out/gpu_cross_entropy.txt"
 done
+echo "== the chunked LM head + loss (linear_cross_entropy: no [N, V] logits) against eager / Inductor, N=8192 H=1024 V=32000"
+# the default chunk, then 1024 and 2048 rows (MIN_CHUNK / CHUNK_ELEMENTS were chosen on a CPU): both backward strategies
+for dt in bfloat16 float32; do
+  python3 -m bench.linear_cross_entropy --device cuda --tokens 8192 --hidden 1024 --vocab 32000 --dtype $dt --rounds 20 \
+    --threads 16 2>>"$out/gpu_bench.err" | tee -a "$out/gpu_linear_cross_entropy.txt"
+done
+for ch in 1024 2048; do
+  python3 -m bench.linear_cross_entropy --device cuda --tokens 8192 --hidden 1024 --vocab 32000 --dtype bfloat16 --chunk $ch \
+    --rounds 20 --threads 16 --candidates "dmfx,dmfx recompute" 2>>"$out/gpu_bench.err" | tee -a "$out/gpu_linear_cross_entropy.txt"
+done
 echo "== benchmark suite (layer table at BERT-large sizes, two whole models)"
 python3 -m bench --device cuda --only layer,models --models bert-base,llama 2>>"$out/gpu_bench.err" | tee "$out/gpu_suite.txt"

@@ -10,11 +10,11 @@ into a family module's internals.
 """
 
 from . import attention, cross_entropy, norm, pointwise, softmax, unpad  # noqa: F401  (each defines its family's ops; any order)
-from ._library import new_seed, stat_dtype
+from ._library import COMPOSITES, new_seed, stat_dtype
 from .attention import OPS as ATTENTION_OPS, flash_supported, varlen_attention, varlen_supported
 from .cross_entropy import REDUCTIONS as CROSS_ENTROPY_REDUCTIONS
 
 __all__ = [
-    "ATTENTION_OPS", "CROSS_ENTROPY_REDUCTIONS", "flash_supported", "new_seed", "stat_dtype", "varlen_attention",
+    "ATTENTION_OPS", "COMPOSITES", "CROSS_ENTROPY_REDUCTIONS", "flash_supported", "new_seed", "stat_dtype", "varlen_attention",
     "varlen_supported",
 ]

@@ -4,7 +4,9 @@ Python API's argument check, and the stand-ins that load the kernels on an op's 
 Each family module (norm, softmax, pointwise, attention) defines its ops' schemas on ``LIB``, their
 fake implementations (for tracing) and their Python API, and imports only this module, build.py and
 reference.py. The ops' CPU, CUDA and Autograd kernels are registered in C++ when the kernel extension
-is imported (csrc/op_api.h; build.py).
+is imported (csrc/op_api.h; build.py), except those of the few ops that are composites of other ops
+(``composite``: written in Python for every device, no kernel of their own, e.g. cross_entropy.py's
+``linear_cross_entropy``: GEMMs around the family's kernels).
 
 Stand-ins: the extension is built on first use (a minute or two cold), so until it is loaded a Python
 function holds each op's CPU and Autograd keys (and another its CUDA key). It loads the extension
@@ -16,6 +18,8 @@ several threads at once should load the kernels first, ``dmfx.cuda_ops.build.loa
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -29,6 +33,11 @@ LIB = torch.library.Library("dmfx", "DEF")  # noqa: TOR901 (kept alive for the p
 _KEYS = {"cpu": ("CPU", "Autograd"), "cuda": ("CUDA",)}
 _ops_in_cxx: list[str] = []
 _stand_ins: dict[str, torch.library.Library] = {}
+
+#: dmfx ops implemented in Python as a composite of other ops (``composite``): op name -> the
+#: implementation. dmfx.explain's run-time counters run it under themselves, so that they see the ops
+#: inside it and the buffers it allocates (a TorchDispatchMode otherwise sees one op and its outputs).
+COMPOSITES: dict[str, Callable] = {}
 
 
 def new_seed() -> Tensor:
@@ -126,6 +135,14 @@ def no_double_backward(op: str, through: str) -> None:
 
     backward.__name__ = f"{op}_double_backward"
     torch.library.register_autograd(f"dmfx::{op}", backward, setup_context=lambda ctx, inputs, output: None)
+
+
+def composite(op: str, fn: Callable) -> None:
+    """Register `fn` as the implementation of dmfx::`op` on every device (CompositeExplicitAutograd: a
+    composite of other ops, written in Python; its autograd formula, if any, is registered apart) and
+    list it in ``COMPOSITES``."""
+    LIB.impl(op, fn, "CompositeExplicitAutograd")
+    COMPOSITES[op] = fn
 
 
 # ----------------------------------------------------------------------------------------- stand-ins

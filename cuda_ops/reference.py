@@ -106,6 +106,14 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int, label_smoot
     return loss, lse.masked_fill((target == ignore_index)[:, None], 0.0)
 
 
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, ignore_index: int,
+                         label_smoothing: float, reduction: int) -> tuple[Tensor, Tensor]:
+    """(loss, lse) of dmfx::linear_cross_entropy in pure PyTorch: the whole ``[N, V]`` logits
+    ``F.linear(hidden, weight, bias)`` (in the inputs' dtype), then cross_entropy above."""
+    return cross_entropy(torch.nn.functional.linear(hidden, weight, bias), target, ignore_index, label_smoothing,
+                         reduction)
+
+
 def reference_softmax(
     scores: Tensor,
     mask: Tensor | None = None,

@@ -54,8 +54,8 @@ FAMILY_PASSES: dict[str, tuple[str, ...]] = {
     # flash_attention, qkv_flash_attention and their backwards (with the bias gradients); the varlen ops
     # (unpad emits them)
     "attention": ("attention", "lower_sdpa_calls", "qkv_attention", "fold_bias_grads", "unpad"),
-    # cross_entropy, cross_entropy_backward (+ grad_logits)
-    "cross_entropy": ("cross_entropy", "fold_logits_grad"),
+    # cross_entropy, cross_entropy_backward (+ grad_logits); linear_cross_entropy runs them on its chunks
+    "cross_entropy": ("cross_entropy", "fold_logits_grad", "linear_cross_entropy"),
 }
 
 # The extension functions each family's check calls (the same in the CPU, CUDA and emulated modules).

@@ -10,7 +10,7 @@ import logging
 from .backend import GraphRecord, dmfx_backend, records, reset, with_options
 from .cuda_ops.attention import attention, varlen_attention
 from .cuda_ops.build import KernelBuildError
-from .cuda_ops.cross_entropy import cross_entropy
+from .cuda_ops.cross_entropy import cross_entropy, linear_cross_entropy
 from .cuda_ops.norm import bias_dropout_residual_layer_norm, dropout, layer_norm, rms_norm
 from .cuda_ops.pointwise import bias_act_dropout, glu, rope
 from .cuda_ops.softmax import attention_softmax
@@ -51,6 +51,7 @@ __all__ = [
     "explain",
     "glu",
     "layer_norm",
+    "linear_cross_entropy",
     "records",
     "reset",
     "rms_norm",

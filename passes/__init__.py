@@ -29,6 +29,7 @@ from .glu import GLU
 from .graph_utils import PassContext, finish, remove_metadata_asserts, reshape_fused_views, run_passes
 from .layer_norm import LAYER_NORM, NORM_IDIOMS
 from .layout import choose_forward_layouts, choose_joint_layouts
+from .linear_cross_entropy import LINEAR_CROSS_ENTROPY
 from .qkv_attention import stack_qkv
 from .rope import ROPE
 from .unpad import unpad
@@ -43,7 +44,8 @@ LOWERING: dict[str, Pass] = {
 # name -> pass, in pipeline order. Idioms become single ops first (normalizations give bdrln its
 # anchor, activation idioms give the activation fusions theirs); each chain fusion then takes the
 # dropout that belongs to it; whatever dropout is left runs on its own; the loss (log_softmax +
-# nll_loss, independent of the others) becomes one op; the layout search runs on
+# nll_loss, independent of the others) becomes one op, and then one with the LM head GEMM that feeds
+# it where nothing else reads the logits (so they never exist); the layout search runs on
 # the fused graph last (in training: on the joint forward+backward graph, see run_joint_layout).
 PIPELINE: dict[str, Pass] = {
     "remove_metadata_asserts": remove_metadata_asserts,
@@ -61,6 +63,7 @@ PIPELINE: dict[str, Pass] = {
     "bias_act_dropout": BIAS_ACT_DROPOUT,
     "dropout": DROPOUT,
     "cross_entropy": CROSS_ENTROPY,
+    "linear_cross_entropy": LINEAR_CROSS_ENTROPY,
     "unpad": unpad,
     "layout": choose_forward_layouts,
 }

@@ -82,6 +82,22 @@ def test_cross_entropy_bench_runs_every_candidate():
     assert "dmfx + logits grad" in cross_entropy.table(result)
 
 
+def test_linear_cross_entropy_bench_runs_its_candidates():
+    """bench/linear_cross_entropy.py on a tiny problem (Inductor left out: minutes to compile on a CPU):
+    every candidate is timed, the pass fires under torch.compile, and the chunked op's peak memory is
+    below eager's (eager holds the [N, V] logits, their log-probabilities and gradient)."""
+    from bench import linear_cross_entropy as lce
+
+    candidates = tuple(c for c in lce.CANDIDATES if c != "inductor")
+    result = lce.run(tokens=64, hidden=8, vocab=500, dtype=torch.float32, chunk=16, rounds=1, warmup=0, device="cpu",
+                     candidates=candidates)
+    assert set(result["median_ms"]) == set(candidates) and result["pass_fired"]
+    peak = result["peak_bytes"]
+    assert max(peak["dmfx"], peak["dmfx recompute"]) < peak["eager"] / 4
+    assert peak["dmfx compiled"] < peak["eager"]  # (its chunk is default_chunk's: the 64 rows at once)
+    assert "dmfx recompute" in lce.table(result)
+
+
 def test_varlen_attention_bench_runs_every_candidate():
     """bench/varlen_attention.py on tiny shapes: every candidate is timed (forward, and forward + backward
     with dropout), and all compute the same attention on the real tokens (no dropout)."""

@@ -204,3 +204,240 @@ def test_bad_backward_input_gives_clear_errors():
         backward_op(torch.ones(()), x, t, lse[:3], IGNORE, 0.0, 1, None)
     with pytest.raises(RuntimeError, match="grad_logits must have the shape, dtype and device of logits"):
         backward_op(torch.ones(()), x, t, lse, IGNORE, 0.0, 1, torch.randn(4, 6).double())
+
+
+# ------------------------------------------------------------------------------- linear_cross_entropy
+# dmfx::linear_cross_entropy (the logits GEMM and the loss, chunk by chunk) against the reference on the
+# whole [N, V] logits (reference.linear_cross_entropy) and against eager autograd in float64. Tolerances:
+# fp32 1e-5 (loss, lse, gradients); bf16: the loss and lse within 2e-3 of the reference on the same bf16
+# inputs (the chunk's GEMM may round a logit differently from the whole GEMM's), the gradients within
+# 2e-2 of float64 eager (dlogits, dhidden and each chunk's share of dweight are rounded to bf16 once).
+
+lce_op, lce_backward_op = torch.ops.dmfx.linear_cross_entropy.default, torch.ops.dmfx.linear_cross_entropy_backward.default
+LCE_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-3, 2e-2), torch.float64: (1e-12, 1e-12)}
+LCE_CHUNKS = [1, 5, 13, 64]  # one row; N (13) not a multiple; exactly N; more than N
+
+
+def _lce_inputs(N, H, V, dtype, bias=True, ignored_every=3, strided=False):
+    h = torch.randn(N, H + 3 if strided else H, dtype=torch.float64)[:, :H].to(dtype)  # (rows of a wider buffer)
+    w = (torch.randn(V, H, dtype=torch.float64) / H**0.5 * 3).to(dtype)
+    b = torch.randn(V, dtype=torch.float64).to(dtype) if bias else None
+    return h, w, b, _target(N, V, ignored_every)
+
+
+def _lce_eager(h, w, b, t, eps, reduction, cotangent):
+    """Eager's loss and gradients of hidden, weight, bias in float64."""
+    xs = [x.detach().double().requires_grad_() if x is not None else None for x in (h, w, b)]
+    loss = F.cross_entropy(F.linear(*xs), t, ignore_index=IGNORE, label_smoothing=eps, reduction=reduction)
+    (loss * cotangent.double()).sum().backward()
+    return loss, [x.grad if x is not None else None for x in xs]
+
+
+# (reduction, gradients computed in the forward): with reduction none they are always recomputed
+LCE_MODES = [("mean", True), ("mean", False), ("sum", True), ("sum", False), ("none", False)]
+
+
+@pytest.mark.parametrize("chunk", LCE_CHUNKS)
+@pytest.mark.parametrize("reduction, in_forward", LCE_MODES)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_cross_entropy_matches_the_reference(dtype, bias, reduction, in_forward, chunk):
+    h, w, b, t = _lce_inputs(13, 24, 37, dtype, bias, strided=True)
+    eps = 0.1 if reduction == "sum" else 0.0
+    loss, lse = lce_op(h, w, b, t, IGNORE, eps, CODES[reduction], chunk, [False] * 3)[:2]
+    ref_loss, ref_lse = R.linear_cross_entropy(h, w, b, t, IGNORE, eps, CODES[reduction])
+    tol, grad_tol = LCE_TOL[dtype]
+    assert loss.dtype == lse.dtype == torch.float32 and loss.shape == ref_loss.shape
+    assert rel_err(loss, ref_loss) < tol and rel_err(lse, ref_lse) < tol
+    # gradients through autograd, computed in the forward (mean, sum) or recomputed in the backward
+    leaves = [x.detach().clone().requires_grad_() if x is not None else None for x in (h, w, b)]
+    got = dmfx.linear_cross_entropy(leaves[0], leaves[1], t, leaves[2], label_smoothing=eps,
+                                                           reduction=reduction, chunk=chunk, grads_in_forward=in_forward)
+    g = torch.randn(got.shape)
+    (got * g).sum().backward()
+    want_loss, want = _lce_eager(h, w, b, t, eps, reduction, g)
+    assert rel_err(got, want_loss) < max(tol, 1e-5)
+    for name, x, d in zip(("hidden", "weight", "bias"), leaves, want):
+        if x is not None:
+            assert x.grad.dtype == dtype and rel_err(x.grad, d) < grad_tol, name
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_linear_cross_entropy_float64_and_the_forward_gradients_directly(reduction):
+    h, w, b, t = _lce_inputs(9, 6, 11, torch.float64)
+    grads = [reduction != "none"] * 3
+    loss, lse, dh, dw, db = lce_op(h, w, b, t, IGNORE, 0.0, CODES[reduction], 4, grads)
+    want_loss, want = _lce_eager(h, w, b, t, 0.0, reduction, torch.ones(()) if reduction != "none" else torch.ones(9))
+    assert rel_err(loss, want_loss) < 1e-12
+    if reduction == "none":
+        assert dh.numel() == dw.numel() == db.numel() == 0  # (not computed: the empty stand-ins)
+        return
+    for got, exp in zip((dh, dw, db), want):  # at a unit loss gradient
+        assert got.dtype == torch.float64 and rel_err(got, exp) < 1e-12
+
+
+@pytest.mark.parametrize("reduction, in_forward", LCE_MODES)
+def test_linear_cross_entropy_gradcheck_float64(reduction, in_forward):
+    h, w, b, t = (x.requires_grad_() if x.is_floating_point() else x for x in _lce_inputs(7, 5, 9, torch.float64))
+    flags = [in_forward] * 3
+
+    def fn(h, w, b):
+        return lce_op(h, w, b, t, IGNORE, 0.1, CODES[reduction], 3, flags)[0]
+
+    assert torch.autograd.gradcheck(fn, (h, w, b))
+    assert torch.autograd.gradcheck(lambda h, w: lce_op(h, w, None, t, IGNORE, 0.0, CODES[reduction], 2, flags[:2] + [False])[0],
+                                    (h, w))
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_linear_cross_entropy_every_row_ignored_matches_pytorch(reduction):
+    h, w, b, _ = _lce_inputs(6, 8, 10, torch.float32)
+    t = torch.full((6,), IGNORE)
+    leaves = [x.requires_grad_() for x in (h, w, b)]
+    loss = dmfx.linear_cross_entropy(h, w, t, b, reduction=reduction, chunk=4)
+    want = F.cross_entropy(F.linear(h, w, b).detach(), t, reduction=reduction)  # mean: nan; sum: 0; none: zeros
+    torch.testing.assert_close(loss, want, equal_nan=True)
+    loss.sum().backward()
+    for x in leaves:
+        assert torch.equal(x.grad, torch.zeros_like(x))
+
+
+def test_linear_cross_entropy_empty_batch():
+    w, t = torch.randn(7, 4), torch.empty(0, dtype=torch.long)
+    h = torch.empty(0, 4)
+    for reduction in CODES.values():
+        loss, lse = lce_op(h, w, None, t, IGNORE, 0.0, reduction, 8, [False] * 3)[:2]
+        torch.testing.assert_close(loss, F.cross_entropy(torch.empty(0, 7), t, reduction=("none", "mean", "sum")[reduction]),
+                                   equal_nan=True)
+        assert lse.shape == (0, 2)
+    grads = lce_backward_op(torch.ones(()), h, w, None, t, lse, IGNORE, 0.0, 2, 8, [True, True, False])
+    assert grads[0].shape == (0, 4) and torch.equal(grads[1], torch.zeros(7, 4)) and grads[2].numel() == 0
+
+
+def test_linear_cross_entropy_never_holds_the_logits():
+    """Peak memory of a forward + backward: a few [chunk, V] buffers and the [V, H] gradient, far below the
+    [N, V] logits eager makes (dmfx.explain's counter sees inside the composite op)."""
+    from dmfx.explain import peak_memory
+
+    N, H, V, chunk = 512, 8, 1000, 16
+    h, w, b, t = (x.requires_grad_() if x.is_floating_point() else x for x in _lce_inputs(N, H, V, torch.float32))
+    logits_bytes = N * V * 4
+    for in_forward, reduction in ((True, "mean"), (False, "mean"), (False, "none")):
+        def step():
+            h.grad = w.grad = b.grad = None
+            loss = dmfx.linear_cross_entropy(h, w, t, b, reduction=reduction, chunk=chunk,
+                                                                    grads_in_forward=in_forward)
+            loss.sum().backward()
+
+        peak = peak_memory(step, device="cpu").peak_bytes
+        assert 0 < peak < logits_bytes / 8, (in_forward, reduction, peak)
+    eager = peak_memory(lambda: F.cross_entropy(F.linear(h, w, b), t).backward(), device="cpu").peak_bytes
+    assert eager >= 2 * logits_bytes  # (the counter sees eager's logits, their log-probabilities and gradient)
+
+
+def test_linear_cross_entropy_double_backward_raises():
+    h, w, _, t = _lce_inputs(5, 4, 6, torch.float64, False)
+    h, w = h.requires_grad_(), w.requires_grad_()
+    for flags in ([True, True, False], [False, False, False]):
+        dh, = torch.autograd.grad(lce_op(h, w, None, t, IGNORE, 0.0, 1, 2, flags)[0], h, create_graph=True)
+        with pytest.raises(NotImplementedError, match="dmfx::linear_cross_entropy_backward: double backward"):
+            dh.sum().backward()
+
+
+def test_linear_cross_entropy_opcheck():
+    h, w, b, t = _lce_inputs(7, 5, 9, torch.float32)
+    for reduction in CODES.values():
+        grads = [reduction != 0] * 3
+        opcheck(lce_op, (h, w, b, t, IGNORE, 0.1, reduction, 3, [False] * 3))
+        opcheck(lce_op, (h.requires_grad_(), w.requires_grad_(), b.requires_grad_(), t, IGNORE, 0.1, reduction, 3, grads))
+        opcheck(lce_op, (h, w, None, t, IGNORE, 0.0, reduction, 16, [False] * 3))
+        h, w, b = (x.detach() for x in (h, w, b))
+        loss, lse, dh, dw, db = lce_op(h, w, b, t, IGNORE, 0.1, reduction, 3, grads)
+        g = torch.randn(loss.shape)
+        opcheck(lce_backward_op, (g, h, w, b, t, lse, IGNORE, 0.1, reduction, 3, [True, True, True]))
+        if reduction != 0:
+            opcheck(lce_backward_op, (g, h, w, b, t, lse, IGNORE, 0.1, reduction, 3, [True, True, True], dh, dw, db))
+
+
+def test_default_chunk():
+    from dmfx.cuda_ops.cross_entropy import CHUNK_ELEMENTS, default_chunk
+
+    for V in (1, 1000, 32000, 50257, 128256, 256000):
+        c = default_chunk(1 << 20, V)
+        assert c & (c - 1) == 0 and c >= 256 and (c * V <= CHUNK_ELEMENTS or c == 256), (V, c)
+    assert default_chunk(100, 32000) == 128 and default_chunk(1, 32000) == 1 and default_chunk(0, 5) == 1
+    assert default_chunk(None, 32000) == 512 and default_chunk(None, 128256) == 256  # (N unknown: no cap)
+
+
+def test_linear_cross_entropy_bad_input_gives_clear_errors():
+    h, w, b, t = _lce_inputs(4, 6, 5, torch.float32, ignored_every=0)
+
+    def call(h=h, w=w, b=b, t=t, chunk=2, reduction=1, grads=(False, False, False), eps=0.0):
+        return lce_op(h, w, b, t, IGNORE, eps, reduction, chunk, list(grads))
+
+    with pytest.raises(ValueError, match=r"dmfx::linear_cross_entropy: chunk \(rows per chunk\) must be a positive integer, got 0"):
+        call(chunk=0)
+    with pytest.raises(ValueError, match="chunk .* got -3"):
+        call(chunk=-3)
+    with pytest.raises(ValueError, match=r"dmfx::linear_cross_entropy: hidden must be 2-D \[N, H\], got shape \[1, 4, 6\]"):
+        call(h=h[None])
+    with pytest.raises(ValueError, match=r"weight must be \[V, H\] = \[V, 6\] \(F.linear's convention\), got shape \[6, 5\]"):
+        call(w=w.t())
+    with pytest.raises(ValueError, match=r"bias must be \[V\] = \[5\], got shape \[1, 5\]"):
+        call(b=b[None])
+    with pytest.raises(TypeError, match="weight must have hidden's dtype torch.float32, got torch.float64"):
+        call(w=w.double())
+    with pytest.raises(TypeError, match="hidden must be float32, float16, bfloat16 or float64, got torch.int64"):
+        call(h=h.long(), w=w.long(), b=b.long())
+    with pytest.raises(ValueError, match="weight is on meta but hidden is on cpu"):
+        call(w=w.to("meta"))
+    with pytest.raises(ValueError, match="target is on meta but hidden is on cpu"):
+        call(t=t.to("meta"))
+    with pytest.raises(ValueError, match=r"hidden must have a unit stride along H \(its last dim\)"):
+        call(h=torch.randn(6, 4).t())
+    with pytest.raises(ValueError, match=r"target must be int64 class indices of shape \[N\] = \[4\], got torch.int32"):
+        call(t=t.int())
+    with pytest.raises(ValueError, match=r"target must be .* of shape \[N\] = \[4\], got torch.int64 of shape \[3\]"):
+        call(t=t[:3])
+    with pytest.raises(IndexError, match=r"dmfx::linear_cross_entropy: target\[3\] = 5 is neither a class of the weight's 5"):
+        call(t=torch.tensor([0, 1, IGNORE, 5]), chunk=2)  # (the row in the batch, not in its chunk)
+    with pytest.raises(ValueError, match="reduction must be 0 \\(none\\), 1 \\(mean\\) or 2 \\(sum\\), got 4"):
+        call(reduction=4)
+    with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 1\], got -0.5"):
+        call(eps=-0.5)
+    with pytest.raises(ValueError, match="grads .* need a reduced loss"):
+        call(reduction=0, grads=(True, False, False))
+    with pytest.raises(ValueError, match=r"grads\[2\] asks for the bias's gradient but bias is None"):
+        call(b=None, grads=(False, False, True))
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        dmfx.linear_cross_entropy(h, w, t, reduction="avg")
+    with pytest.raises(TypeError, match="dmfx::linear_cross_entropy: weight must be a Tensor"):
+        dmfx.linear_cross_entropy(h, w.tolist(), t)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:  # the fake runs the same checks: tracing fails alike
+        fake = [mode.from_tensor(x) for x in (h, w, b, t)]
+        with pytest.raises(ValueError, match="chunk .* got 0"):
+            lce_op(*fake, IGNORE, 0.0, 1, 0, [False] * 3)
+        with pytest.raises(ValueError, match=r"weight must be \[V, H\]"):
+            lce_op(fake[0], fake[1].t(), *fake[2:], IGNORE, 0.0, 1, 2, [False] * 3)
+
+
+def test_linear_cross_entropy_backward_bad_input_gives_clear_errors():
+    h, w, b, t = _lce_inputs(4, 6, 5, torch.float32, ignored_every=0)
+    loss, lse, dh, dw, db = lce_op(h, w, b, t, IGNORE, 0.0, 1, 2, [True, True, True])
+
+    def call(g=None, lse=lse, reduction=1, mask=(True, True, True), given=(None, None, None)):
+        g = torch.ones(()) if g is None else g
+        return lce_backward_op(g, h, w, b, t, lse, IGNORE, 0.0, reduction, 2, list(mask), *given)
+
+    with pytest.raises(ValueError, match=r"dmfx::linear_cross_entropy_backward: grad_loss must be a torch.float32 tensor of shape \[\]"):
+        call(g=torch.ones(4))
+    with pytest.raises(ValueError, match=r"grad_loss must be a torch.float32 tensor of shape \[4\]"):
+        call(reduction=0)
+    with pytest.raises(ValueError, match=r"lse must be the forward's \[4, 2\] torch.float32 tensor"):
+        call(lse=lse[:3])
+    with pytest.raises(ValueError, match=r"dweight must be the forward's gradient of weight"):
+        call(given=(None, dw[:2], None))
+    with pytest.raises(ValueError, match="dhidden .* needs a reduced loss"):
+        call(g=torch.ones(4), reduction=0, given=(dh, None, None))

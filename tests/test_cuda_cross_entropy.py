@@ -81,3 +81,30 @@ def test_a_target_out_of_range_gives_nan():
     x, t = torch.randn(3, 40, device=DEV), torch.tensor([1, 40, IGNORE], device=DEV)
     loss, _ = torch.ops.dmfx.cross_entropy(x, t, IGNORE, 0.0, 0)
     assert torch.isfinite(loss[0]) and torch.isnan(loss[1]) and loss[2] == 0
+
+
+@pytest.mark.parametrize("in_forward, reduction", [(True, "mean"), (False, "mean"), (True, "sum"), (False, "none")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_cross_entropy_matches_the_cpu(dtype, in_forward, reduction):
+    """dmfx::linear_cross_entropy (a composite: ATen's GEMMs around this family's kernels; on CUDA dweight
+    accumulates low-precision chunks by a GEMM into float32) on CUDA against the same op on the CPU."""
+    import dmfx
+
+    gen = torch.Generator().manual_seed(7)
+    N, H, V = 300, 64, 5003
+    h = torch.randn(N, H, generator=gen).to(dtype)
+    w = (torch.randn(V, H, generator=gen) / H**0.5 * 3).to(dtype)
+    b = torch.randn(V, generator=gen).to(dtype)
+    t = torch.randint(0, V, (N,), generator=gen)
+    t[::7] = IGNORE
+    g = torch.randn(N if reduction == "none" else ())
+    results = []
+    for dev in ("cpu", DEV):
+        leaves = [x.to(dev).requires_grad_() for x in (h, w, b)]
+        loss = dmfx.linear_cross_entropy(*leaves[:2], t.to(dev), leaves[2], reduction=reduction, chunk=128,
+                                         grads_in_forward=in_forward)
+        (loss * g.to(dev)).sum().backward()
+        results.append([loss.detach(), *(x.grad for x in leaves)])
+    tol = TOL[dtype] if dtype == torch.float32 else 2e-2
+    for name, got, want in zip(("loss", "dhidden", "dweight", "dbias"), results[1], results[0]):
+        _close(got, want, tol, f"{dtype} {reduction} in_forward={in_forward} {name}")

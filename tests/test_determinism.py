@@ -9,7 +9,8 @@ The promises are written in each family's module docstring (section "Determinism
   the softmax forward and backward, the pointwise forwards and their dx, dropout masks (Philox of the
   element index), the fused attention (one thread per (batch, head) task; the varlen form: per
   (sequence, head, query block) item and (sequence, kv head) task), and the cross-entropy
-  (its reduced loss too: the rows' losses summed in row order);
+  (its reduced loss too: the rows' losses summed in row order; linear_cross_entropy, ATen's GEMMs
+  around it, only run to run at a fixed count);
 * the column sums (a norm's dweight/dnorm_bias/dbias, bias_act_dropout's dbias) are summed per
   thread, then across threads: reproducible for a fixed count, not across counts (they agree to
   rounding, which the op tests check).
@@ -231,6 +232,30 @@ def test_cross_entropy_family(dtype, reduction):
 
     for what, fn in (("cross_entropy", fwd), ("cross_entropy_backward", bwd)):
         assert_bitwise(_runs(fn, 2) + _runs(fn, 1, 1), f"{what}, 1 and 2 threads")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", [0, 1])
+def test_linear_cross_entropy(dtype, reduction):
+    """The chunked LM head + loss (ATen's GEMMs around the family's kernels): every output, forward (with
+    the gradients computed there for a reduced loss) and backward, the same bits run to run with 2
+    threads (its docstring promises no more: the GEMMs' blocking may depend on the thread count)."""
+    g = torch.Generator().manual_seed(5)
+    h, w = torch.randn(300, 64, generator=g).to(dtype), (torch.randn(2000, 64, generator=g) / 8).to(dtype)
+    b, target = torch.randn(2000, generator=g).to(dtype), torch.randint(0, 2000, (300,), generator=g)
+    target[::7] = -100
+    grads = [reduction != 0] * 3
+    loss, lse = ops.linear_cross_entropy(h, w, b, target, -100, 0.1, reduction, 64, grads)[:2]
+    grad = torch.randn(loss.shape, generator=g, dtype=loss.dtype)
+
+    def fwd():
+        return ops.linear_cross_entropy(h, w, b, target, -100, 0.1, reduction, 64, grads)
+
+    def bwd():
+        return ops.linear_cross_entropy_backward(grad, h, w, b, target, lse, -100, 0.1, reduction, 64, [True] * 3)
+
+    for what, fn in (("linear_cross_entropy", fwd), ("linear_cross_entropy_backward", bwd)):
+        assert_bitwise(_runs(fn, 2), f"{what}, 2 threads")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

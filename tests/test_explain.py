@@ -59,6 +59,22 @@ def test_mm_flop_and_bytes():
     assert r["intensity"] == pytest.approx(2 * M * K * N / (4 * (M * K + K * N + M * N)), rel=1e-3)
 
 
+def test_linear_cross_entropy_costs_its_gemms_and_its_chunk_buffers():
+    N, H, V = 12, 8, 50
+    h, w, t = torch.randn(N, H), torch.randn(V, H), torch.randint(0, V, (N,))
+    op, bwd = torch.ops.dmfx.linear_cross_entropy.default, torch.ops.dmfx.linear_cross_entropy_backward.default
+    gemm, logits = 2 * N * V * H, 4 * N * V
+    args = (h, w, None, t, -100, 0.0, 1, 4)
+    plain, with_grads = op_cost(op, args, {}, op(*args)), op_cost(op, (*args, [True, True, False]), {}, None)
+    assert plain.cls == FUSED and plain.flop == gemm and with_grads.flop == 3 * gemm
+    args_bytes = 4 * (N * H + V * H) + 8 * N
+    assert plain.bytes == args_bytes + tensor_bytes(op(*args)[0]) + 4 * N * 2 + 2 * logits
+    lse = op(*args)[1]
+    scale = op_cost(bwd, (torch.ones(()), h, w, None, t, lse, -100, 0.0, 1, 4, [True, True, False], h, w), {}, None)
+    redo = op_cost(bwd, (torch.ones(()), h, w, None, t, lse, -100, 0.0, 1, 4, [True, True, False]), {}, None)
+    assert scale.flop == 0 and redo.flop == 3 * gemm and redo.bytes - scale.bytes == 5 * logits
+
+
 def test_layer_norm_bytes():
     R, H = 9, 17
 

@@ -49,13 +49,14 @@ PLANTS = {
 # kernels are registered in C++, so the stand-in module (what the self-check sees) is not what they
 # call; a Python kernel at their AutogradCPU key (above the C++ ones) perturbs their results instead
 # (softmax: also the GEMM-form attention backwards, whose C++ kernels call the softmax backward below
-# autograd, where such a kernel does not run)
+# autograd, where such a kernel does not run; cross_entropy: also linear_cross_entropy's backward, a
+# composite that calls the family's ops below autograd too)
 PLANTED_OPS = {
     "norm": ("norm_backward",),
     "softmax": ("attention_softmax_backward", "attention_backward", "qkv_attention_backward"),
     "pointwise": ("bias_act_dropout_backward",),
     "attention": ("flash_attention", "qkv_flash_attention"),
-    "cross_entropy": ("cross_entropy_backward",),
+    "cross_entropy": ("cross_entropy_backward", "linear_cross_entropy_backward"),
 }
 
 # the dmfx ops that run each family's kernels (softmax: the GEMM form's, and the flash ops' unfused path)
@@ -67,7 +68,7 @@ FAMILY_OPS = {
                 "qkv_attention_backward", *FLASH_OPS},
     "pointwise": {"bias_act_dropout", "bias_act_dropout_backward", "glu", "glu_backward", "rope"},
     "attention": FLASH_OPS | VARLEN_OPS,
-    "cross_entropy": {"cross_entropy", "cross_entropy_backward"},
+    "cross_entropy": {"cross_entropy", "cross_entropy_backward", "linear_cross_entropy", "linear_cross_entropy_backward"},
 }
 
 
@@ -267,8 +268,8 @@ def test_a_corrupt_or_stale_verdict_is_redone(built_cpu, damage):
 
 class _LossHead(torch.nn.Module):
     """A LayerNorm and a classifier head whose per-token cross-entropy loss (reduction none) is added to
-    its input: a step through it runs the cross_entropy family's kernels (a BERT layer runs none), and
-    the norm family's."""
+    its input: a step through it runs the cross_entropy family's kernels (a BERT layer runs none: here
+    through linear_cross_entropy, the logits being read by the loss alone), and the norm family's."""
 
     def __init__(self, H=32, V=40, shape=(2, 9)):
         super().__init__()

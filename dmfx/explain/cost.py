@@ -186,6 +186,36 @@ def _attention_cost(name: str, args: Sequence[Any]) -> tuple[int, int] | None:
     return (2 * gemm if backward else gemm), (6 * scores if backward else 2 * scores)
 
 
+def _linear_ce_cost(name: str, args: Sequence[Any], kwargs: dict) -> tuple[int, int] | None:
+    """(flop, bytes moved inside the op) of dmfx::linear_cross_entropy and its backward (None for other
+    ops): its GEMMs' flop, ``2 N V H`` each (the logits; dhidden and dweight where it computes them), and
+    the ``[chunk, V]`` buffers that go through memory inside it, ``L = N V`` elements in all: the logits
+    written and read (2 L), and where gradients are computed the logits read again, the dlogits written
+    and read by both GEMMs (4 L more). A backward that only scales the forward's gradients does neither."""
+    if name not in ("linear_cross_entropy", "linear_cross_entropy_backward"):
+        return None
+    backward = name.endswith("backward")
+
+    def arg(i: int, key: str, default: Any = None) -> Any:
+        return args[i] if len(args) > i else kwargs.get(key, default)
+
+    hidden, weight = arg(1, "hidden") if backward else arg(0, "hidden"), arg(2, "weight") if backward else arg(1, "weight")
+    if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return None
+    N, H, V = concrete_int(hidden.shape[0]), concrete_int(hidden.shape[1]), concrete_int(weight.shape[0])
+    gemm, L = 2 * N * V * H, N * V * hidden.element_size()
+    if backward:
+        given = [arg(11 + i, k) for i, k in enumerate(("dhidden", "dweight", "dbias"))]
+        redo = [bool(m) and g is None for m, g in zip(arg(10, "output_mask", [False] * 3), given)]
+        if not any(redo):
+            return 0, 0
+        return gemm * (1 + redo[0] + redo[1]), 5 * L
+    grads = [bool(g) for g in arg(8, "grads", [False] * 3)]
+    if not any(grads):
+        return gemm, 2 * L
+    return gemm * (1 + grads[0] + grads[1]), 6 * L
+
+
 def _flop(func: Any, cls: str, args: Sequence[Any], kwargs: dict, out: Any) -> int:
     if cls == CONTRACTION:
         from torch.utils.flop_counter import flop_registry
@@ -243,6 +273,11 @@ def op_cost(func: Any, args: Sequence[Any], kwargs: dict | None, out: Any) -> Op
     if cost is not None:  # attention: its GEMMs' flop; the unfused form's scores go through memory inside the op
         flop, inside = cost
         note = "includes the scores written and read inside the op" if inside else ""
+        return OpCost(name, cls, flop, read + inside // 2, written + inside // 2, note)
+    cost = _linear_ce_cost(_base_name(func), args, kwargs) if cls == FUSED else None
+    if cost is not None:  # the chunked LM head and loss: its GEMMs' flop, its chunk buffers
+        flop, inside = cost
+        note = "includes the chunks of logits (and dlogits) written and read inside the op" if inside else ""
         return OpCost(name, cls, flop, read + inside // 2, written + inside // 2, note)
     return OpCost(name, cls, _flop(func, cls, args, kwargs, out), read, written)
 

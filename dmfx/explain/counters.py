@@ -11,13 +11,16 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..cuda_ops import COMPOSITES
 from .cost import VIEW, op_cost, tensors
 
 
 class _DispatchCounter(TorchDispatchMode):
     """Counts bytes (``op_cost``) of every dispatched op and tracks the live bytes of the tensors that
-    ops allocate (storages freed through weakref finalizers). ``ignore_compile_internals`` lets
-    torch.compile'd code run compiled under the mode (else Dynamo would fall back to eager)."""
+    ops allocate (storages freed through weakref finalizers). A dmfx op that is a Python composite of
+    other ops (cuda_ops' ``COMPOSITES``: linear_cross_entropy) counts as the ops inside it, so its
+    buffers count too. ``ignore_compile_internals`` lets torch.compile'd code run compiled under the
+    mode (else Dynamo would fall back to eager)."""
 
     def __init__(self, track_memory: bool = False):
         super().__init__()
@@ -37,6 +40,10 @@ class _DispatchCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        impl = _composite(func)
+        if impl is not None:  # a dmfx op made of other ops (in Python): count those, its buffers included
+            with self:
+                return impl(*args, **kwargs)
         out = func(*args, **kwargs)
         cost = op_cost(func, args, kwargs, out)
         if cost.cls != VIEW:
@@ -71,6 +78,13 @@ class _DispatchCounter(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.live -= self._storages.pop(key, 0)
+
+
+def _composite(func: Any) -> Callable | None:
+    """The Python implementation of `func` when it is a dmfx op made of other ops (cuda_ops' COMPOSITES)."""
+    if getattr(func, "namespace", None) != "dmfx" or getattr(func, "_overloadname", None) != "default":
+        return None
+    return COMPOSITES.get(func._schema.name.split("::")[-1])
 
 
 @dataclass
