@@ -188,7 +188,7 @@ def _report(cands, outputs, ref, args, real, total) -> None:
     base = median(times.get("eager", {}).get("step", [])) if "eager" in times else None
     print(f"\n{args.workload}, batch {args.batch}: {real}/{total} real tokens ({100 * real / total:.0f}%), "
           f"{args.threads} threads, {args.rounds} rounds, torch {torch.__version__}")
-    print(f"| candidate | median ms | range ms | vs eager | cosine to eager (min) |\n|---|---|---|---|---|")
+    print("| candidate | median ms | range ms | vs eager | cosine to eager (min) |\n|---|---|---|---|---|")
     for name, phases in times.items():
         ms = phases["step"]
         cos = ""

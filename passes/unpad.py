@@ -212,7 +212,8 @@ def padding_mask_input(gm: GraphModule, mask: Any, heads: Any, B: Any, S: Any,
             else:
                 ok = bool(((full == 0) == expect).all()) and bool((full[~expect] <= _HIDDEN).all())
             if not ok:
-                why = "the attention mask is not a padding mask of its input (causal, a window, or values other than 0 and a large negative)"
+                why = ("the attention mask is not a padding mask of its input (causal, a window, or values other than 0 "
+                       "and a large negative)")
                 break
     except Exception as e:  # (shapes the probes cannot take, ops that need other inputs)
         why = f"the attention mask's computation could not be checked ({type(e).__name__})"
