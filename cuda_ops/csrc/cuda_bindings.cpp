@@ -1,9 +1,9 @@
-// The Python module of dmfx's CUDA kernels. load_inline concatenates the binding sources listed in
-// build.py (norm_cuda_bind.cpp, softmax_cuda_bind.cpp, pointwise_cuda_bind.cpp, attention_cuda_bind.cpp,
-// cross_entropy_cuda_bind.cpp, then this file) into one C++ translation unit, and the *_cuda.cu kernel
-// files into one CUDA unit (each .cu is self-contained: device code they share lives in headers,
-// softmax_device.cuh); each family file defines dmfx::bind_<family>(m), which adds its functions to the module.
-// Family internals live in named namespaces (dmfx::<family>_impl) so the files never collide.
+// The Python module of dmfx's CUDA kernels. build.py compiles every source of the CUDA module on its
+// own (torch.utils.cpp_extension.load, ninja, in parallel): each family's kernels (<family>_cuda.cu,
+// nvcc; self-contained: device code they share lives in headers, softmax_device.cuh), each family's
+// binding (<family>_cuda_bind.cpp: its TORCH_LIBRARY_IMPL(dmfx, CUDA, m) registrations and
+// dmfx::bind_<family>(m), which adds its functions to the module) and this file, the module's entry
+// point. Family internals live in named namespaces (dmfx::<family>_impl) so the files never collide.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 
