@@ -75,3 +75,18 @@ def timer(device: str) -> Callable[[], float]:
         return time.perf_counter()
 
     return now
+
+
+def step_cases(steps: dict[str, Callable[[], object]], device: str) -> dict[str, Callable[[], dict[str, float]]]:
+    """Each step as an `interleaved` case timing one call of it on `device` (phase "step")."""
+    now = timer(device)
+
+    def timed(fn):
+        def case():
+            t0 = now()
+            fn()
+            return {"step": now() - t0}
+
+        return case
+
+    return {name: timed(fn) for name, fn in steps.items()}

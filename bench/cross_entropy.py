@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import dmfx
 from dmfx.explain import peak_memory
 
-from .common import environment, interleaved, log, median, timer
+from .common import environment, interleaved, log, median, step_cases
 
 
 def _steps(logits: torch.Tensor, target: torch.Tensor, grad_logits: torch.Tensor):
@@ -64,17 +64,7 @@ def run(tokens: int, vocab: int, dtype: torch.dtype, rounds: int, warmup: int, d
     target[::17] = -100
     grad_logits = torch.randn(tokens, vocab, device=device).to(dtype)
     steps = _steps(logits, target, grad_logits)
-    now = timer(device)
-
-    def timed(fn):
-        def case():
-            t0 = now()
-            fn()
-            return {"step": now() - t0}
-
-        return case
-
-    times = interleaved({name: timed(fn) for name, fn in steps.items()}, rounds, warmup)
+    times = interleaved(step_cases(steps, device), rounds, warmup)
     peak = {name: peak_memory(fn, device=device).peak_bytes for name, fn in steps.items()}
     return {"env": environment(device), "shape": [tokens, vocab], "dtype": str(dtype),
             "median_ms": {name: median(t["step"]) for name, t in times.items()}, "peak_bytes": peak}

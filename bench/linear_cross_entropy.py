@@ -37,7 +37,7 @@ import dmfx
 from dmfx.cuda_ops.cross_entropy import default_chunk
 from dmfx.explain import peak_memory
 
-from .common import environment, interleaved, log, median, timer
+from .common import environment, interleaved, log, median, step_cases
 
 
 def _loss(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -99,17 +99,7 @@ def run(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, chunk: int | N
     y[::17] = -100
     chunk = chunk or default_chunk(tokens, vocab)
     steps = {name: fn for name, fn in _steps(h, w, y, chunk, device).items() if name in candidates}
-    now = timer(device)
-
-    def timed(fn):
-        def case():
-            t0 = now()
-            fn()
-            return {"step": now() - t0}
-
-        return case
-
-    times = interleaved({name: timed(fn) for name, fn in steps.items()}, rounds, warmup,
+    times = interleaved(step_cases(steps, device), rounds, warmup,
                         on_fail=lambda name, e: log(f"bench.linear_cross_entropy: {name} failed: {type(e).__name__}: {e}"))
     fired = [r.fired.get("linear_cross_entropy", 0) for r in dmfx.records()]
     peak = {}
