@@ -188,17 +188,24 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # same checks in C++: csrc/attention_ops.h.)
 
 
-def _check_qkv(op: str, q: Tensor, k: Tensor, v: Tensor) -> None:
+def _check_qkv_tensors(op: str, q: Tensor, k: Tensor, v: Tensor, layout: str) -> None:
+    """q, k and v: tensors of one score dtype on one device, each of `layout`'s rank ("[batch, heads, seq,
+    head_dim]" or "[tokens, heads, head_dim]")."""
+    dim = layout.count(",") + 1
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(op, name, t)
-        if t.dim() != 4:
-            raise ValueError(f"dmfx::{op}: {name} must be 4-D [batch, heads, seq, head_dim], got shape {list(t.shape)}")
+        if t.dim() != dim:
+            raise ValueError(f"dmfx::{op}: {name} must be {dim}-D {layout}, got shape {list(t.shape)}")
         if t.dtype not in _DTYPES:
             raise TypeError(f"dmfx::{op}: {name} must be float32, float16, bfloat16 or float64, got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"dmfx::{op}: q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"dmfx::{op}: q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+
+
+def _check_qkv(op: str, q: Tensor, k: Tensor, v: Tensor) -> None:
+    _check_qkv_tensors(op, q, k, v, "[batch, heads, seq, head_dim]")
     (B, Hq, _, D), (Bk, Hk, Lk, Dk), (Bv, Hv, Lv, _) = q.shape, k.shape, v.shape
     if not (B == Bk == Bv) or Hk != Hv or Lk != Lv or D != Dk:
         raise ValueError(
@@ -419,16 +426,7 @@ _INT_DTYPES = (torch.int32, torch.int64)
 
 
 def _check_varlen(op: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(op, name, t)
-        if t.dim() != 3:
-            raise ValueError(f"dmfx::{op}: {name} must be 3-D [tokens, heads, head_dim], got shape {list(t.shape)}")
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"dmfx::{op}: {name} must be float32, float16, bfloat16 or float64, got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"dmfx::{op}: q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"dmfx::{op}: q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    _check_qkv_tensors(op, q, k, v, "[tokens, heads, head_dim]")
     (T, Hq, D), (Tk, Hk, Dk), (Tv, Hv, _) = q.shape, k.shape, v.shape
     fits = lambda: (  # noqa: E731
         f"dmfx::{op}: q {list(q.shape)}, k {list(k.shape)} and v {list(v.shape)} do not fit [T, Hq, D], "

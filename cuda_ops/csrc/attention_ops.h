@@ -34,10 +34,12 @@ using Tensor3 = std::tuple<Tensor, Tensor, Tensor>;
 
 // ----------------------------------------------------------------------------------------- checks
 
-inline void check_qkv(const char* op, const Tensor& q, const Tensor& k, const Tensor& v) {
+// q, k and v: tensors of one score dtype on one device, each `dim`-D (`layout` names the dims).
+inline void check_qkv_tensors(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, int64_t dim,
+                              const char* layout) {
   const std::pair<const char*, const Tensor*> named[] = {{"q", &q}, {"k", &k}, {"v", &v}};
   for (const auto& [name, t] : named) {
-    TORCH_CHECK_VALUE(t->dim() == 4, "dmfx::", op, ": ", name, " must be 4-D [batch, heads, seq, head_dim], got shape ",
+    TORCH_CHECK_VALUE(t->dim() == dim, "dmfx::", op, ": ", name, " must be ", dim, "-D ", layout, ", got shape ",
                       t->sizes());
     TORCH_CHECK_TYPE(is_score_dtype(t->scalar_type()), "dmfx::", op, ": ", name,
                      " must be float32, float16, bfloat16 or float64, got ", t->scalar_type());
@@ -47,6 +49,10 @@ inline void check_qkv(const char* op, const Tensor& q, const Tensor& k, const Te
                    v.scalar_type());
   TORCH_CHECK_VALUE(q.device() == k.device() && k.device() == v.device(), "dmfx::", op,
                     ": q, k and v must be on one device, got ", q.device(), ", ", k.device(), ", ", v.device());
+}
+
+inline void check_qkv(const char* op, const Tensor& q, const Tensor& k, const Tensor& v) {
+  check_qkv_tensors(op, q, k, v, 4, "[batch, heads, seq, head_dim]");
   const int64_t Hq = q.size(1), Hk = k.size(1);
   TORCH_CHECK_VALUE(q.size(0) == k.size(0) && k.size(0) == v.size(0) && Hk == v.size(1) && k.size(2) == v.size(2) &&
                         q.size(3) == k.size(3),
@@ -354,18 +360,7 @@ std::tuple<Tensor, Tensor> qkv_flash_attention_backward(const Tensor& grad_out, 
 
 // q, k, v ([T, H, D] views, any strides) and cu_seqlens (1-D int32 / int64 [B + 1], B >= 1, on q's device).
 inline void check_varlen(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu) {
-  const std::pair<const char*, const Tensor*> named[] = {{"q", &q}, {"k", &k}, {"v", &v}};
-  for (const auto& [name, t] : named) {
-    TORCH_CHECK_VALUE(t->dim() == 3, "dmfx::", op, ": ", name, " must be 3-D [tokens, heads, head_dim], got shape ",
-                      t->sizes());
-    TORCH_CHECK_TYPE(is_score_dtype(t->scalar_type()), "dmfx::", op, ": ", name,
-                     " must be float32, float16, bfloat16 or float64, got ", t->scalar_type());
-  }
-  TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "dmfx::", op,
-                   ": q, k and v must have one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
-                   v.scalar_type());
-  TORCH_CHECK_VALUE(q.device() == k.device() && k.device() == v.device(), "dmfx::", op,
-                    ": q, k and v must be on one device, got ", q.device(), ", ", k.device(), ", ", v.device());
+  check_qkv_tensors(op, q, k, v, 3, "[tokens, heads, head_dim]");
   const int64_t Hq = q.size(1), Hk = k.size(1);
   TORCH_CHECK_VALUE(q.size(0) == k.size(0) && k.size(0) == v.size(0) && Hk == v.size(1) && q.size(2) == k.size(2),
                     "dmfx::", op, ": q ", q.sizes(), ", k ", k.sizes(), " and v ", v.sizes(),
