@@ -65,6 +65,18 @@ def forward_and_grads(model, run, ids, mask, R, params):
     return out.detach(), [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
 
 
+def unpadded_matches_eager(model, ids, mask):
+    """The model's last hidden state compiled with unpad, checked equal to eager's at the real positions;
+    returns it and the real positions' mask."""
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        out = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+    real = mask.bool()
+    assert torch.allclose(out[real], ref[real], atol=1e-5)
+    return out, real
+
+
 def assert_grads_equal(grads, ref, tol=1e-5):
     """Each gradient judged relative to the largest one (some, such as a key bias's, are zero
     analytically: rounding alone)."""
@@ -78,12 +90,7 @@ def test_bert_inference_runs_on_real_tokens(impl):
     model, pad = encoder("bert", impl)
     model.eval()
     ids, mask = padded_batch(pad_id=pad)
-    compiled = torch.compile(model, backend="dmfx", options=UNPAD)
-    with torch.no_grad():
-        ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        out = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
-    real = mask.bool()
-    assert torch.allclose(out[real], ref[real], atol=1e-5)
+    out, real = unpadded_matches_eager(model, ids, mask)
     assert torch.equal(out[~real], torch.zeros_like(out[~real]))  # padding positions: zeros
     (record,) = dmfx.records()
     assert record.fired.get("unpad") == 2, record.summary()  # both layers' attention
@@ -117,12 +124,7 @@ def test_left_padding_and_holes(layout):
     model, pad = encoder("bert")
     model.eval()
     ids, mask = padded_batch(pad_id=pad, left=layout == "left", holes=layout == "holes")
-    compiled = torch.compile(model, backend="dmfx", options=UNPAD)
-    with torch.no_grad():
-        ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        out = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
-    real = mask.bool()
-    assert torch.allclose(out[real], ref[real], atol=1e-5)
+    out, real = unpadded_matches_eager(model, ids, mask)
     assert dmfx.records()[-1].fired.get("unpad") == 2
 
 
@@ -147,12 +149,7 @@ def test_a_row_of_padding_only_gives_zeros():
     model, pad = encoder("bert")
     model.eval()
     ids, mask = padded_batch(pad_id=pad, lengths=(4, 0, 9))
-    compiled = torch.compile(model, backend="dmfx", options=UNPAD)
-    with torch.no_grad():
-        ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        out = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
-    real = mask.bool()
-    assert torch.allclose(out[real], ref[real], atol=1e-5)
+    out, real = unpadded_matches_eager(model, ids, mask)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
