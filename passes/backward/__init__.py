@@ -29,6 +29,12 @@ kernel, reading two [tokens, hidden] tensors and writing a third. Two folds remo
     attention backward has dq, dk, dv in cache (the paper's BAIB). Likewise ``sum(dx over rows)``
     after ``norm_backward`` -> its dbias output.
 
+``accumulate_embedding_grad`` (accumulate_embedding_grad.py): a tied embedding's gradient,
+    ``add(mm, embedding_dense_backward(...))`` -> ``index_put_(mm, [indices], rows, accumulate=True)``:
+    the token rows are added into the LM head GEMM's weight gradient where it is, instead of through a
+    dense ``[vocab, hidden]`` zero tensor and one more pass over both (same conditions on the GEMM's
+    buffer as ``accumulate_into_gemm``).
+
 ``unstack_dx`` (unstack_dx.py): the dX GEMM of stacked Q/K/V projections reads the three weights
     where they are (three accumulating GEMMs over the gradient's column blocks) instead of a stacked
     copy.
@@ -51,6 +57,7 @@ from torch.fx import GraphModule
 
 from ..graph_utils import PassContext, reshape_fused_views, run_passes
 from ..layout import choose_backward_layouts
+from .accumulate_embedding_grad import accumulate_embedding_grad
 from .accumulate_into_gemm import accumulate_into_gemm
 from .aten_backward import fuse_aten_backward
 from .fold_bias_grads import fold_bias_grads
@@ -66,6 +73,7 @@ BACKWARD_PIPELINE: dict[str, BackwardPass] = {
     "fold_gradient_adds": fold_gradient_adds,
     "fold_bias_grads": fold_bias_grads,
     "accumulate_into_gemm": accumulate_into_gemm,
+    "accumulate_embedding_grad": accumulate_embedding_grad,
     "unstack_dx": unstack_dx,
     "backward_layout": choose_backward_layouts,
 }
@@ -81,5 +89,5 @@ def run_backward_pipeline(gm: GraphModule, ctx: PassContext, skip: tuple[str, ..
     return gm
 
 
-__all__ = ["BACKWARD_PIPELINE", "accumulate_into_gemm", "fold_bias_grads", "fold_gradient_adds", "fold_logits_grad",
+__all__ = ["BACKWARD_PIPELINE", "accumulate_embedding_grad", "accumulate_into_gemm", "fold_bias_grads", "fold_gradient_adds", "fold_logits_grad",
            "fuse_aten_backward", "run_backward_pipeline", "unstack_dx"]

@@ -1,0 +1,80 @@
+"""``accumulate_embedding_grad``: a tied embedding's gradient added into the LM head's weight gradient
+in place, row by row, instead of through a dense ``[vocab, hidden]`` zero tensor.
+
+When the input embedding and the LM head share one weight (BERT's MLM head, GPT-2, T5: HF's
+``tie_word_embeddings``), the weight's gradient is the sum of two: the head's ``dlogitsᵀ @ hidden``
+(a GEMM writing all ``[V, H]``) and the embedding's ``embedding_dense_backward`` (a zero ``[V, H]``
+tensor with the token rows' gradients scattered into it). The backward graph adds them:
+``add(mm, embedding_dense_backward(grad, indices, V, padding_idx, False))``, which writes a zero
+``[V, H]`` tensor, scatters into it, then reads both and writes a third (for BERT's 30522 x 768 weight,
+about 280 MB of traffic a step, against 3 MB of token rows). This pass rewrites it to
+``index_put_(mm, [indices], grad rows, accumulate=True)``: the token rows are added into the GEMM's
+own result, where it is (rows whose index is ``padding_idx`` contribute nothing, as in
+``embedding_dense_backward``).
+
+Only when the GEMM's result is a fresh buffer of this graph that nothing reads after the add (the
+same condition as ``accumulate_into_gemm``), of the embedding gradient's shape and dtype, and the
+embedding does not scale its gradient by frequency. Under ``compiler="inductor"`` the graph is
+functionalized before Inductor sees it, and Inductor's own reinplacing pass puts the ``index_put``
+back in place (the GEMM's result is dead after it).
+
+Numerics: the token rows are added one by one into the GEMM's result instead of being summed first
+and then added (a different rounding order; the same sum).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..fusion import record
+from ..graph_utils import PassContext, aten, insert_call, is_op, plain_add, val
+from .accumulate_into_gemm import _root, _writable_at
+
+
+def _produced_by_gemm(n: Node) -> bool:
+    """`n` is a GEMM's result, through views and transposes (``t(t(mm))`` in AOTAutograd's
+    graphs for ``F.linear``'s weight gradient)."""
+    return is_op(_root(n), aten.mm.default, aten.addmm.default)
+
+
+def accumulate_embedding_grad(gm: GraphModule, ctx: PassContext) -> None:
+    """``add(gemm, embedding_dense_backward(g, idx, V, pad, False))`` ->
+    ``index_put_(gemm, [idx], where(idx == pad, 0, g), accumulate=True)`` (module docstring)."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n in list(graph.nodes):
+        pair = plain_add(n)
+        if pair is None:
+            continue
+        for acc, emb in (pair, pair[::-1]):
+            if not is_op(emb, aten.embedding_dense_backward.default) or len(emb.users) != 1:
+                continue
+            if not _produced_by_gemm(acc):
+                continue
+            grad, indices, _num_weights, padding_idx, scale_by_freq = emb.args[:5]
+            if scale_by_freq:
+                ctx.miss("accumulate_embedding_grad", n, "the embedding scales its gradient by token frequency")
+                break
+            v_acc, v_grad, v_idx = val(acc), val(grad), val(indices)
+            if not all(isinstance(v, torch.Tensor) for v in (v_acc, v_grad, v_idx)) or v_acc.dtype != v_grad.dtype:
+                ctx.miss("accumulate_embedding_grad", n, "the two gradients differ in dtype")
+                break
+            if not _writable_at(acc, n, order):
+                ctx.miss("accumulate_embedding_grad", n, "the GEMM's result is read later, or is not this graph's own")
+                break
+            H = v_acc.shape[-1]
+            with graph.inserting_before(n):
+                rows = insert_call(graph, ctx, aten.reshape.default, (grad, [-1, H]))
+                flat = insert_call(graph, ctx, aten.reshape.default, (indices, [-1]))
+                if isinstance(padding_idx, int) and padding_idx >= 0:
+                    is_pad = insert_call(graph, ctx, aten.eq.Scalar, (flat, padding_idx))
+                    keep = insert_call(graph, ctx, aten.unsqueeze.default, (is_pad, 1))
+                    rows = insert_call(graph, ctx, aten.masked_fill.Scalar, (rows, keep, 0.0))
+                summed = graph.call_function(aten.index_put_.default, (acc, [flat], rows, True))
+                summed.meta["val"] = val(acc)
+            n.replace_all_uses_with(summed)
+            record(ctx, "accumulate_embedding_grad", [n, emb], into=summed)
+            graph.erase_node(n)
+            graph.erase_node(emb)
+            break
