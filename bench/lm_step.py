@@ -8,7 +8,9 @@ Models (random weights from HF configs, eager attention, dropout as the config h
 * ``bert-mlm``: ``BertForMaskedLM``, BERT-base sizes (``--layers`` of them), B=8 L=128;
 * ``gpt2-lm``: ``GPT2LMHeadModel`` (768 hidden, vocab 50257), B=4 L=256;
 * ``llama-lm``: ``LlamaForCausalLM`` (hidden 512, 8 heads / 4 kv heads, vocab 32000), B=4 L=256;
-* ``llama-small``: ``LlamaForCausalLM`` (hidden 256, vocab 4096), B=4 L=128.
+* ``llama-small``: ``LlamaForCausalLM`` (hidden 256, vocab 4096), B=4 L=128;
+* ``vit-cls``: ``ViTForImageClassification``, ViT-base sizes, 1000 classes, B=8 images of 224x224
+  (197 tokens), integer labels (its loss is cross-entropy over the [CLS] token's logits).
 
 ``--clock cpu`` times with the process's CPU time instead of the wall clock: on a machine shared
 with other work (these 2-core machines often run at a load of 4-8) the wall clock measures the
@@ -37,6 +39,7 @@ MODELS = {
                                                         num_key_value_heads=4, vocab_size=32000, use_cache=False), 4, 256),
     "llama-small": ("LlamaConfig", "LlamaForCausalLM", dict(hidden_size=256, intermediate_size=688, num_attention_heads=4,
                                                            num_key_value_heads=4, vocab_size=4096, use_cache=False), 4, 128),
+    "vit-cls": ("ViTConfig", "ViTForImageClassification", dict(num_labels=1000), 8, None),
 }
 LAYER_KEY = {"GPT2Config": "n_layer"}
 
@@ -50,6 +53,9 @@ def build(name: str, layers: int, seed: int = 0):
     cfg = getattr(transformers, cfg_name)(**{**extra, LAYER_KEY.get(cfg_name, "num_hidden_layers"): layers})
     cfg._attn_implementation = "eager"
     model = getattr(transformers, cls_name)(cfg)
+    if seq is None:  # an image model: pixels in, one class label per image
+        pixels = torch.randn(batch, cfg.num_channels, cfg.image_size, cfg.image_size)
+        return model, {"pixel_values": pixels, "labels": torch.randint(0, cfg.num_labels, (batch,))}
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
     return model, {"input_ids": ids, "labels": ids}
 

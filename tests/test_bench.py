@@ -71,6 +71,16 @@ def test_lm_step_times_a_whole_model_with_its_loss_and_its_gemm_floor():
     assert r["first_call_s"]["dmfx-fx"] > 0
 
 
+
+def test_lm_step_builds_vit_classification_with_labels():
+    """The image model of bench/lm_step.py: pixels and class labels in, HF's own loss out."""
+    from bench import lm_step
+
+    model, kwargs = lm_step.build("vit-cls", 1)
+    assert set(kwargs) == {"pixel_values", "labels"} and kwargs["labels"].shape == (8,)
+    out = model(**kwargs)
+    assert out.logits.shape == (8, 1000) and torch.isfinite(out.loss)
+
 def test_cross_entropy_bench_runs_every_candidate():
     """bench/cross_entropy.py on a tiny problem: every candidate is timed, and the fused op's peak
     memory is below eager's (eager saves the [N, V] log-probabilities; dmfx saves [N, 2])."""
