@@ -89,5 +89,6 @@ def run_backward_pipeline(gm: GraphModule, ctx: PassContext, skip: tuple[str, ..
     return gm
 
 
-__all__ = ["BACKWARD_PIPELINE", "accumulate_embedding_grad", "accumulate_into_gemm", "fold_bias_grads", "fold_gradient_adds", "fold_logits_grad",
+__all__ = ["BACKWARD_PIPELINE", "accumulate_embedding_grad", "accumulate_into_gemm", "fold_bias_grads", "fold_gradient_adds",
+           "fold_logits_grad",
            "fuse_aten_backward", "run_backward_pipeline", "unstack_dx"]
