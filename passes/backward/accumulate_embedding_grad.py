@@ -18,6 +18,12 @@ embedding does not scale its gradient by frequency. Under ``compiler="inductor"`
 functionalized before Inductor sees it, and Inductor's own reinplacing pass puts the ``index_put``
 back in place (the GEMM's result is dead after it).
 
+Under Inductor the scatter is its generated loop (atomic adds over the token rows in parallel,
+as Inductor compiles ``embedding_dense_backward`` itself): a token repeated in the batch may round
+differently from run to run with more than one thread, unless
+``torch.use_deterministic_algorithms(True)``. Under ``compiler="fx"`` it is ATen's ``index_put_``,
+serial on the CPU.
+
 Numerics: the token rows are added one by one into the GEMM's result instead of being summed first
 and then added (a different rounding order; the same sum).
 """
@@ -59,6 +65,9 @@ def accumulate_embedding_grad(gm: GraphModule, ctx: PassContext) -> None:
             v_acc, v_grad, v_idx = val(acc), val(grad), val(indices)
             if not all(isinstance(v, torch.Tensor) for v in (v_acc, v_grad, v_idx)) or v_acc.dtype != v_grad.dtype:
                 ctx.miss("accumulate_embedding_grad", n, "the two gradients differ in dtype")
+                break
+            if _root(acc) in {_root(x) for x in (grad, indices) if isinstance(x, Node)}:
+                ctx.miss("accumulate_embedding_grad", n, "the rows it would add are a view of the buffer they go into")
                 break
             if not _writable_at(acc, n, order):
                 ctx.miss("accumulate_embedding_grad", n, "the GEMM's result is read later, or is not this graph's own")
