@@ -17,7 +17,9 @@ with other work (these 2-core machines often run at a load of 4-8) the wall cloc
 queue, CPU time measures the work; use it with ``--threads 1``. Report which clock a number used.
 
 Usage: ``python -m bench.lm_step [--models llama-small,bert-mlm] [--layers 4] [--train/--infer]
-[--rounds 5] [--threads 2] [--clock wall|cpu] [--candidates eager,inductor,dmfx,dmfx-fx,floor]``
+[--rounds 5] [--threads 2] [--clock wall|cpu] [--candidates eager,inductor,dmfx,dmfx-fx,floor]``;
+``dmfx-skip-<pass>`` is dmfx's default with that pass skipped (an ablation, e.g.
+``dmfx-skip-accumulate_embedding_grad``)
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ def candidates(names, base, kwargs, train: bool) -> dict:
             m = torch.compile(m, backend="dmfx")
         elif name == "dmfx-fx":
             m = torch.compile(m, backend="dmfx", options={"compiler": "fx"})
+        elif name.startswith("dmfx-skip-"):  # an ablation: the default with one pass switched off
+            m = torch.compile(m, backend="dmfx", options={"skip": [name[len("dmfx-skip-"):]]})
         elif name != "eager":
             raise ValueError(f"unknown candidate {name!r}")
         steps[name] = step_of(m, kwargs, train)
@@ -127,6 +131,11 @@ def run(name: str, layers: int, train: bool, names: list[str], rounds: int, cloc
     for ref in ("eager", "inductor", "floor"):
         if ref in med:
             res[f"vs_{ref}"] = {n: (med[ref] / t if ref != "floor" else t / med[ref]) for n, t in med.items()}
+    if "floor" in times:
+        # each round's time over the same round's floor, then the median: a machine whose speed drifts
+        # between rounds moves both terms of a round's ratio alike
+        fl = times["floor"]["total"]
+        res["paired_vs_floor"] = {n: median([a / b for a, b in zip(t["total"], fl)]) for n, t in times.items()}
     return res
 
 
@@ -149,7 +158,7 @@ def main() -> None:
         out["results"].append(r)
         for n, t in r["median_ms"].items():
             lo, hi = r["range_ms"][n]
-            extra = "  ".join(f"{k} {v[n]:.3f}" for k, v in r.items() if k.startswith("vs_") and n in v)
+            extra = "  ".join(f"{k} {v[n]:.3f}" for k, v in r.items() if k.startswith(("vs_", "paired_")) and n in v)
             print(f"{name} x{a.layers} {r['mode']} {n:9s} {t:9.1f} ms [{lo:.0f}-{hi:.0f}]  {extra}  "
                   f"first call {r['first_call_s'].get(n, float('nan')):.1f} s", flush=True)
     if a.json:

@@ -67,7 +67,7 @@ def test_lm_step_times_a_whole_model_with_its_loss_and_its_gemm_floor():
     r = lm_step.run("llama-small", 1, True, ["eager", "dmfx-fx", "floor"], 1, time.perf_counter)
     assert set(r["median_ms"]) == {"eager", "dmfx-fx", "floor"}
     assert all(t > 0 for t in r["median_ms"].values())
-    assert r["vs_eager"]["eager"] == 1.0 and r["vs_floor"]["floor"] == 1.0
+    assert r["vs_eager"]["eager"] == 1.0 and r["vs_floor"]["floor"] == 1.0 and r["paired_vs_floor"]["floor"] == 1.0
     assert r["first_call_s"]["dmfx-fx"] > 0
 
 
