@@ -142,6 +142,15 @@ def test_embedding_reads_only_the_rows_it_returns():
     assert c.bytes_read == 3 * 8 * 4 + 3 * 8 and c.bytes_written == 3 * 8 * 4
 
 
+def test_an_in_place_scatter_moves_the_rows_it_adds_not_the_whole_destination():
+    """accumulate_embedding_grad's index_put_ into a [V, H] weight gradient: the indices and rows are
+    read, and only as many destination bytes as the rows are read and written."""
+    dst, idx, rows = torch.randn(1000, 8), torch.randint(0, 1000, (3,)), torch.randn(3, 8)
+    c = op_cost(aten.index_put_.default, (dst, [idx], rows, True), {}, dst)
+    assert classify(aten.index_put_.default) == LAYOUT
+    assert c.bytes_read == 3 * 8 + 3 * 8 * 4 + 3 * 8 * 4 and c.bytes_written == 3 * 8 * 4
+
+
 # ------------------------------------------------------------------ coverage on a known split
 
 

@@ -73,6 +73,9 @@ _NO_DATA = {
     "detach", "_functionalize_sync", "set_",
 }
 _GATHERS = {"embedding", "index_select", "gather", "index", "_unsafe_index"}  # read only the rows they return
+# in place into the rows their indices name: they read and write those rows of the destination, not all of it
+_SCATTERS_IN_PLACE = {"index_put_", "_unsafe_index_put_", "index_add_"}
+_LAYOUT |= _SCATTERS_IN_PLACE
 _MAY_COPY = {"reshape", "flatten", "contiguous"}  # a view when the strides allow it, else a copy
 _FLOP_PER_ELEMENT = {
     "gelu": 8, "gelu_backward": 10, "silu": 4, "silu_backward": 6, "tanh": 4, "tanh_backward": 2, "sigmoid": 4,
@@ -267,6 +270,13 @@ def op_cost(func: Any, args: Sequence[Any], kwargs: dict | None, out: Any) -> Op
     if _base_name(func) in _GATHERS and args and isinstance(args[0], torch.Tensor):
         # a lookup reads the rows it returns, not the whole table
         read = min(tensor_bytes(args[0]), written) + sum(tensor_bytes(t) for t in tensors((args[1:], kwargs)))
+    elif _base_name(func) in _SCATTERS_IN_PLACE and args and isinstance(args[0], torch.Tensor):
+        # an in-place scatter (accumulate_embedding_grad's index_put_) reads its indices and values and
+        # reads and writes the destination rows they name (at most the values' size), in place
+        given = sum(tensor_bytes(t) for t in tensors((args[1:], kwargs)))
+        values = max((tensor_bytes(t) for t in tensors(args[1:]) if t.is_floating_point()), default=0)
+        touched = min(tensor_bytes(args[0]), values)
+        read, written = given + touched, touched
     else:  # a tensor passed twice is read once (dmfx's identity backward takes the gradient as x too)
         read = sum(tensor_bytes(t) for t in {id(t): t for t in tensors((args, kwargs))}.values())
     cost = _attention_cost(_base_name(func), args) if cls == FUSED else None
