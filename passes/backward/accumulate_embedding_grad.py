@@ -46,7 +46,7 @@ def _produced_by_gemm(n: Node) -> bool:
 
 def accumulate_embedding_grad(gm: GraphModule, ctx: PassContext) -> None:
     """``add(gemm, embedding_dense_backward(g, idx, V, pad, False))`` ->
-    ``index_put_(gemm, [idx], where(idx == pad, 0, g), accumulate=True)`` (module docstring)."""
+    ``index_put_(gemm, [idx], masked_fill(g, idx == pad, 0), accumulate=True)`` (module docstring)."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     for n in list(graph.nodes):
@@ -73,13 +73,16 @@ def accumulate_embedding_grad(gm: GraphModule, ctx: PassContext) -> None:
                 ctx.miss("accumulate_embedding_grad", n, "the GEMM's result is read later, or is not this graph's own")
                 break
             H = v_acc.shape[-1]
+            if not isinstance(H, int):  # a symbolic size is no graph value the reshape could take
+                ctx.miss("accumulate_embedding_grad", n, "the hidden size is symbolic")
+                break
             with graph.inserting_before(n):
                 rows = insert_call(graph, ctx, aten.reshape.default, (grad, [-1, H]))
                 flat = insert_call(graph, ctx, aten.reshape.default, (indices, [-1]))
                 if isinstance(padding_idx, int) and padding_idx >= 0:
                     is_pad = insert_call(graph, ctx, aten.eq.Scalar, (flat, padding_idx))
-                    keep = insert_call(graph, ctx, aten.unsqueeze.default, (is_pad, 1))
-                    rows = insert_call(graph, ctx, aten.masked_fill.Scalar, (rows, keep, 0.0))
+                    pad_rows = insert_call(graph, ctx, aten.unsqueeze.default, (is_pad, 1))
+                    rows = insert_call(graph, ctx, aten.masked_fill.Scalar, (rows, pad_rows, 0.0))
                 summed = graph.call_function(aten.index_put_.default, (acc, [flat], rows, True))
                 summed.meta["val"] = val(acc)
             n.replace_all_uses_with(summed)
