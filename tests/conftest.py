@@ -111,6 +111,21 @@ def run_pass(gm, pass_fn, *args):
     return ref, gm(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args]), ctx
 
 
+def assert_pass_declines(pass_fn, fn, args, absent_op, tol, why=None):
+    """`pass_fn` leaves `fn`'s traced graph alone (nothing fired, no `absent_op`), the graph still
+    computes `fn` (each output within `tol` of the unrewritten graph's), and, given `why`, a near-miss
+    names that reason. Returns the PassContext."""
+    gm = trace_fake(fn, *args)
+    ref, got, ctx = run_pass(gm, pass_fn, *args)
+    assert ctx.fired == {}, fn.__name__
+    assert absent_op not in targets(gm), fn.__name__
+    for r, o in zip(ref if isinstance(ref, tuple) else (ref,), got if isinstance(got, tuple) else (got,)):
+        assert max_rel_err(o, r) < tol
+    if why:
+        assert any(why in m for m in ctx.missed), (fn.__name__, ctx.missed)
+    return ctx
+
+
 def layer_norm_saved(H=16, rows=(2, 6)):
     """A LayerNorm's input, weight and the mean and rstd dmfx::layer_norm saves for its backward."""
     x = torch.randn(*rows, H)
