@@ -46,11 +46,14 @@ MODELS = {
 LAYER_KEY = {"GPT2Config": "n_layer"}
 
 
-def build(name: str, layers: int, seed: int = 0):
-    """The model `name` (MODELS) with `layers` layers and its keyword inputs (token ids, labels)."""
+def build(name: str, layers: int, seed: int = 0, batch: int | None = None, seq: int | None = None):
+    """The model `name` (MODELS) with `layers` layers and its keyword inputs (token ids, labels); its
+    own batch size and sequence length unless `batch` / `seq` are given."""
     import transformers
 
-    cfg_name, cls_name, extra, batch, seq = MODELS[name]
+    cfg_name, cls_name, extra, model_batch, model_seq = MODELS[name]
+    batch = batch or model_batch
+    seq = model_seq and (seq or model_seq)  # (an image model has no sequence length)
     torch.manual_seed(seed)
     cfg = getattr(transformers, cfg_name)(**{**extra, LAYER_KEY.get(cfg_name, "num_hidden_layers"): layers})
     cfg._attn_implementation = "eager"

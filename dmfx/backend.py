@@ -77,6 +77,12 @@ class GraphRecord:
     seconds: float = 0.0  # dmfx's compile of the graph (lowering, passes, AOTAutograd's forward), Inductor's included
     compiler: str = "fx"  # what runs the rewritten graphs: "inductor" or "fx" (option compiler; "fx" after a failure)
     inductor_seconds: float = 0.0  # Inductor's compile time of them (the backward's, compiled at its first run, too)
+    # option cache (dmfx/graph_cache.py): "" (not cached: compiler "fx", cache off, or the graph left to
+    # Inductor whole, which caches it itself), "miss" (compiled, and stored for later processes) or
+    # "hit" (the compiled graphs came from AOTAutograd's cache: no dmfx compiler ran, the counts of
+    # what the joint and backward passes did were read back from disk, and forward_graph,
+    # backward_graph and inference_graph are None; rewritten_graph is the forward passes' graph)
+    cache: str = ""
     # "forward"/"backward"/"inference" -> its GraphModule, or a weak reference to it once the record
     # is no longer among the GRAPHS_KEPT most recent (read them as forward_graph, ...)
     _graphs: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -98,6 +104,7 @@ class GraphRecord:
     forward_graph = property(lambda self: self._graph("forward"), lambda self, gm: self._set_graph("forward", gm))
     backward_graph = property(lambda self: self._graph("backward"), lambda self, gm: self._set_graph("backward", gm))
     inference_graph = property(lambda self: self._graph("inference"), lambda self, gm: self._set_graph("inference", gm))
+    rewritten_graph = property(lambda self: self._graph("rewritten"), lambda self, gm: self._set_graph("rewritten", gm))
 
     def summary(self) -> str:
         if self.fallback:
@@ -109,6 +116,8 @@ class GraphRecord:
             f"(absorbed {absorbed} ATen ops; {self.aten_ops_before} -> {self.aten_ops_after} ops) in {self.seconds:.2f}s"
             f", run by {'Inductor' if self.compiler == 'inductor' else 'FX'}"
         )
+        if self.cache == "hit":
+            text += " (from the compile cache)"
         if self.unpad.get("option"):
             text += (f"; unpadded by {self.unpad['mask']} ({self.unpad['attentions']} attention(s) and "
                      f"{self.unpad['row_ops']} row-wise ops on the real tokens)")
@@ -351,13 +360,19 @@ def _add_to_record(record: GraphRecord, ctx: Any, kind: str) -> None:
         log.debug("dmfx: graph %d %s: left alone: %s", record.graph_id, kind, m)
 
 
-def _compiler(kind: str, record: GraphRecord, opts: Options, rewritten: GraphModule) -> Callable:
+def _compiler(kind: str, record: GraphRecord, opts: Options, rewritten: GraphModule,
+              cache: tuple[str, str] | None = None) -> Callable:
     """AOTAutograd's compiler for the `kind` graph ("forward", "backward", "inference"): what the
     fused nodes of `rewritten` (the graph the forward pipeline made) absorbed is carried onto the
     nodes of this graph that compute them (passes/fusion.py); the backward passes run on the backward
     graph; the graph is kept in `record`, then compiled by Inductor (compiler="inductor") or run as a
     GraphModule, whose inference graph's writes into inputs are made in place again
-    (functionalize.reinplace_input_writes; Inductor reinplaces them itself)."""
+    (functionalize.reinplace_input_writes; Inductor reinplaces them itself).
+
+    `cache`: (dmfx's cache tag, the record's key) where the compiled graphs go to AOTAutograd's cache
+    (dmfx/graph_cache.py): Inductor compiles under the tag, and once the last graph of the compile
+    (the backward, or the inference graph) is compiled the record is saved for a later hit."""
+    from . import graph_cache
     from .functionalize import reinplace_input_writes
     from .passes.fusion import carry_absorbed, carry_to_backward
 
@@ -371,13 +386,17 @@ def _compiler(kind: str, record: GraphRecord, opts: Options, rewritten: GraphMod
         record.compiled[kind] = _count_ops(gm)
         setattr(record, f"{kind}_graph", gm)
         log.debug("dmfx: graph %d %s graph:\n%s", record.graph_id, kind, gm.code)
+        compiled = None
         if opts.compiler == "inductor":
-            compiled = _inductor(gm, example_inputs, kind, record, opts, rewritten)  # (Inductor reinplaces itself)
-            if compiled is not None:
-                return compiled
-        if kind == "inference":
-            reinplace_input_writes(gm)
-        return _boxed(gm)
+            with graph_cache.tagged(cache[0] if cache else None):
+                compiled = _inductor(gm, example_inputs, kind, record, opts, rewritten)  # (Inductor reinplaces itself)
+        if compiled is None:
+            if kind == "inference":
+                reinplace_input_writes(gm)
+            compiled = _boxed(gm)
+        if cache and kind in ("backward", "inference"):
+            graph_cache.save_record(cache[1], record)
+        return compiled
 
     return compile_fn
 
@@ -540,16 +559,34 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
 
     from torch._dynamo.backends.common import aot_autograd
 
+    from . import graph_cache
+
     record.compiler = opts.compiler
+    cache = None
+    wrap: Callable[[Callable], Callable] = lambda fn: fn  # noqa: E731
+    if graph_cache.enabled(opts) and not record.fallback:
+        dmfx_tag = graph_cache.tag(opts)
+        cache = (dmfx_tag, graph_cache.record_key(dmfx_tag, rewritten, example_inputs))
+        wrap = graph_cache.serializable
     compiler = aot_autograd(
-        fw_compiler=_compiler("forward", record, opts, rewritten),
-        bw_compiler=_compiler("backward", record, opts, rewritten),
-        inference_compiler=_compiler("inference", record, opts, rewritten),
+        fw_compiler=wrap(_compiler("forward", record, opts, rewritten, cache)),
+        bw_compiler=wrap(_compiler("backward", record, opts, rewritten, cache)),
+        inference_compiler=wrap(_compiler("inference", record, opts, rewritten, cache)),
         partition_fn=_partitioner(opts, record),
         decompositions={},
         keep_inference_input_mutations=True,
     )
-    compiled = compiler(rewritten, example_inputs)
+    with graph_cache.tagged(cache[0] if cache else None):
+        compiled = compiler(rewritten, example_inputs)
+    if cache is not None:
+        if "forward" in record.compiled or "inference" in record.compiled:
+            record.cache = "miss"
+        else:  # AOTAutograd's cache held the compiled graphs: none of dmfx's compilers ran
+            record.cache = "hit"
+            record.rewritten_graph = rewritten
+            if not graph_cache.load_record(cache[1], record):
+                record.missed.append("cache: the compiled graphs came from the cache, without the record of "
+                                     "what the joint and backward passes did")
     record.seconds = time.perf_counter() - start
     _finish(record, opts)
     if record.unpad.get("option"):  # (unpadded: the first batch's padding share is recorded)

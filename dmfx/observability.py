@@ -60,6 +60,7 @@ def summarize(record: Any) -> dict:
         "fallback": getattr(record, "fallback", None),
         "epilogue": list(getattr(record, "epilogue", []) or []),
         "seconds": round(float(getattr(record, "seconds", 0.0) or 0.0), 4),
+        "cache": getattr(record, "cache", ""),
         "kernels_loaded": _kernels(),
         "kernel_build_failures": _kernel_failures(),
     }
@@ -174,7 +175,10 @@ def compile_summary(records: list[Any]) -> str:
             fused[name] = fused.get(name, 0) + count
         absorbed += sum(r.replaced.values())
         misses += len(r.missed)
-        for gm in (getattr(r, "forward_graph", None), getattr(r, "inference_graph", None)):
+        graphs = [getattr(r, "forward_graph", None), getattr(r, "inference_graph", None)]
+        if getattr(r, "cache", "") == "hit":  # (no compiled graphs at hand: the forward passes' graph)
+            graphs = [getattr(r, "rewritten_graph", None)]
+        for gm in graphs:
             if gm is not None:
                 saved += saved_bytes(gm)
     n = len(records)

@@ -59,6 +59,11 @@ class Options:
     #: Let Inductor autotune the kernels it generates (its max_autotune); torch.compile's
     #: mode="max-autotune" sets it, with tune.
     max_autotune: bool = False
+    #: Reuse compiled graphs across processes (dmfx/graph_cache.py): with compiler="inductor", dmfx's
+    #: compiled forward and backward go through PyTorch's AOTAutograd and FX graph caches, keyed also
+    #: by a hash of dmfx's sources and of these options, so a later process skips dmfx's passes after
+    #: the forward pipeline, AOTAutograd's tracing and partitioning, and Inductor's code generation.
+    cache: bool = True
     extra: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -103,6 +108,8 @@ class Options:
             raise ValueError(f"dmfx: option 'fuse' must be 'auto' or 'all', got {options['fuse']!r}")
         if options.get("unpad", False) not in (False, True):
             raise ValueError(f"dmfx: option 'unpad' must be True or False, got {options['unpad']!r}")
+        if options.get("cache", True) not in (False, True):
+            raise ValueError(f"dmfx: option 'cache' must be True or False, got {options['cache']!r}")
         if options.get("verify", False) not in (False, True, "strict"):
             raise ValueError(f"dmfx: option 'verify' must be False, True or 'strict', got {options['verify']!r}")
         opts = cls(**options)

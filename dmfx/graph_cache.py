@@ -1,0 +1,162 @@
+"""Reusing dmfx's compiled graphs across processes (option ``cache``, on by default).
+
+Inductor's own first call is fast with a warm cache: AOTAutograd's cache (``AOTAutogradCache``) maps
+a graph and its inputs to the compiled forward and backward, whose code Inductor's FX graph cache
+holds, so a second process skips tracing, partitioning and code generation. dmfx composes with that
+machinery instead of keeping a cache of its own. With ``compiler="inductor"`` dmfx hands AOTAutograd
+its compilers as ``SerializableAOTDispatchCompiler`` (what Inductor's ``compile_fx`` hands it), so
+AOTAutograd caches what they return (Inductor's ``CompiledFxGraph``), keyed by the graph dmfx's
+forward passes made and its inputs.
+
+What that key cannot see is what dmfx does inside AOTAutograd: the layout search on the joint graph,
+the backward passes, the decompositions before Inductor. So while dmfx compiles, PyTorch's
+documented cache tag (``torch.compiler.config.cache_key_tag``, the user's own tag kept in front) also
+names dmfx's fingerprint: a hash of every source file of the installed package (its passes, its
+ops' fake implementations, its kernels) and of the options. A changed pass, kernel or option is a
+different key: never a stale graph.
+
+On a hit no dmfx compiler runs, so the record of what the backward passes did (dmfx.records()) is
+read back from a small JSON file written when the graph was first compiled, in the kernel cache
+directory (``DMFX_CACHE_DIR``), under ``graph_records/``; the record then says ``cache="hit"``, and
+its compiled forward and backward GraphModules are not at hand (``record.rewritten_graph`` is: the
+graph the forward passes made). A lost JSON file only loses that record's backward statistics.
+
+Off with ``options={"cache": False}``, with PyTorch's ``torch.compiler.config.force_disable_caches``
+(env ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``), and where AOTAutograd's cache is off
+(``torch._functorch.config.enable_autograd_cache``). Under ``compiler="fx"`` nothing is cached: the
+GraphModules dmfx returns there are not serializable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+log = logging.getLogger("dmfx")
+
+#: The source files the fingerprint hashes (everything that decides what dmfx compiles).
+SOURCE_SUFFIXES = (".py", ".cpp", ".cu", ".cuh", ".h")
+
+#: The GraphRecord fields a cache hit restores from the JSON written by the compile that stored it.
+RECORD_FIELDS = ("fired", "replaced", "missed", "copies", "compiled", "attention_forms", "compiler")
+
+
+def _package_dirs() -> list[Path]:
+    from . import cuda_ops, passes
+
+    dirs = [Path(__file__).resolve().parent, Path(passes.__file__).resolve().parent,
+            Path(cuda_ops.__file__).resolve().parent]
+    return sorted(set(dirs))
+
+
+@functools.lru_cache(maxsize=1)
+def fingerprint() -> str:
+    """A hash of dmfx's installed sources (Python, C++ and CUDA, under its package directories) and of
+    torch's version: any change to a pass, an op's fake implementation or a kernel changes it."""
+    h = hashlib.sha256(torch.__version__.encode())
+    for root in _package_dirs():
+        for path in sorted(root.rglob("*")):
+            if path.suffix in SOURCE_SUFFIXES and "__pycache__" not in path.parts and path.is_file():
+                h.update(str(path.relative_to(root)).encode())
+                h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def enabled(opts: Any) -> bool:
+    """Whether graphs compiled under `opts` go through AOTAutograd's cache (module docstring)."""
+    if not getattr(opts, "cache", True) or opts.compiler != "inductor":
+        return False
+    if torch.compiler.config.force_disable_caches:
+        return False
+    try:
+        from torch._functorch import config as functorch_config
+        from torch._functorch._aot_autograd.autograd_cache import should_bundle_autograd_cache
+        from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler  # noqa: F401
+    except ImportError:  # a torch without AOTAutograd's cache: compile every time
+        return False
+    # A bundled cache entry would store whatever the compilers return, even the GraphModule dmfx runs
+    # when Inductor fails on a graph; the default (unbundled) one stores only Inductor's output.
+    return bool(functorch_config.enable_autograd_cache) and not should_bundle_autograd_cache()
+
+
+def tag(opts: Any) -> str:
+    """dmfx's part of the cache tag for a compile under `opts`: its fingerprint and its options."""
+    options = hashlib.sha256(repr(opts).encode()).hexdigest()[:16]
+    return f"dmfx-{fingerprint()[:16]}-{options}"
+
+
+@contextlib.contextmanager
+def tagged(dmfx_tag: str | None) -> Iterator[None]:
+    """PyTorch's cache tag with `dmfx_tag` after the user's own tag, for the duration (nothing with None)."""
+    if dmfx_tag is None:
+        yield
+        return
+    user = torch.compiler.config.cache_key_tag
+    with torch.compiler.config.patch(cache_key_tag=f"{user}|{dmfx_tag}" if user else dmfx_tag):
+        yield
+
+
+def serializable(compile_fn: Callable) -> Callable:
+    """`compile_fn` declared to AOTAutograd as returning Inductor's OutputCode, which makes AOTAutograd
+    cache its result (it stores an entry only when every compiled graph has an FX-graph-cache key, so
+    a graph dmfx had to run as a GraphModule is simply not cached)."""
+    from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
+    from torch._inductor.output_code import OutputCode
+
+    return SerializableAOTDispatchCompiler(OutputCode, compile_fn)
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"T({tuple(x.shape)},{x.stride()},{x.dtype},{x.device.type},{x.requires_grad})"
+    return f"{type(x).__name__}({x})" if isinstance(x, (int, float, bool, torch.SymInt)) else type(x).__name__
+
+
+def record_key(dmfx_tag: str, rewritten: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str:
+    """The key of a graph's record file: dmfx's tag, the rewritten graph's code and its inputs."""
+    h = hashlib.sha256(dmfx_tag.encode())
+    h.update(rewritten.code.encode())
+    h.update(repr([_describe(x) for x in example_inputs]).encode())
+    h.update(str(torch.is_grad_enabled()).encode())
+    return h.hexdigest()[:32]
+
+
+def _records_dir() -> Path:
+    from .cuda_ops.build import cache_root
+
+    return cache_root() / "graph_records"
+
+
+def save_record(key: str, record: Any) -> None:
+    """Write `record`'s RECORD_FIELDS for `key` (atomically; never raises: the record is observability)."""
+    try:
+        d = _records_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".{key}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({f: getattr(record, f) for f in RECORD_FIELDS}, default=list))
+        os.replace(tmp, d / f"{key}.json")
+    except (OSError, TypeError, ValueError) as e:
+        log.debug("dmfx: could not save the record of graph %d for the cache: %s", record.graph_id, e)
+
+
+def load_record(key: str, record: Any) -> bool:
+    """Fill `record`'s RECORD_FIELDS from the file saved for `key`; False where there is none."""
+    try:
+        data = json.loads((_records_dir() / f"{key}.json").read_text())
+    except (OSError, ValueError):
+        return False
+    for f in RECORD_FIELDS:
+        if f in data:
+            value = data[f]
+            if f == "attention_forms":
+                value = {k: tuple(v) for k, v in value.items()}
+            setattr(record, f, value)
+    return True
