@@ -89,8 +89,7 @@ def enabled(opts: Any) -> bool:
 
 def tag(opts: Any) -> str:
     """dmfx's part of the cache tag for a compile under `opts`: its fingerprint and its options."""
-    options = hashlib.sha256(repr(opts).encode()).hexdigest()[:16]
-    return f"dmfx-{fingerprint()[:16]}-{options}"
+    return "dmfx-" + hashlib.sha256(f"{fingerprint()}\n{opts!r}".encode()).hexdigest()[:32]
 
 
 @contextlib.contextmanager
@@ -100,6 +99,9 @@ def tagged(dmfx_tag: str | None) -> Iterator[None]:
         yield
         return
     user = torch.compiler.config.cache_key_tag
+    if user == dmfx_tag or user.endswith("|" + dmfx_tag):  # (already inside a dmfx compile's tag)
+        yield
+        return
     with torch.compiler.config.patch(cache_key_tag=f"{user}|{dmfx_tag}" if user else dmfx_tag):
         yield
 

@@ -1,0 +1,167 @@
+"""The compile cache (dmfx/graph_cache.py): under compiler="inductor" dmfx's compiled graphs go
+through AOTAutograd's cache, keyed also by dmfx's source fingerprint and options. A second compile
+of the same graph is a hit that gives the same answers (and the same record); a changed option, a
+changed source, or the option off is never a hit."""
+
+import copy
+import uuid
+
+import pytest
+import torch
+import transformers
+
+import dmfx
+from dmfx import graph_cache
+from dmfx.options import Options
+from tests.conftest import rel_err
+
+# fuse="all": dmfx rewrites the graph (dropout 0, so eager is the exact reference) and Inductor runs it
+INDUCTOR = {"compiler": "inductor", "fuse": "all", "fallback": False}
+
+
+@pytest.fixture
+def fresh_cache(monkeypatch, tmp_path):
+    """A fingerprint no earlier run has used (so the first compile here is a miss), graph records in a
+    temp dir, and PyTorch's caches on (whatever the environment says)."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    salted = graph_cache.fingerprint() + uuid.uuid4().hex
+    monkeypatch.setattr(graph_cache, "fingerprint", lambda: salted)
+    monkeypatch.setattr(graph_cache, "_records_dir", lambda: tmp_path / "graph_records")
+    with functorch_config.patch(enable_autograd_cache=True), inductor_config.patch(fx_graph_cache=True), \
+            torch.compiler.config.patch(force_disable_caches=False):
+        yield tmp_path
+
+
+def mlm():
+    cfg = transformers.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.BertForMaskedLM(cfg).train()
+
+
+def train_step(model, options):
+    """One compiled training step with a random cotangent on the logits: (loss, logits, grads, record)."""
+    torch._dynamo.reset()
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    c = torch.compile(model, backend="dmfx", options=options)
+    out = c(input_ids=ids, labels=ids)
+    R = torch.randn(out.logits.shape, generator=torch.Generator().manual_seed(2))
+    (out.loss + (out.logits * R).sum()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), out.logits.detach(), grads, dmfx.records()[-1]
+
+
+def assert_grads_close(got, want, tol):
+    scale = max(g.abs().max().item() for g in want.values())
+    assert got.keys() == want.keys()
+    for name in want:
+        assert (got[name] - want[name]).abs().max().item() / scale < tol, name
+
+
+def test_second_compile_is_a_hit_with_the_same_answers_and_record(fresh_cache):
+    base = mlm()
+    eager = copy.deepcopy(base)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    out = eager(input_ids=ids, labels=ids)
+    R = torch.randn(out.logits.shape, generator=torch.Generator().manual_seed(2))
+    (out.loss + (out.logits * R).sum()).backward()
+    grads_e = {n: p.grad for n, p in eager.named_parameters() if p.grad is not None}
+
+    loss1, logits1, grads1, rec1 = train_step(copy.deepcopy(base), INDUCTOR)
+    assert rec1.cache == "miss" and rec1.fallback is None
+    assert rec1.forward_graph is not None and rec1.backward_graph is not None
+    assert {"bias_dropout_residual_norm", "cross_entropy"} <= set(rec1.fired)
+    backward_fusions = {"fold_bias_grads", "accumulate_embedding_grad"} & set(rec1.fired)
+    assert backward_fusions, rec1.fired  # (the backward passes' counts are what a hit must read back)
+    assert list((fresh_cache / "graph_records").glob("*.json"))
+
+    loss2, logits2, grads2, rec2 = train_step(copy.deepcopy(base), INDUCTOR)
+    assert rec2.cache == "hit", rec2.summary()
+    assert "from the compile cache" in rec2.summary()
+    assert rec2.fired == rec1.fired and rec2.replaced == rec1.replaced and rec2.compiled == rec1.compiled
+    assert rec2.forward_graph is None and rec2.rewritten_graph is not None
+    # the cached code is the code compiled before: the same answers, and eager's
+    assert torch.allclose(loss2, loss1, rtol=0, atol=1e-6) and torch.allclose(logits2, logits1, rtol=0, atol=1e-6)
+    assert_grads_close(grads2, grads1, 1e-6)
+    assert rel_err(loss2, out.loss) < 1e-5 and rel_err(logits2, out.logits) < 1e-5
+    assert_grads_close(grads2, grads_e, 1e-4)
+
+
+def test_inference_graph_is_cached_too(fresh_cache):
+    base = mlm().eval()
+    ids = torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        expect = base(input_ids=ids).logits
+        results = []
+        for _ in range(2):
+            torch._dynamo.reset()
+            results.append((torch.compile(base, backend="dmfx", options=INDUCTOR)(input_ids=ids).logits, dmfx.records()[-1]))
+    (first, rec1), (second, rec2) = results
+    assert (rec1.cache, rec2.cache) == ("miss", "hit")
+    assert rec1.inference_graph is not None and "inference" in rec2.compiled
+    assert torch.equal(first, second) and rel_err(second, expect) < 1e-5
+
+
+def test_an_option_the_forward_graph_does_not_show_still_changes_the_key(fresh_cache):
+    """The partitioner and the backward passes act inside AOTAutograd, after its cache key is taken
+    from the forward passes' graph: only dmfx's tag tells these compiles apart."""
+    base = mlm()
+    *_, rec1 = train_step(copy.deepcopy(base), INDUCTOR)
+    *_, rec2 = train_step(copy.deepcopy(base), {**INDUCTOR, "skip": ["fold_bias_grads"]})
+    *_, rec3 = train_step(copy.deepcopy(base), {**INDUCTOR, "partitioner": "default"})
+    assert (rec1.cache, rec2.cache, rec3.cache) == ("miss", "miss", "miss")
+    assert "fold_bias_grads" in rec1.fired and "fold_bias_grads" not in rec2.fired
+
+
+def test_changed_sources_are_a_new_key(fresh_cache, monkeypatch):
+    base = mlm()
+    *_, rec1 = train_step(copy.deepcopy(base), INDUCTOR)
+    salted = graph_cache.fingerprint() + "a pass changed"
+    monkeypatch.setattr(graph_cache, "fingerprint", lambda: salted)
+    *_, rec2 = train_step(copy.deepcopy(base), INDUCTOR)
+    assert (rec1.cache, rec2.cache) == ("miss", "miss")
+
+
+def test_option_off_and_fx_compiler_never_cache(fresh_cache):
+    base = mlm()
+    assert not graph_cache.enabled(Options(compiler="fx"))
+    assert not graph_cache.enabled(Options(compiler="inductor", cache=False))
+    with pytest.raises(ValueError, match="'cache' must be True or False"):
+        Options.from_user({"cache": "yes"})
+    recs = [train_step(copy.deepcopy(base), {**INDUCTOR, "cache": False})[-1] for _ in range(2)]
+    assert [r.cache for r in recs] == ["", ""]
+    assert all(r.forward_graph is not None for r in recs)
+
+
+def test_a_hit_without_its_record_file_says_so(fresh_cache):
+    base = mlm()
+    *_, rec1 = train_step(copy.deepcopy(base), INDUCTOR)
+    for f in (fresh_cache / "graph_records").glob("*.json"):
+        f.unlink()
+    loss, logits, grads, rec2 = train_step(copy.deepcopy(base), INDUCTOR)
+    assert rec2.cache == "hit"
+    assert any("without the record" in m for m in rec2.missed)
+    assert set(rec2.fired) < set(rec1.fired)  # (the forward passes' counts only)
+
+
+def test_fingerprint_hashes_every_source_file(monkeypatch, tmp_path):
+    (tmp_path / "sub").mkdir()
+    kernel = tmp_path / "sub" / "kernel.cpp"
+    kernel.write_text("int f() { return 1; }")
+    (tmp_path / "notes.txt").write_text("not a source")
+    monkeypatch.setattr(graph_cache, "_package_dirs", lambda: [tmp_path])
+    graph_cache.fingerprint.cache_clear()
+    try:
+        first = graph_cache.fingerprint()
+        (tmp_path / "notes.txt").write_text("still not a source")
+        graph_cache.fingerprint.cache_clear()
+        assert graph_cache.fingerprint() == first
+        kernel.write_text("int f() { return 2; }")
+        graph_cache.fingerprint.cache_clear()
+        assert graph_cache.fingerprint() != first
+    finally:
+        graph_cache.fingerprint.cache_clear()
