@@ -565,7 +565,7 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
     cache = None
     wrap: Callable[[Callable], Callable] = lambda fn: fn  # noqa: E731
     if graph_cache.enabled(opts) and not record.fallback:
-        dmfx_tag = graph_cache.tag(opts)
+        dmfx_tag = graph_cache.tag(opts, rewritten)
         cache = (dmfx_tag, graph_cache.record_key(dmfx_tag, rewritten, example_inputs))
         wrap = graph_cache.serializable
     compiler = aot_autograd(

@@ -87,9 +87,34 @@ def enabled(opts: Any) -> bool:
     return bool(functorch_config.enable_autograd_cache) and not should_bundle_autograd_cache()
 
 
-def tag(opts: Any) -> str:
-    """dmfx's part of the cache tag for a compile under `opts`: its fingerprint and its options."""
-    return "dmfx-" + hashlib.sha256(f"{fingerprint()}\n{opts!r}".encode()).hexdigest()[:32]
+def constants_digest(gm: torch.fx.GraphModule) -> str:
+    """A hash of the values of the tensor constants `gm` reads (get_attr of a tensor that is not a
+    parameter: a literal such as ``torch.tensor([...])`` lowered into the graph). AOTAutograd's key
+    hashes a tensor attribute by its metadata only (PyTorch then reads constants from the graph at
+    hand); dmfx keys their values too rather than rely on that. A value it cannot read gives a key
+    of its own (a miss, never a wrong hit)."""
+    h = hashlib.sha256()
+    for n in gm.graph.nodes:
+        if n.op != "get_attr":
+            continue
+        obj: Any = gm
+        try:
+            for part in str(n.target).split("."):
+                obj = getattr(obj, part)
+            if isinstance(obj, torch.Tensor) and not isinstance(obj, torch.nn.Parameter):
+                t = obj.detach().to("cpu").contiguous().reshape(-1)
+                h.update(f"{n.target}:{t.dtype}:{tuple(obj.shape)}".encode())
+                h.update(t.view(torch.uint8).numpy().tobytes())
+        except Exception:  # noqa: BLE001 (a fake or opaque value: no reuse for this graph)
+            h.update(os.urandom(16))
+    return h.hexdigest()
+
+
+def tag(opts: Any, gm: torch.fx.GraphModule | None = None) -> str:
+    """dmfx's part of the cache tag for compiling `gm` (the forward passes' graph) under `opts`: its
+    fingerprint, the options and the values of the graph's tensor constants."""
+    constants = constants_digest(gm) if gm is not None else ""
+    return "dmfx-" + hashlib.sha256(f"{fingerprint()}\n{opts!r}\n{constants}".encode()).hexdigest()[:32]
 
 
 @contextlib.contextmanager

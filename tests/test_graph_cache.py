@@ -165,3 +165,54 @@ def test_fingerprint_hashes_every_source_file(monkeypatch, tmp_path):
         assert graph_cache.fingerprint() != first
     finally:
         graph_cache.fingerprint.cache_clear()
+
+
+def test_graphs_that_differ_only_in_a_tensor_constant_do_not_share_an_entry(fresh_cache):
+    """The lowered graph holds a literal tensor as an attribute, which AOTAutograd's key hashes by
+    metadata only: dmfx's tag hashes its values."""
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)
+    caches = []
+    for vals in ([1.0, 2.0, 3.0], [5.0, 6.0, 7.0]):
+        def f(x, w, vals=vals):
+            y = torch.nn.functional.layer_norm(x, (3,), w, None)
+            return torch.nn.functional.gelu(y * torch.tensor(vals))
+
+        torch._dynamo.reset()
+        out = torch.compile(f, backend="dmfx", options=INDUCTOR)(x, w)
+        caches.append(dmfx.records()[-1].cache)
+        assert rel_err(out, f(x, w)) < 1e-6
+    assert caches == ["miss", "miss"]
+
+
+def test_constants_digest_reads_values():
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    gm.register_buffer("c", torch.tensor([1.0, 2.0]), persistent=False)  # (a non-parameter tensor)
+    graph = gm.graph
+    with graph.inserting_before(next(iter(graph.nodes))):
+        graph.get_attr("c")
+    gm.recompile()
+    first = graph_cache.constants_digest(gm)
+    gm.c.add_(1)
+    second = graph_cache.constants_digest(gm)
+    assert second != first
+    gm.weight.data.add_(1)  # (parameters are inputs at run time: not part of the digest)
+    assert graph_cache.constants_digest(gm) == second
+
+
+def test_a_dynamic_shape_graph_hit_serves_other_lengths(fresh_cache):
+    base = mlm()
+    recs = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        c = torch.compile(model, backend="dmfx", options=INDUCTOR, dynamic=True)
+        for seq in (12, 20):
+            ids = torch.randint(0, 96, (2, seq), generator=torch.Generator().manual_seed(seq))
+            out = c(input_ids=ids, labels=ids)
+            expect = copy.deepcopy(base)(input_ids=ids, labels=ids)
+            assert rel_err(out.logits, expect.logits) < 1e-5 and rel_err(out.loss, expect.loss) < 1e-5
+            out.loss.backward()
+        recs.append(dmfx.records()[-1])
+    assert len([r for r in dmfx.records()]) == 2  # (one graph, no recompile per length)
+    assert [r.cache for r in recs] == ["miss", "hit"]
