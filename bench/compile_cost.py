@@ -68,8 +68,11 @@ def _child(argv) -> None:
     if a.device == "cuda":
         torch.cuda.synchronize()
     second = time.perf_counter() - t1
+    graphs = [r.cache or ("Inductor's" if (r.fallback or "").startswith("left to Inductor") else
+                          "fallback" if r.fallback else "not cached") for r in dmfx.records()]
     print(json.dumps({"backend": a.backend, "first_step_s": first, "second_step_s": second,
-                      "compile_s": max(first - second, 0.0), "import_s": t0 - t_import}))
+                      "compile_s": max(first - second, 0.0), "import_s": t0 - t_import,
+                      "dmfx_graphs": graphs if a.backend == "dmfx" else []}))
 
 
 def measure(backend: str, cache: dict[str, str], model: str, layers: int, batch: int, seq: int, device: str,
@@ -94,11 +97,11 @@ def run(device: str, model: str = "bert-base", layers: int = 2, batch: int = 2, 
     kernels come from the usual kernel cache (its graph records, dmfx/graph_cache.py, then live there
     too, and are only read on a hit of the fresh Inductor cache's entries)."""
     results = []
-    with tempfile.TemporaryDirectory(prefix="dmfx_bench_cache_") as tmp:
-        cache = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
-        if kernels == "fresh":
-            cache["DMFX_CACHE_DIR"] = os.path.join(tmp, "dmfx")
-        for backend in backends:
+    for backend in backends:  # (each backend its own caches: its cold run is cold)
+        with tempfile.TemporaryDirectory(prefix="dmfx_bench_cache_") as tmp:
+            cache = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
+            if kernels == "fresh":
+                cache["DMFX_CACHE_DIR"] = os.path.join(tmp, "dmfx")
             for state in ("cold",) + ("warm",) * repeat:
                 log(f"[compile] {backend} {state} cache: {model} ({layers} layers, B={batch or 'default'}, "
                     f"L={seq or 'default'}) in a fresh process ...")
@@ -115,9 +118,10 @@ def table(results: list[dict]) -> str:
 
     rows = [[r["model"], r["backend"], r["cache"], f"{r['first_step_s']:.2f}" if "first_step_s" in r else "failed",
              f"{r['compile_s']:.2f}" if "compile_s" in r else "",
-             f"{r['second_step_s'] * 1e3:.1f}" if "second_step_s" in r else "", f"{r['process_s']:.1f}"] for r in results]
+             f"{r['second_step_s'] * 1e3:.1f}" if "second_step_s" in r else "", f"{r['process_s']:.1f}",
+             ", ".join(r.get("dmfx_graphs", []))] for r in results]
     return tabulate(rows, headers=["model", "backend", "cache", "time to first result s", "compile s", "next step ms",
-                                   "process s"], tablefmt="github", disable_numparse=True)
+                                   "process s", "dmfx graphs (record.cache)"], tablefmt="github", disable_numparse=True)
 
 
 def main(argv=None) -> None:
