@@ -83,6 +83,8 @@ class GraphRecord:
     # what the joint and backward passes did were read back from disk, and forward_graph,
     # backward_graph and inference_graph are None; rewritten_graph is the forward passes' graph)
     cache: str = ""
+    lowered_from_cache: bool = False  # the lowered, rewritten forward graph came from the compile cache
+    bytes_saved: int | None = None  # saved_bytes of the rewritten graph, kept for a cache hit's log line
     # "forward"/"backward"/"inference" -> its GraphModule, or a weak reference to it once the record
     # is no longer among the GRAPHS_KEPT most recent (read them as forward_graph, ...)
     _graphs: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -424,18 +426,13 @@ def _inductor(gm: GraphModule, example_inputs: Sequence[Any], kind: str, record:
     return compiled
 
 
-def _whole_graph_to_inductor(gm: GraphModule, example_inputs: Sequence[Any], aten_gm: GraphModule, record: GraphRecord,
+def _whole_graph_to_inductor(gm: GraphModule, example_inputs: Sequence[Any], why: str, record: GraphRecord,
                              opts: Options, start: float) -> Callable | None:
     """The Dynamo graph compiled by Inductor alone (its compile_fx: its decompositions, partitioner
-    and passes), where dmfx's fusions would not pay under it (dmfx/inductor.py leave_to_inductor);
-    None where they do, or when Inductor fails (then dmfx compiles the graph as usual)."""
+    and passes), where dmfx's fusions would not pay under it (`why`: dmfx/inductor.py
+    leave_to_inductor); None when Inductor fails (then dmfx compiles the graph as usual)."""
     from torch._inductor.compile_fx import compile_fx
 
-    from .inductor import leave_to_inductor
-
-    why = leave_to_inductor(aten_gm, record.devices)
-    if why is None:
-        return None
     try:
         compiled = compile_fx(gm, example_inputs)
     except Exception as e:
@@ -510,22 +507,13 @@ def _apply_mode(opts: Options, mode: str | None) -> Options:
     return opts
 
 
-def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict | None = None, mode: str | None = None,
-                 **kwargs: Any) -> Callable:
-    """``torch.compile(model, backend="dmfx", options={...})`` lands here once per Dynamo graph."""
-    if kwargs:
-        raise ValueError(f"dmfx: unexpected arguments {sorted(kwargs)}; pass settings as options={{...}}")
-    if mode not in MODES:
-        raise ValueError(f"dmfx: unknown mode {mode!r}; torch.compile's modes are {', '.join(map(repr, MODES[1:]))}")
-    opts = _apply_mode(Options.from_user(options), mode)
-    record = GraphRecord(graph_id=next(_graph_ids), devices=_devices(example_inputs))
-    record.training = torch.is_grad_enabled() and any(input_requires_grad(example_inputs))
-    if opts.disable:
-        record.fallback = "rewriting disabled (option 'disable' or DMFX_DISABLE)"
-        _finish(record, opts)
-        return gm.forward
-
-    start = time.perf_counter()
+def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Options, off: set[str],
+                       record: GraphRecord, start: float, key: str | None) -> Any:
+    """The Dynamo graph lowered and rewritten: ``(rewritten, padding hint, kept)``, kept under `key` (the
+    compile cache's lowered graph, dmfx/graph_cache.py; `kept` is the graph as the cache holds it, or
+    None) when it has one; or, for a graph dmfx leaves to PyTorch or to Inductor whole, the compiled
+    callable itself."""
+    from . import graph_cache
     from .passes.verify import GraphVerificationError
 
     try:
@@ -542,31 +530,85 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
     record.aten_ops_before = _count_ops(aten_gm)
     hint = None if opts.unpad else _padding_hint(aten_gm, record, gm)
     if opts.compiler == "inductor" and opts.fuse == "auto" and not opts.unpad:
-        compiled = _whole_graph_to_inductor(gm, example_inputs, aten_gm, record, opts, start)
-        if compiled is not None:
-            return _with_padding_hint(compiled, hint, record)
-    from .cuda_ops.selfcheck import passes_to_skip  # kernel families that failed their self-check here
+        from .inductor import leave_to_inductor
 
-    off = passes_to_skip(t.device for t in example_inputs if isinstance(t, torch.Tensor)) - set(opts.skip)
+        why = leave_to_inductor(aten_gm, record.devices)
+        compiled = _whole_graph_to_inductor(gm, example_inputs, why, record, opts, start) if why else None
+        if compiled is not None:
+            if key:
+                graph_cache.save_lowered(key, record, None, hint, whole_graph=why)
+            return _with_padding_hint(compiled, hint, record)
     if off:
-        opts = replace(opts, skip=(*opts.skip, *sorted(off)))
         record.missed.append(
             f"kernel self-check: a kernel family failed on this device, so its passes are skipped: {', '.join(sorted(off))}"
         )
     rewritten = rewrite(aten_gm, example_inputs, opts, record)
     record.aten_ops_after = _count_ops(rewritten)
     rewritten = with_epilogue(rewritten, aten_gm, record)
+    kept = None
+    if key and not record.fallback:
+        from .observability import saved_bytes
+
+        record.bytes_saved = saved_bytes(rewritten)
+        kept = graph_cache.save_lowered(key, record, rewritten, hint)
+    return rewritten, hint, kept
+
+
+def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict | None = None, mode: str | None = None,
+                 **kwargs: Any) -> Callable:
+    """``torch.compile(model, backend="dmfx", options={...})`` lands here once per Dynamo graph."""
+    if kwargs:
+        raise ValueError(f"dmfx: unexpected arguments {sorted(kwargs)}; pass settings as options={{...}}")
+    if mode not in MODES:
+        raise ValueError(f"dmfx: unknown mode {mode!r}; torch.compile's modes are {', '.join(map(repr, MODES[1:]))}")
+    opts = _apply_mode(Options.from_user(options), mode)
+    record = GraphRecord(graph_id=next(_graph_ids), devices=_devices(example_inputs))
+    record.training = torch.is_grad_enabled() and any(input_requires_grad(example_inputs))
+    if opts.disable:
+        record.fallback = "rewriting disabled (option 'disable' or DMFX_DISABLE)"
+        _finish(record, opts)
+        return gm.forward
+
+    start = time.perf_counter()
+    from . import graph_cache
+    from .cuda_ops.selfcheck import passes_to_skip  # kernel families that failed their self-check here
+
+    off = passes_to_skip(t.device for t in example_inputs if isinstance(t, torch.Tensor)) - set(opts.skip)
+    if off:
+        opts = replace(opts, skip=(*opts.skip, *sorted(off)))
+    key = graph_cache.lowered_key(gm, example_inputs, opts) if graph_cache.enabled(opts) else None
+    entry = graph_cache.load_lowered(key) if key else None
+    if entry is not None:
+        for f, value in entry["record"].items():
+            setattr(record, f, value)
+        record.lowered_from_cache = True
+    if entry is not None and entry["whole_graph"] is not None:  # left to Inductor whole before: its cache has it
+        compiled = _whole_graph_to_inductor(gm, example_inputs, entry["whole_graph"], record, opts, start)
+        if compiled is not None:
+            return _with_padding_hint(compiled, entry["hint"], record)
+        entry, record = None, replace(record, fired={}, replaced={}, missed=[], copies=[], attention_forms={}, unpad={},
+                                      epilogue=[], lowered_from_cache=False)  # (lowered afresh below)
+    if entry is not None:
+        rewritten = kept = entry["graph"]
+        hint = entry["hint"]
+    else:
+        lowered = _lower_and_rewrite(gm, example_inputs, opts, off, record, start, key)
+        if not isinstance(lowered, tuple):  # (compiled already: left to PyTorch or to Inductor whole)
+            return lowered
+        rewritten, hint, kept = lowered
+    # AOTAutograd traces the graph as the cache keeps it, so that its own cache key is the same on a
+    # later hit of the lowered graph; `rewritten`, with the passes' node metadata, names what each
+    # fused node absorbed (carry_absorbed)
+    traced = kept if kept is not None else rewritten
 
     from torch._dynamo.backends.common import aot_autograd
-
-    from . import graph_cache
 
     record.compiler = opts.compiler
     cache = None
     wrap: Callable[[Callable], Callable] = lambda fn: fn  # noqa: E731
     if graph_cache.enabled(opts) and not record.fallback:
-        dmfx_tag = graph_cache.tag(opts, rewritten)
-        cache = (dmfx_tag, graph_cache.record_key(dmfx_tag, rewritten, example_inputs))
+        dmfx_tag = graph_cache.tag(opts, traced)
+        cache = (dmfx_tag, graph_cache.record_key(dmfx_tag, traced, example_inputs))
         wrap = graph_cache.serializable
     compiler = aot_autograd(
         fw_compiler=wrap(_compiler("forward", record, opts, rewritten, cache)),
@@ -577,7 +619,7 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
         keep_inference_input_mutations=True,
     )
     with graph_cache.tagged(cache[0] if cache else None):
-        compiled = compiler(rewritten, example_inputs)
+        compiled = compiler(traced, example_inputs)
     if cache is not None:
         if "forward" in record.compiled or "inference" in record.compiled:
             record.cache = "miss"

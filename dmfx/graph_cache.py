@@ -46,7 +46,7 @@ log = logging.getLogger("dmfx")
 SOURCE_SUFFIXES = (".py", ".cpp", ".cu", ".cuh", ".h")
 
 #: The GraphRecord fields a cache hit restores from the JSON written by the compile that stored it.
-RECORD_FIELDS = ("fired", "replaced", "missed", "copies", "compiled", "attention_forms", "compiler")
+RECORD_FIELDS = ("fired", "replaced", "missed", "copies", "compiled", "attention_forms", "compiler", "bytes_saved")
 
 
 def _package_dirs() -> list[Path]:
@@ -187,3 +187,114 @@ def load_record(key: str, record: Any) -> bool:
                 value = {k: tuple(v) for k, v in value.items()}
             setattr(record, f, value)
     return True
+
+
+# ---------------------------------------------------------------- the lowered graph, keyed by Dynamo's
+#
+# AOTAutograd's cache is looked up with the graph dmfx's forward passes made, so a warm process still
+# lowers the Dynamo graph and runs those passes first (about 40% of a warm compile of BERT). The
+# second level below keeps that graph too (pickled, as PyTorch's caches pickle graphs), keyed by the
+# Dynamo graph's code and everything else the lowering reads: its inputs' metadata and aliasing, its
+# tensor constants' values, grad mode, autocast, dmfx's tag (sources, options). It stays off where
+# that key could miss something: symbolic shapes (a pass may have added a guard, which a hit would
+# not add again), parameters held as graph attributes, submodules that are not graphs.
+
+#: The GraphRecord fields the lowered graph's entry restores (what the lowering and forward passes did).
+LOWERED_FIELDS = ("fired", "replaced", "missed", "copies", "attention_forms", "unpad", "epilogue",
+                  "aten_ops_before", "aten_ops_after", "bytes_saved")
+
+
+def _symbolic(x: Any) -> bool:
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    return isinstance(x, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in (*x.shape, *x.stride(),
+                                                                                       x.storage_offset()))
+
+
+def lowered_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Any) -> str | None:
+    """The key of the Dynamo graph `gm`'s lowered, rewritten graph under `opts`, or None where that
+    graph is not cached (see above)."""
+    if any(_symbolic(x) for x in example_inputs) or any(isinstance(x, (list, tuple, dict)) for x in example_inputs):
+        return None
+    h = hashlib.sha256(tag(opts, gm).encode())
+    for name, mod in gm.named_modules():
+        if not isinstance(mod, torch.fx.GraphModule):
+            return None
+        if any(n.op == "get_attr" and isinstance(_attr(mod, str(n.target)), torch.nn.Parameter) for n in mod.graph.nodes):
+            return None
+        h.update(f"{name}\n{mod.code}".encode())
+        if name:
+            h.update(constants_digest(mod).encode())
+    storages: dict[Any, int] = {}
+    for i, x in enumerate(example_inputs):
+        h.update(_describe(x).encode())
+        if isinstance(x, torch.Tensor):
+            try:
+                from torch.multiprocessing.reductions import StorageWeakRef
+
+                ref = StorageWeakRef(x.untyped_storage())
+            except Exception:  # noqa: BLE001 (a tensor without a storage: no key)
+                return None
+            h.update(f"{type(x).__name__}:{x.storage_offset()}:{storages.setdefault(ref, i)}".encode())
+    h.update(f"{torch.is_grad_enabled()}:{torch.are_deterministic_algorithms_enabled()}:{torch.get_default_dtype()}".encode())
+    for device in ("cpu", "cuda"):
+        try:
+            h.update(f"{device}:{torch.is_autocast_enabled(device)}:{torch.get_autocast_dtype(device)}".encode())
+        except (RuntimeError, TypeError, AttributeError):  # (an older torch's autocast API)
+            h.update(f"{device}:{torch.is_autocast_enabled()}:{torch.is_autocast_cpu_enabled()}".encode())
+    return "L" + h.hexdigest()[:32]
+
+
+def _attr(gm: Any, target: str) -> Any:
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _lowered_dir() -> Path:
+    from .cuda_ops.build import cache_root
+
+    return cache_root() / "lowered_graphs"
+
+
+def save_lowered(key: str, record: Any, rewritten: torch.fx.GraphModule | None, hint: Any,
+                 whole_graph: str | None = None) -> torch.fx.GraphModule | None:
+    """Keep the rewritten graph (or `whole_graph`: why the graph was left to Inductor whole) and the
+    record of the lowering and forward passes for `key`. Returns the graph as a later process will
+    read it back (pickled and unpickled: AOTAutograd's key of it is then the same in this process as
+    in that one, which the live graph's, with its node metadata, is not); None where it could not be
+    kept (never raises: the graph is then simply not cached)."""
+    import pickle
+
+    try:
+        entry = {"record": {f: getattr(record, f) for f in LOWERED_FIELDS}, "hint": hint, "whole_graph": whole_graph,
+                 "graph": rewritten}
+        data = pickle.dumps(entry)
+        back = pickle.loads(data)["graph"]
+        d = _lowered_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".{key}.{os.getpid()}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, d / f"{key}.pkl")
+        return back
+    except Exception as e:  # noqa: BLE001
+        log.debug("dmfx: graph %d's lowered graph not cached (%s: %s)", record.graph_id, type(e).__name__, e)
+        return None
+
+
+def load_lowered(key: str) -> dict | None:
+    """The entry save_lowered kept for `key`, or None (none, or unreadable: then the graph is lowered)."""
+    import pickle
+
+    path = _lowered_dir() / f"{key}.pkl"
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        entry = pickle.loads(data)
+    except Exception as e:  # noqa: BLE001 (a torch or dmfx that can no longer read it: lower again)
+        log.debug("dmfx: cached lowered graph %s unreadable (%s: %s)", key, type(e).__name__, e)
+        return None
+    return entry if isinstance(entry, dict) and "record" in entry else None

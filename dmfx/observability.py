@@ -175,10 +175,10 @@ def compile_summary(records: list[Any]) -> str:
             fused[name] = fused.get(name, 0) + count
         absorbed += sum(r.replaced.values())
         misses += len(r.missed)
-        graphs = [getattr(r, "forward_graph", None), getattr(r, "inference_graph", None)]
-        if getattr(r, "cache", "") == "hit":  # (no compiled graphs at hand: the forward passes' graph)
-            graphs = [getattr(r, "rewritten_graph", None)]
-        for gm in graphs:
+        if getattr(r, "cache", "") == "hit":  # (no compiled graphs at hand: the count kept with the cache)
+            saved += getattr(r, "bytes_saved", None) or 0
+            continue
+        for gm in (getattr(r, "forward_graph", None), getattr(r, "inference_graph", None)):
             if gm is not None:
                 saved += saved_bytes(gm)
     n = len(records)

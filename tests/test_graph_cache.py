@@ -29,6 +29,7 @@ def fresh_cache(monkeypatch, tmp_path):
     salted = graph_cache.fingerprint() + uuid.uuid4().hex
     monkeypatch.setattr(graph_cache, "fingerprint", lambda: salted)
     monkeypatch.setattr(graph_cache, "_records_dir", lambda: tmp_path / "graph_records")
+    monkeypatch.setattr(graph_cache, "_lowered_dir", lambda: tmp_path / "lowered_graphs")
     with functorch_config.patch(enable_autograd_cache=True), inductor_config.patch(fx_graph_cache=True), \
             torch.compiler.config.patch(force_disable_caches=False):
         yield tmp_path
@@ -81,6 +82,8 @@ def test_second_compile_is_a_hit_with_the_same_answers_and_record(fresh_cache):
 
     loss2, logits2, grads2, rec2 = train_step(copy.deepcopy(base), INDUCTOR)
     assert rec2.cache == "hit", rec2.summary()
+    assert not rec1.lowered_from_cache and rec2.lowered_from_cache  # (the Dynamo graph was not lowered again)
+    assert rec2.bytes_saved == rec1.bytes_saved > 0
     assert "from the compile cache" in rec2.summary()
     assert rec2.fired == rec1.fired and rec2.replaced == rec1.replaced and rec2.compiled == rec1.compiled
     assert rec2.forward_graph is None and rec2.rewritten_graph is not None
@@ -216,3 +219,55 @@ def test_a_dynamic_shape_graph_hit_serves_other_lengths(fresh_cache):
         recs.append(dmfx.records()[-1])
     assert len([r for r in dmfx.records()]) == 2  # (one graph, no recompile per length)
     assert [r.cache for r in recs] == ["miss", "hit"]
+    assert not any(r.lowered_from_cache for r in recs)  # (symbolic shapes: the lowering is not kept)
+
+
+def test_a_kept_lowered_graph_compiled_afresh_gives_the_same_answers(fresh_cache):
+    """The lowered graph comes from the cache but AOTAutograd's entry does not (here: an Inductor
+    setting in its key changed): the kept graph is traced, partitioned and compiled again."""
+    from torch._inductor import config as inductor_config
+
+    base = mlm()
+    loss1, logits1, grads1, rec1 = train_step(copy.deepcopy(base), INDUCTOR)
+    with inductor_config.patch(comment_origin=not inductor_config.comment_origin):
+        loss2, logits2, grads2, rec2 = train_step(copy.deepcopy(base), INDUCTOR)
+    assert rec2.lowered_from_cache and rec2.cache == "miss"
+    assert rec2.forward_graph is not None and rec2.fired == rec1.fired
+    assert rel_err(loss2, loss1) < 1e-6 and rel_err(logits2, logits1) < 1e-6
+    assert_grads_close(grads2, grads1, 1e-5)
+
+
+def test_a_graph_left_to_inductor_whole_is_remembered(fresh_cache):
+    """fuse="auto" on the CPU leaves a graph without dropout to Inductor: a later compile does not
+    lower it again to find that out."""
+    base = mlm()
+    recs, outs = [], []
+    for _ in range(2):
+        *_, logits, _, rec = train_step(copy.deepcopy(base), {"compiler": "inductor"})
+        recs.append(rec)
+        outs.append(logits)
+    assert all(r.fallback and r.fallback.startswith("left to Inductor") for r in recs)
+    assert [r.lowered_from_cache for r in recs] == [False, True]
+    assert torch.allclose(outs[0], outs[1], rtol=0, atol=1e-6)
+
+
+def test_lowered_key_declines_what_it_cannot_see():
+    opts = Options(compiler="inductor")
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))  # (its weight and bias are graph attributes)
+    assert graph_cache.lowered_key(gm, [torch.randn(3, 2)], opts) is None
+
+    def f(x):
+        return torch.nn.functional.gelu(x) * 2
+
+    plain = torch.fx.symbolic_trace(f)
+    key = graph_cache.lowered_key(plain, [torch.randn(3, 2)], opts)
+    assert key is not None
+    assert graph_cache.lowered_key(plain, [torch.randn(3, 3)], opts) != key  # shapes
+    assert graph_cache.lowered_key(plain, [torch.randn(3, 2).t()], opts) != key  # strides
+    assert graph_cache.lowered_key(plain, [torch.randn(3, 2, requires_grad=True)], opts) != key
+    assert graph_cache.lowered_key(plain, [torch.randn(3, 2)], Options(compiler="inductor", attention="gemm")) != key
+    with torch.no_grad():
+        assert graph_cache.lowered_key(plain, [torch.randn(3, 2)], opts) != key
+    x = torch.randn(4, 2)
+    two = torch.fx.symbolic_trace(lambda a, b: a + b)
+    assert graph_cache.lowered_key(two, [x, x], opts) != graph_cache.lowered_key(two, [x, x.clone()], opts)  # aliasing
