@@ -197,7 +197,8 @@ def load_record(key: str, record: Any) -> bool:
 # Dynamo graph's code and everything else the lowering reads: its inputs' metadata and aliasing, its
 # tensor constants' values, grad mode, autocast, dmfx's tag (sources, options). It stays off where
 # that key could miss something: symbolic shapes (a pass may have added a guard, which a hit would
-# not add again), parameters held as graph attributes, submodules that are not graphs.
+# not add again), tensors held as graph attributes (a parameter, or a buffer the graph writes, would
+# be pickled as a copy; Dynamo makes them graph inputs), submodules that are not graphs.
 
 #: The GraphRecord fields the lowered graph's entry restores (what the lowering and forward passes did).
 LOWERED_FIELDS = ("fired", "replaced", "missed", "copies", "attention_forms", "unpad", "epilogue",
@@ -220,11 +221,9 @@ def lowered_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: A
     for name, mod in gm.named_modules():
         if not isinstance(mod, torch.fx.GraphModule):
             return None
-        if any(n.op == "get_attr" and isinstance(_attr(mod, str(n.target)), torch.nn.Parameter) for n in mod.graph.nodes):
-            return None
+        if any(n.op == "get_attr" and isinstance(_attr(mod, str(n.target)), torch.Tensor) for n in mod.graph.nodes):
+            return None  # (a parameter, a buffer the graph may write, a constant: Dynamo makes them inputs)
         h.update(f"{name}\n{mod.code}".encode())
-        if name:
-            h.update(constants_digest(mod).encode())
     storages: dict[Any, int] = {}
     for i, x in enumerate(example_inputs):
         h.update(_describe(x).encode())

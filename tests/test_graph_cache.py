@@ -256,6 +256,18 @@ def test_lowered_key_declines_what_it_cannot_see():
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))  # (its weight and bias are graph attributes)
     assert graph_cache.lowered_key(gm, [torch.randn(3, 2)], opts) is None
 
+    class RunningStat(torch.nn.Module):  # (a buffer the graph writes, as BatchNorm's running stats)
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("stat", torch.zeros(2))
+
+        def forward(self, x):
+            self.stat.add_(x.mean(0))
+            return x + self.stat
+
+    stat = torch.fx.symbolic_trace(RunningStat())
+    assert graph_cache.lowered_key(stat, [torch.randn(3, 2)], opts) is None
+
     def f(x):
         return torch.nn.functional.gelu(x) * 2
 
