@@ -15,6 +15,10 @@ names dmfx's fingerprint: a hash of every source file of the installed package (
 ops' fake implementations, its kernels) and of the options. A changed pass, kernel or option is a
 different key: never a stale graph.
 
+A second level, below, keeps the graph the forward passes made too, keyed by the Dynamo graph, so a
+warm process does not lower the graph or run those passes either: with both, a warm first call of
+BERT costs what Inductor's own does (bench/RESULTS.md).
+
 On a hit no dmfx compiler runs, so the record of what the backward passes did (dmfx.records()) is
 read back from a small JSON file written when the graph was first compiled, in the kernel cache
 directory (``DMFX_CACHE_DIR``), under ``graph_records/``; the record then says ``cache="hit"``, and
