@@ -120,3 +120,17 @@ def test_varlen_attention_bench_runs_every_candidate():
         assert max(r["rel_err"][n] for n in ("varlen", "flash_padded", "sdpa_padded")) < 1e-5  # (flash_nomask: NaN)
         assert r["T"] == 18 and r["Lmax"] == 12
         assert "flash_padded" in varlen_attention.table([r])
+
+
+def test_compile_cost_runs_each_backend_in_fresh_processes():
+    """bench/compile_cost.py on an LM model with its loss (eager only: Inductor would take minutes):
+    a cold and a warm process each report their first and second step, and the table lists them."""
+    from bench import compile_cost
+
+    results = compile_cost.run("cpu", "bert-mlm", layers=1, batch=1, seq=8, backends=("eager",), repeat=1,
+                               kernels="shared", threads=1)
+    assert [r["cache"] for r in results] == ["cold", "warm"]
+    for r in results:
+        assert "error" not in r, r.get("error")
+        assert r["first_step_s"] > 0 and r["second_step_s"] > 0 and r["dmfx_graphs"] == []
+    assert "bert-mlm" in compile_cost.table(results)
