@@ -101,10 +101,8 @@ def constants_digest(gm: torch.fx.GraphModule) -> str:
     for n in gm.graph.nodes:
         if n.op != "get_attr":
             continue
-        obj: Any = gm
         try:
-            for part in str(n.target).split("."):
-                obj = getattr(obj, part)
+            obj = _attr(gm, str(n.target))
             if isinstance(obj, torch.Tensor) and not isinstance(obj, torch.nn.Parameter):
                 t = obj.detach().to("cpu").contiguous().reshape(-1)
                 h.update(f"{n.target}:{t.dtype}:{tuple(obj.shape)}".encode())
@@ -160,6 +158,14 @@ def record_key(dmfx_tag: str, rewritten: torch.fx.GraphModule, example_inputs: S
     return h.hexdigest()[:32]
 
 
+def _write_atomic(path: Path, data: bytes) -> None:
+    """`data` into `path` through a temp file and a rename: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 def _records_dir() -> Path:
     from .cuda_ops.build import cache_root
 
@@ -169,11 +175,8 @@ def _records_dir() -> Path:
 def save_record(key: str, record: Any) -> None:
     """Write `record`'s RECORD_FIELDS for `key` (atomically; never raises: the record is observability)."""
     try:
-        d = _records_dir()
-        d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".{key}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps({f: getattr(record, f) for f in RECORD_FIELDS}, default=list))
-        os.replace(tmp, d / f"{key}.json")
+        data = json.dumps({f: getattr(record, f) for f in RECORD_FIELDS}, default=list).encode()
+        _write_atomic(_records_dir() / f"{key}.json", data)
     except (OSError, TypeError, ValueError) as e:
         log.debug("dmfx: could not save the record of graph %d for the cache: %s", record.graph_id, e)
 
@@ -275,11 +278,7 @@ def save_lowered(key: str, record: Any, rewritten: torch.fx.GraphModule | None, 
                  "graph": rewritten}
         data = pickle.dumps(entry)
         back = pickle.loads(data)["graph"]
-        d = _lowered_dir()
-        d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".{key}.{os.getpid()}.tmp"
-        tmp.write_bytes(data)
-        os.replace(tmp, d / f"{key}.pkl")
+        _write_atomic(_lowered_dir() / f"{key}.pkl", data)
         return back
     except Exception as e:  # noqa: BLE001
         log.debug("dmfx: graph %d's lowered graph not cached (%s: %s)", record.graph_id, type(e).__name__, e)
