@@ -15,9 +15,10 @@ names dmfx's fingerprint: a hash of every source file of the installed package (
 ops' fake implementations, its kernels) and of the options. A changed pass, kernel or option is a
 different key: never a stale graph.
 
-A second level, below, keeps the graph the forward passes made too, keyed by the Dynamo graph, so a
-warm process does not lower the graph or run those passes either: with both, a warm first call of
-BERT costs what Inductor's own does (bench/RESULTS.md).
+A second level, below, keeps the graph the forward passes made too (pickled node by node:
+dump_graph), keyed by the Dynamo graph, so a warm process does not lower the graph or run those
+passes either: with both, a warm first call of BERT costs what Inductor's own does
+(bench/RESULTS.md).
 
 On a hit no dmfx compiler runs, so the record of what the backward passes did (dmfx.records()) is
 read back from a small JSON file written when the graph was first compiled, in the kernel cache
@@ -200,12 +201,13 @@ def load_record(key: str, record: Any) -> bool:
 #
 # AOTAutograd's cache is looked up with the graph dmfx's forward passes made, so a warm process still
 # lowers the Dynamo graph and runs those passes first (about 40% of a warm compile of BERT). The
-# second level below keeps that graph too (pickled, as PyTorch's caches pickle graphs), keyed by the
-# Dynamo graph's code and everything else the lowering reads: its inputs' metadata and aliasing, its
-# tensor constants' values, grad mode, autocast, dmfx's tag (sources, options). It stays off where
-# that key could miss something: symbolic shapes (a pass may have added a guard, which a hit would
-# not add again), tensors held as graph attributes (a parameter, or a buffer the graph writes, would
-# be pickled as a copy; Dynamo makes them graph inputs), submodules that are not graphs.
+# second level below keeps that graph too (pickled node by node, as PyTorch's caches pickle graphs:
+# dump_graph), keyed by the Dynamo graph's code and everything else the lowering reads: its inputs'
+# metadata and aliasing, its tensor constants' values, grad mode, autocast, dmfx's tag (sources,
+# options). It stays off where that key could miss something: symbolic shapes (a pass may have added
+# a guard, which a hit would not add again), tensors held as graph attributes (a parameter, or a
+# buffer the graph writes, would be pickled as a copy; Dynamo makes them graph inputs), submodules
+# that are not graphs.
 
 #: The GraphRecord fields the lowered graph's entry restores (what the lowering and forward passes did).
 LOWERED_FIELDS = ("fired", "replaced", "missed", "copies", "attention_forms", "unpad", "epilogue",
@@ -264,21 +266,63 @@ def _lowered_dir() -> Path:
     return cache_root() / "lowered_graphs"
 
 
+def dump_graph(gm: torch.fx.GraphModule) -> bytes:
+    """`gm` pickled node by node (PyTorch's GraphPickler, which its own caches use), without node
+    metadata. A GraphModule's own pickling keeps its generated code and traces that again when it is
+    read back, which runs every call with no tensor arguments (a dropout seed's ``randint``, a
+    ``zeros``) once and keeps its result as a constant: the same dropout mask on every step."""
+    from torch.fx._graph_pickler import GraphPickler, Options
+
+    return GraphPickler.dumps(gm, Options(ops_filter=None, node_metadata_key_filter=lambda key: False))
+
+
+def load_graph(data: bytes) -> torch.fx.GraphModule:
+    """The GraphModule `dump_graph` pickled."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+
+    gm = GraphPickler.loads(data, FakeTensorMode())  # (no fake tensors in it: the metadata was left out)
+    if not isinstance(gm, torch.fx.GraphModule):
+        raise TypeError(f"not a GraphModule: {type(gm).__name__}")
+    gm.recompile()
+    return gm
+
+
+def same_graph(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> str | None:
+    """Why `b` is not the graph `a` is (None: the same nodes, calls, arguments and tensor attributes)."""
+    if a.graph.python_code("self").src != b.graph.python_code("self").src:
+        return "its code differs"
+    for n in a.graph.nodes:
+        if n.op == "get_attr":
+            x, y = _attr(a, str(n.target)), _attr(b, str(n.target))
+            if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor) or isinstance(x, torch.Tensor) and not (
+                    x.dtype == y.dtype and x.shape == y.shape and x.device == y.device and torch.equal(x, y)):
+                return f"attribute {n.target} differs"
+    return None
+
+
 def save_lowered(key: str, record: Any, rewritten: torch.fx.GraphModule | None, hint: Any,
                  whole_graph: str | None = None) -> torch.fx.GraphModule | None:
     """Keep the rewritten graph (or `whole_graph`: why the graph was left to Inductor whole) and the
     record of the lowering and forward passes for `key`. Returns the graph as a later process will
     read it back (pickled and unpickled: AOTAutograd's key of it is then the same in this process as
     in that one, which the live graph's, with its node metadata, is not); None where it could not be
-    kept (never raises: the graph is then simply not cached)."""
+    kept (never raises: the graph is then simply not cached), or where what would be read back is
+    not the same graph (same_graph)."""
     import pickle
 
     try:
+        graph = back = None
+        if rewritten is not None:
+            graph = dump_graph(rewritten)
+            back = load_graph(graph)
+            why = same_graph(rewritten, back)
+            if why:
+                log.info("dmfx: graph %d's lowered graph not cached: read back, %s", record.graph_id, why)
+                return None
         entry = {"record": {f: getattr(record, f) for f in LOWERED_FIELDS}, "hint": hint, "whole_graph": whole_graph,
-                 "graph": rewritten}
-        data = pickle.dumps(entry)
-        back = pickle.loads(data)["graph"]
-        _write_atomic(_lowered_dir() / f"{key}.pkl", data)
+                 "graph": graph}
+        _write_atomic(_lowered_dir() / f"{key}.pkl", pickle.dumps(entry))
         return back
     except Exception as e:  # noqa: BLE001
         log.debug("dmfx: graph %d's lowered graph not cached (%s: %s)", record.graph_id, type(e).__name__, e)
@@ -296,6 +340,8 @@ def load_lowered(key: str) -> dict | None:
         return None
     try:
         entry = pickle.loads(data)
+        if isinstance(entry, dict) and entry.get("graph") is not None:
+            entry["graph"] = load_graph(entry["graph"])
     except Exception as e:  # noqa: BLE001 (a torch or dmfx that can no longer read it: lower again)
         log.debug("dmfx: cached lowered graph %s unreadable (%s: %s)", key, type(e).__name__, e)
         return None

@@ -288,3 +288,61 @@ def test_lowered_key_declines_what_it_cannot_see():
     x = torch.randn(4, 2)
     two = torch.fx.symbolic_trace(lambda a, b: a + b)
     assert graph_cache.lowered_key(two, [x, x], opts) != graph_cache.lowered_key(two, [x, x.clone()], opts)  # aliasing
+
+
+def mlm_with_dropout():
+    cfg = transformers.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.3,
+                                  attention_probs_dropout_prob=0.3)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.BertForMaskedLM(cfg).train()
+
+
+@pytest.mark.parametrize("options", [{"compiler": "inductor"}, INDUCTOR], ids=["default", "fuse-all"])
+def test_dropout_draws_a_fresh_mask_on_every_call_on_a_miss_and_on_a_hit(fresh_cache, options):
+    """The kept graph must keep the seed's randint a call. (A GraphModule's own pickling traces its
+    code again, which ran the randint once and kept the seed as a constant: every step of every
+    process reused one dropout mask.)"""
+    model = mlm_with_dropout()
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    for expect in ("miss", "hit"):
+        torch._dynamo.reset()
+        c = torch.compile(model, backend="dmfx", options=options)
+        first = c(input_ids=ids, labels=ids)
+        (first.loss + first.logits.sum()).backward()  # (AOTAutograd keeps its entry once the backward compiled)
+        rec = dmfx.records()[-1]
+        assert rec.cache == expect and rec.fallback is None, rec.summary()
+        assert rec.lowered_from_cache == (expect == "hit")
+        assert {"bias_dropout_residual_norm", "bias_act_dropout"} <= set(rec.fired), rec.fired
+        with torch.no_grad():
+            a, b = c(input_ids=ids).logits, c(input_ids=ids).logits
+            torch.manual_seed(7)
+            s1 = c(input_ids=ids).logits
+            torch.manual_seed(7)
+            s2 = c(input_ids=ids).logits
+        assert not torch.equal(a, b), f"{expect}: two calls dropped the same elements"
+        assert torch.equal(s1, s2), f"{expect}: torch.manual_seed does not reproduce a call"
+
+
+def test_the_kept_graph_is_the_graph_node_for_node():
+    """dump_graph keeps calls that take no tensor (randint, zeros) as calls; same_graph tells a graph
+    read back as something else (here: the GraphModule's own pickling, which made them constants)."""
+    import pickle
+
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    seed = g.call_function(aten.randint.low, (0, 2**62, [2]), {"dtype": torch.int64, "device": torch.device("cpu")})
+    zeros = g.call_function(aten.zeros.default, ([3],), {"dtype": torch.float32, "device": torch.device("cpu")})
+    g.output((g.call_function(aten.add.Tensor, (x, zeros)), seed))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+
+    back = graph_cache.load_graph(graph_cache.dump_graph(gm))
+    assert graph_cache.same_graph(gm, back) is None
+    assert [n.target for n in back.graph.nodes if n.op == "call_function"][:2] == [aten.randint.low, aten.zeros.default]
+    s1, s2 = back(torch.zeros(3))[1], back(torch.zeros(3))[1]
+    assert not torch.equal(s1, s2)
+
+    retraced = pickle.loads(pickle.dumps(gm))  # (the GraphModule's own pickling)
+    assert graph_cache.same_graph(gm, retraced) == "its code differs"
