@@ -85,6 +85,10 @@ class GraphRecord:
     cache: str = ""
     lowered_from_cache: bool = False  # the lowered, rewritten forward graph came from the compile cache
     bytes_saved: int | None = None  # saved_bytes of the rewritten graph, kept for a cache hit's log line
+    # option cudagraphs (mode="reduce-overhead"): "" (not asked for), "captured" (Inductor's CUDA-graph
+    # trees record the compiled graphs at their second call and replay them), "not applied: <why>", or
+    # Inductor's own where the graph was left to it whole
+    cudagraphs: str = ""
     # "forward"/"backward"/"inference" -> its GraphModule, or a weak reference to it once the record
     # is no longer among the GRAPHS_KEPT most recent (read them as forward_graph, ...)
     _graphs: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -120,6 +124,8 @@ class GraphRecord:
         )
         if self.cache == "hit":
             text += " (from the compile cache)"
+        if self.cudagraphs:
+            text += f"; CUDA graphs: {self.cudagraphs}"
         if self.unpad.get("option"):
             text += (f"; unpadded by {self.unpad['mask']} ({self.unpad['attentions']} attention(s) and "
                      f"{self.unpad['row_ops']} row-wise ops on the real tokens)")
@@ -363,7 +369,7 @@ def _add_to_record(record: GraphRecord, ctx: Any, kind: str) -> None:
 
 
 def _compiler(kind: str, record: GraphRecord, opts: Options, rewritten: GraphModule,
-              cache: tuple[str, str] | None = None) -> Callable:
+              cache: tuple[str, str] | None = None, cudagraphs: Any = None) -> Callable:
     """AOTAutograd's compiler for the `kind` graph ("forward", "backward", "inference"): what the
     fused nodes of `rewritten` (the graph the forward pipeline made) absorbed is carried onto the
     nodes of this graph that compute them (passes/fusion.py); the backward passes run on the backward
@@ -373,7 +379,8 @@ def _compiler(kind: str, record: GraphRecord, opts: Options, rewritten: GraphMod
 
     `cache`: (dmfx's cache tag, the record's key) where the compiled graphs go to AOTAutograd's cache
     (dmfx/graph_cache.py): Inductor compiles under the tag, and once the last graph of the compile
-    (the backward, or the inference graph) is compiled the record is saved for a later hit."""
+    (the backward, or the inference graph) is compiled the record is saved for a later hit.
+    `cudagraphs`: the graph's CUDA-graph state (dmfx/inductor.py CudaGraphs) where it is captured."""
     from . import graph_cache
     from .functionalize import reinplace_input_writes
     from .passes.fusion import carry_absorbed, carry_to_backward
@@ -391,7 +398,7 @@ def _compiler(kind: str, record: GraphRecord, opts: Options, rewritten: GraphMod
         compiled = None
         if opts.compiler == "inductor":
             with graph_cache.tagged(cache[0] if cache else None):
-                compiled = _inductor(gm, example_inputs, kind, record, opts, rewritten)  # (Inductor reinplaces itself)
+                compiled = _inductor(gm, example_inputs, kind, record, opts, rewritten, cudagraphs)  # (Inductor reinplaces itself)
         if compiled is None:
             if kind == "inference":
                 reinplace_input_writes(gm)
@@ -404,7 +411,7 @@ def _compiler(kind: str, record: GraphRecord, opts: Options, rewritten: GraphMod
 
 
 def _inductor(gm: GraphModule, example_inputs: Sequence[Any], kind: str, record: GraphRecord, opts: Options,
-              rewritten: GraphModule) -> Callable | None:
+              rewritten: GraphModule, cudagraphs: Any = None) -> Callable | None:
     """`gm` compiled by Inductor (dmfx/inductor.py); on failure (with opts.fallback) one warning and
     None: the caller runs it as a GraphModule, with dmfx's rewrites."""
     from .inductor import compile_graph
@@ -412,7 +419,7 @@ def _inductor(gm: GraphModule, example_inputs: Sequence[Any], kind: str, record:
     start = time.perf_counter()
     try:
         compiled = compile_graph(gm, example_inputs, kind, record.graph_id, _output_count(rewritten),
-                                 max_autotune=opts.max_autotune)
+                                 max_autotune=opts.max_autotune, cudagraphs=cudagraphs)
     except Exception as e:
         if not opts.fallback:
             raise
@@ -421,20 +428,25 @@ def _inductor(gm: GraphModule, example_inputs: Sequence[Any], kind: str, record:
                    str(e).splitlines()[0][:300] if str(e) else "")
         record.missed.append(f"compiler: Inductor failed on the {kind} graph ({type(e).__name__}); ran it as FX")
         record.compiler = "fx"
+        if cudagraphs is not None:
+            record.cudagraphs = f"not applied: Inductor failed on the {kind} graph, which runs as FX"
         return None
     record.inductor_seconds += time.perf_counter() - start
+    if cudagraphs is not None and not record.cudagraphs.startswith("not applied"):
+        record.cudagraphs = "captured" if cudagraphs.enabled else (
+            "not applied: Inductor declined the graph (TORCH_LOGS=perf_hints says why)")
     return compiled
 
 
 def _whole_graph_to_inductor(gm: GraphModule, example_inputs: Sequence[Any], why: str, record: GraphRecord,
-                             opts: Options, start: float) -> Callable | None:
+                             opts: Options, start: float, cudagraphs: bool = False) -> Callable | None:
     """The Dynamo graph compiled by Inductor alone (its compile_fx: its decompositions, partitioner
     and passes), where dmfx's fusions would not pay under it (`why`: dmfx/inductor.py
     leave_to_inductor); None when Inductor fails (then dmfx compiles the graph as usual)."""
     from torch._inductor.compile_fx import compile_fx
 
     try:
-        compiled = compile_fx(gm, example_inputs)
+        compiled = compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": True} if cudagraphs else None)
     except Exception as e:
         if not opts.fallback:
             raise
@@ -443,6 +455,8 @@ def _whole_graph_to_inductor(gm: GraphModule, example_inputs: Sequence[Any], why
         return None
     record.fallback = f"left to Inductor: {why}"
     record.compiler = "inductor"
+    if cudagraphs:
+        record.cudagraphs = "Inductor's own (the graph is left to Inductor whole)"
     record.seconds = time.perf_counter() - start
     _finish(record, opts)
     return compiled
@@ -493,8 +507,8 @@ def _partitioner(opts: Options, record: GraphRecord) -> Callable:
 
 # torch.compile's modes (HF's CompileConfig passes mode="reduce-overhead" for generation). dmfx's meaning
 # of each: "max-autotune" and "max-autotune-no-cudagraphs" time dmfx's choices (option tune) and let
-# Inductor autotune its kernels (max_autotune); "reduce-overhead" runs as "default" (dmfx does not
-# capture CUDA graphs yet).
+# Inductor autotune its kernels (max_autotune); "reduce-overhead" captures CUDA graphs (option
+# cudagraphs: dmfx/inductor.py).
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -502,13 +516,21 @@ def _apply_mode(opts: Options, mode: str | None) -> Options:
     if mode in ("max-autotune", "max-autotune-no-cudagraphs"):
         return replace(opts, tune=True, max_autotune=True)
     if mode == "reduce-overhead":
-        _log_once(f"mode:{mode}", "dmfx: mode='reduce-overhead' accepted; it runs as the default mode (dmfx does not "
-                  "capture CUDA graphs yet)")
+        return replace(opts, cudagraphs=True)
     return opts
 
 
+def _cudagraphs_why_not(opts: Options, devices: tuple[str, ...]) -> str | None:
+    """Why option cudagraphs does not apply to a graph on `devices` (None: it does)."""
+    if "cuda" not in devices:
+        return "no CUDA tensors in this graph (CUDA graphs capture CUDA work only)"
+    if opts.compiler != "inductor":
+        return "compiler='fx' (CUDA graphs are captured by Inductor's CUDA-graph trees)"
+    return None
+
+
 def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Options, off: set[str],
-                       record: GraphRecord, start: float, key: str | None) -> Any:
+                       record: GraphRecord, start: float, key: str | None, capture: bool = False) -> Any:
     """The Dynamo graph lowered and rewritten: ``(rewritten, padding hint, kept)``, kept under `key` (the
     compile cache's lowered graph, dmfx/graph_cache.py; `kept` is the graph as the cache holds it, or
     None) when it has one; or, for a graph dmfx leaves to PyTorch or to Inductor whole, the compiled
@@ -522,6 +544,8 @@ def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Opt
         if not opts.fallback or isinstance(e, GraphVerificationError) and e.strict:
             raise
         record.fallback = f"could not lower to a functional ATen graph: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        if capture:
+            record.cudagraphs = "not applied: the graph runs as Dynamo gave it"
         from .cuda_ops.build import warn
 
         warn("dmfx: %s", record.summary())
@@ -533,7 +557,7 @@ def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Opt
         from .inductor import leave_to_inductor
 
         why = leave_to_inductor(aten_gm, record.devices)
-        compiled = _whole_graph_to_inductor(gm, example_inputs, why, record, opts, start) if why else None
+        compiled = _whole_graph_to_inductor(gm, example_inputs, why, record, opts, start, capture) if why else None
         if compiled is not None:
             if key:
                 graph_cache.save_lowered(key, record, None, hint, whole_graph=why)
@@ -576,14 +600,21 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
     off = passes_to_skip(t.device for t in example_inputs if isinstance(t, torch.Tensor)) - set(opts.skip)
     if off:
         opts = replace(opts, skip=(*opts.skip, *sorted(off)))
-    key = graph_cache.lowered_key(gm, example_inputs, opts) if graph_cache.enabled(opts) else None
+    capture = False  # option cudagraphs, on a CUDA graph Inductor runs: not cached (see below)
+    if opts.cudagraphs:
+        why_not = _cudagraphs_why_not(opts, record.devices)
+        capture = why_not is None
+        if why_not:
+            record.cudagraphs = f"not applied: {why_not}"
+            _log_once(f"cudagraphs:{why_not}", "dmfx: CUDA graphs (mode='reduce-overhead') not applied: %s", why_not)
+    key = graph_cache.lowered_key(gm, example_inputs, opts) if graph_cache.enabled(opts) and not capture else None
     entry = graph_cache.load_lowered(key) if key else None
     if entry is not None:
         for f, value in entry["record"].items():
             setattr(record, f, value)
         record.lowered_from_cache = True
     if entry is not None and entry["whole_graph"] is not None:  # left to Inductor whole before: its cache has it
-        compiled = _whole_graph_to_inductor(gm, example_inputs, entry["whole_graph"], record, opts, start)
+        compiled = _whole_graph_to_inductor(gm, example_inputs, entry["whole_graph"], record, opts, start, capture)
         if compiled is not None:
             return _with_padding_hint(compiled, entry["hint"], record)
         entry, record = None, replace(record, fired={}, replaced={}, missed=[], copies=[], attention_forms={}, unpad={},
@@ -592,7 +623,7 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
         rewritten = kept = entry["graph"]
         hint = entry["hint"]
     else:
-        lowered = _lower_and_rewrite(gm, example_inputs, opts, off, record, start, key)
+        lowered = _lower_and_rewrite(gm, example_inputs, opts, off, record, start, key, capture)
         if not isinstance(lowered, tuple):  # (compiled already: left to PyTorch or to Inductor whole)
             return lowered
         rewritten, hint, kept = lowered
@@ -604,16 +635,30 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
     from torch._dynamo.backends.common import aot_autograd
 
     record.compiler = opts.compiler
+    cudagraphs = None
+    if capture and not record.fallback:
+        from .inductor import CudaGraphs, capture_blocker
+
+        blocker = capture_blocker(traced)
+        if blocker:
+            capture = False
+            record.cudagraphs = f"not applied: {blocker}"
+            _log_once(f"cudagraphs-blocked:{record.graph_id}", "dmfx: graph %d: CUDA graphs not applied: %s",
+                      record.graph_id, blocker)
+        else:
+            cudagraphs = CudaGraphs.new(gm, traced)
     cache = None
     wrap: Callable[[Callable], Callable] = lambda fn: fn  # noqa: E731
-    if graph_cache.enabled(opts) and not record.fallback:
+    # (a captured graph is not cached: AOTAutograd's cache would load it with PyTorch's CUDA-graph
+    # settings, not with the state dmfx hands Inductor)
+    if graph_cache.enabled(opts) and not record.fallback and not capture:
         dmfx_tag = graph_cache.tag(opts, traced)
         cache = (dmfx_tag, graph_cache.record_key(dmfx_tag, traced, example_inputs))
         wrap = graph_cache.serializable
     compiler = aot_autograd(
-        fw_compiler=wrap(_compiler("forward", record, opts, rewritten, cache)),
-        bw_compiler=wrap(_compiler("backward", record, opts, rewritten, cache)),
-        inference_compiler=wrap(_compiler("inference", record, opts, rewritten, cache)),
+        fw_compiler=wrap(_compiler("forward", record, opts, rewritten, cache, cudagraphs)),
+        bw_compiler=wrap(_compiler("backward", record, opts, rewritten, cache, cudagraphs)),
+        inference_compiler=wrap(_compiler("inference", record, opts, rewritten, cache, cudagraphs)),
         partition_fn=_partitioner(opts, record),
         decompositions={},
         keep_inference_input_mutations=True,

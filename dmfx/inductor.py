@@ -26,6 +26,7 @@ Inductor's graph-level passes that pattern-match attention (its SDPA rewrites) r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -98,10 +99,11 @@ def mark_user_visible_outputs(gm: GraphModule, kind: str, user_outputs: int) -> 
 
 
 def compile_graph(gm: GraphModule, example_inputs: Sequence[Any], kind: str, graph_id: int, user_outputs: int,
-                  max_autotune: bool = False) -> Callable:
+                  max_autotune: bool = False, cudagraphs: "CudaGraphs | None" = None) -> Callable:
     """`gm` (one of AOTAutograd's "forward", "backward" or "inference" graphs, after dmfx's passes)
     compiled by Inductor: a boxed callable. `user_outputs`: how many outputs the graph dmfx handed
-    AOTAutograd returns (see mark_user_visible_outputs). Raises what Inductor raises."""
+    AOTAutograd returns (see mark_user_visible_outputs). `cudagraphs`: the Dynamo graph's CUDA-graph
+    state (mode="reduce-overhead"), or None. Raises what Inductor raises."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
@@ -109,7 +111,126 @@ def compile_graph(gm: GraphModule, example_inputs: Sequence[Any], kind: str, gra
 
     decomposed = decompose(gm, example_inputs)
     mark_user_visible_outputs(decomposed, kind, user_outputs)
-    with config.patch(max_autotune=max_autotune), \
+    capture = cudagraphs is not None and bool(cudagraphs.enabled)
+    static = cudagraphs.static_input_idxs(kind, gm, decomposed, example_inputs) if capture else []
+    with config.patch({"max_autotune": max_autotune, "triton.cudagraphs": capture}), \
             functorch_config.patch(custom_op_default_layout_constraint="needs_exact_strides"):
-        return compile_fx_inner(decomposed, list(example_inputs), is_backward=kind == "backward",
-                                is_inference=kind == "inference", cudagraphs=BoxedBool(False), graph_id=graph_id)
+        compiled = compile_fx_inner(decomposed, list(example_inputs), is_backward=kind == "backward",
+                                    is_inference=kind == "inference",
+                                    cudagraphs=cudagraphs.enabled if capture else BoxedBool(False), graph_id=graph_id,
+                                    static_input_idxs=static,
+                                    boxed_forward_device_index=cudagraphs.device if cudagraphs is not None else None)
+    if capture and kind == "forward":
+        partitions = getattr(compiled, "partition_maps", None)
+        cudagraphs.forward_partitioned = bool(partitions) and len(partitions) > 1
+    return compiled
+
+
+# --------------------------------------------------------------- CUDA graphs (mode="reduce-overhead")
+#
+# With option cudagraphs (torch.compile's mode="reduce-overhead"), the graphs dmfx compiles on CUDA
+# are handed to Inductor's CUDA-graph trees as Inductor's compile_fx hands its own: one shared state
+# per Dynamo graph (whether it is captured, which Inductor turns off when it declines a graph; the
+# forward's device, for the backward's tree), and the inputs whose addresses stay put (parameters,
+# buffers, inputs Dynamo marks static such as a static KV cache; for the backward, the activations
+# the captured forward saved). Inductor then records each graph at its second call and replays it.
+# dmfx's kernels launch on the current stream and never synchronize, so they are captured with the
+# rest, with one exception that capture_blocker finds: an op that reads a value on the host each call.
+
+
+_SEEDS = (torch.ops.aten.randint.low,)  # (passes/graph_utils.py insert_seed)
+
+
+def _is_dmfx_op(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == "dmfx"
+
+
+def _device(n: Any) -> str | None:
+    """The device type of the tensor node `n` makes, by its value's metadata, or (a graph read back from
+    the compile cache has none) by a device keyword, as the dropout seed's randint has; None: unknown."""
+    if not isinstance(n, Node):
+        return None
+    v = n.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return v.device.type
+    device = n.kwargs.get("device") if n.op == "call_function" else None
+    return torch.device(device).type if device is not None else None
+
+
+def capture_blocker(gm: GraphModule) -> str | None:
+    """Why the CUDA graph `gm` (dmfx's rewritten forward graph) must not be captured (None: it may).
+    A captured graph replays its kernels with the arguments they had when it was captured, so a dmfx
+    op that reads a value on the host at each call would read it once: a dropout seed (a CPU tensor
+    drawn for every call, read by a CUDA kernel's launch: each replay would drop the same elements),
+    or option unpad's token count."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not _is_dmfx_op(n.target):
+            continue
+        name = n.target._schema.name
+        if name == "dmfx::unpad_index":
+            return "option unpad: the number of real tokens is read on the host at each call"
+        devices = {a: _device(a) for a in n.all_input_nodes}
+        out = n.meta.get("val")
+        out = out[0] if isinstance(out, (tuple, list)) and out else out
+        runs_on = out.device.type if isinstance(out, torch.Tensor) else next(
+            (d for d in devices.values() if d not in (None, "cpu")), None)
+        host = next((a for a, d in devices.items()
+                     if d == "cpu" and (runs_on not in (None, "cpu") or a.target in _SEEDS)), None)
+        if host is not None:
+            return (f"{name} reads {host.name} on the host at each call (a dropout seed: a captured graph "
+                    "would replay one dropout mask)")
+    return None
+
+
+def dynamo_static_inputs(gm: GraphModule) -> tuple[int, ...]:
+    """The positions of the Dynamo graph `gm`'s inputs whose addresses Dynamo says stay put (its
+    parameters and buffers, and tensors marked with torch._dynamo.mark_static_address)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return tuple(i for i, n in enumerate(placeholders)
+                 if (n.meta.get("tensor_dict") or {}).get("_dynamo_static_input_type"))
+
+
+@dataclass
+class CudaGraphs:
+    """One Dynamo graph's CUDA-graph state, shared by its forward, backward and inference compiles."""
+
+    enabled: Any  # torch._inductor.utils.BoxedBool: Inductor clears it where it declines the graph
+    device: Any  # torch._inductor.cudagraph_utils.BoxedDeviceIndex: the forward's device
+    static_inputs: tuple[int, ...]  # dynamo_static_inputs of the Dynamo graph
+    lifted: int  # tensors AOTAutograd lifts from the traced graph's attributes, ahead of its inputs
+    inputs: int  # the traced graph's inputs (the Dynamo graph's, one for one)
+    forward_partitioned: bool = False  # Inductor split the forward around something it cannot capture
+
+    @classmethod
+    def new(cls, dynamo_gm: GraphModule, traced: GraphModule) -> "CudaGraphs":
+        from torch._inductor.cudagraph_utils import BoxedDeviceIndex
+        from torch._inductor.utils import BoxedBool
+
+        lifted = len(dict(traced.named_parameters(remove_duplicate=False))) + len(
+            dict(traced.named_buffers(remove_duplicate=False)))
+        inputs = sum(n.op == "placeholder" for n in traced.graph.nodes)
+        static = dynamo_static_inputs(dynamo_gm)
+        if inputs != sum(n.op == "placeholder" for n in dynamo_gm.graph.nodes):
+            static = ()  # (not one for one: no input is taken as static)
+        return cls(BoxedBool(True), BoxedDeviceIndex(None), static, lifted, inputs)
+
+    def static_input_idxs(self, kind: str, gm: GraphModule, decomposed: GraphModule,
+                          example_inputs: Sequence[Any]) -> list[int]:
+        """The inputs of AOTAutograd's `kind` graph `gm` (`decomposed`: as Inductor gets it) that Inductor
+        may take as static, as its compile_fx would; where the layout is not the expected one, none
+        (every input is then copied into the captured graph's memory: slower, never stale)."""
+        n = len(example_inputs)
+        if sum(p.op == "placeholder" for p in decomposed.graph.nodes) != n:
+            return []
+        if kind == "backward":
+            from torch._inductor.utils import count_tangents
+
+            if self.forward_partitioned:  # (saved activations made outside the captured parts may move)
+                return []
+            try:
+                return list(range(count_tangents(gm)))
+            except AssertionError:  # (saved tensors not ahead of the tangents)
+                return []
+        if n != self.lifted + self.inputs:  # (AOTAutograd merged or dropped inputs: duplicates, views)
+            return list(range(min(self.lifted, n)))
+        return [*range(self.lifted), *(self.lifted + i for i in self.static_inputs)]

@@ -64,6 +64,13 @@ class Options:
     #: by a hash of dmfx's sources and of these options, so a later process skips dmfx's passes after
     #: the forward pipeline, AOTAutograd's tracing and partitioning, and Inductor's code generation.
     cache: bool = True
+    #: Capture each graph dmfx compiles on CUDA as CUDA graphs (Inductor's CUDA-graph trees: recorded at
+    #: the second call, replayed after, so a step launches no kernel from the host); torch.compile's
+    #: mode="reduce-overhead" sets it. Needs compiler="inductor". A graph whose dmfx ops read a value on
+    #: the host at each call is not captured (a dropout seed: each replay would drop the same elements;
+    #: option unpad's token count): the record says so. Captured graphs are not kept in the compile
+    #: cache. Nothing changes for CPU graphs.
+    cudagraphs: bool = False
     extra: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -110,6 +117,8 @@ class Options:
             raise ValueError(f"dmfx: option 'unpad' must be True or False, got {options['unpad']!r}")
         if options.get("cache", True) not in (False, True):
             raise ValueError(f"dmfx: option 'cache' must be True or False, got {options['cache']!r}")
+        if options.get("cudagraphs", False) not in (False, True):
+            raise ValueError(f"dmfx: option 'cudagraphs' must be True or False, got {options['cudagraphs']!r}")
         if options.get("verify", False) not in (False, True, "strict"):
             raise ValueError(f"dmfx: option 'verify' must be False, True or 'strict', got {options['verify']!r}")
         opts = cls(**options)

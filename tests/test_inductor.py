@@ -174,7 +174,7 @@ def test_max_autotune_mode_turns_on_tuning():
 
     opts = _apply_mode(dmfx.Options.from_user({}), "max-autotune")
     assert opts.tune and opts.max_autotune
-    assert _apply_mode(dmfx.Options.from_user({}), "reduce-overhead") == dmfx.Options.from_user({})
+    assert _apply_mode(dmfx.Options.from_user({}), "reduce-overhead") == dmfx.Options.from_user({"cudagraphs": True})
 
 
 @pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
