@@ -212,6 +212,7 @@ def pass_context(example_inputs: Sequence[Any], opts: Options, training: bool):
         attention=opts.attention,
         tune=opts.tune,
         input_requires_grad=input_requires_grad(example_inputs),
+        input_is_parameter=tuple(isinstance(t, torch.nn.Parameter) for t in example_inputs),
         joint_layouts=training and "layout" not in opts.skip,
         unpad=opts.unpad,
     )

@@ -28,6 +28,7 @@ class PassContext:
     training: bool = True  # a backward will be derived from this graph (some input requires grad)
     stack_qkv: bool | str = "auto"  # Options.stack_qkv
     input_requires_grad: tuple[bool, ...] | None = None  # per placeholder; None: unknown (assume all)
+    input_is_parameter: tuple[bool, ...] | None = None  # per placeholder: an nn.Parameter; None: unknown
     attention: str = "auto"  # Options.attention
     tune: bool = False  # Options.tune: time the candidate forms (passes/tuning.py)
     forms: dict[str, tuple[str, str]] = field(default_factory=dict)  # attention node -> (form, why)

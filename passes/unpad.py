@@ -101,11 +101,13 @@ class Tok:
 
 @dataclass
 class Grid:
-    """The padded batch's token grid: the mask input and its sizes."""
+    """The padded batch's token grid: the mask input and its sizes, and the graph inputs that are
+    parameters (never token tensors, whatever their shapes)."""
 
     mask: Node
     B: Any
     S: Any
+    params: frozenset = frozenset()
 
     def tok_of(self, shape: Any, seq: int | None = None) -> Tok | None:
         """The token annotation a tensor of `shape` can have: Tok(seq) when given and it fits; else
@@ -536,13 +538,33 @@ class Linear(Rule):
         roles = {("a", self.x_at): Role("token", Tok(0))}
         for path, a in _tensor_args(n):
             if path != ("a", self.x_at):
-                if grid.tok_of(val(a).shape) is not None and val(a).dim() > 1 and _eq(val(a).shape[0], grid.B * grid.S):
+                if (grid.tok_of(val(a).shape) is not None and val(a).dim() > 1 and _eq(val(a).shape[0], grid.B * grid.S)
+                        and not _from_parameters(a, grid.params)):
                     return None  # (a token tensor as the weight: not a linear layer)
                 roles[path] = Role("bcast")
         return roles
 
     def out_tok(self, n, path, tok, grid):
         return Tok(0) if path == ("a", self.x_at) and tok.flat else None
+
+
+# ops a weight goes through on its way to a GEMM (transposed, stacked as QKV, cast, copied)
+_WEIGHT_OPS = (aten.t, aten.transpose, aten.permute, aten.view, aten.reshape, aten._unsafe_view, aten._to_copy,
+               aten.clone, aten.alias, aten.cat, aten.detach, aten.contiguous)
+
+
+def _from_parameters(a: Any, params: frozenset, depth: int = 8) -> bool:
+    """Whether `a` is made from parameters alone, through _WEIGHT_OPS: a linear layer's weight even
+    where its shape is also a token tensor's (a dim equal to B * S, as BERT-base's 768 hidden is
+    for B = 6, S = 128)."""
+    if not isinstance(a, Node) or depth < 0:
+        return False
+    if a.op == "placeholder":
+        return a in params
+    if not is_op(a, *_WEIGHT_OPS):
+        return False
+    inputs = a.all_input_nodes
+    return bool(inputs) and all(_from_parameters(x, params, depth - 1) for x in inputs)
 
 
 class Embedding(Rule):
@@ -1136,7 +1158,11 @@ def unpad(gm: GraphModule, ctx: PassContext) -> None:
         if other is not source:
             for c in cs:
                 ctx.miss("unpad", c[0].node, f"another padding mask ({other.name}) than {source.name}: one per graph is unpadded")
-    grid = Grid(source, chosen[0][2], chosen[0][3])
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    is_param = ctx.input_is_parameter or ()
+    params = frozenset(p for p, yes in zip(placeholders, is_param) if yes) if len(is_param) == len(placeholders) \
+        else frozenset()
+    grid = Grid(source, chosen[0][2], chosen[0][3], params)
     region = Region(grid, [c[0] for c in chosen])
     for c in chosen:
         alone = Region(grid, [c[0]])

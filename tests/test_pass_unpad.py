@@ -201,6 +201,33 @@ def test_fine_tuning_heads_gradients_equal_eager(head):
     assert dmfx.records()[-1].fired.get("unpad") == 2
 
 
+@pytest.mark.parametrize("B,S", [(2, 16), (4, 16)], ids=["B*S=hidden", "B*S=ffn"])
+def test_weights_shaped_like_token_tensors_are_still_weights(B, S):
+    """A weight with a dim equal to B * S (BERT-base's 768 hidden at B=6, S=128; its 3072 FFN at B=24)
+    has a token tensor's shape; it is a linear layer's weight all the same (made from parameters), so
+    every GEMM runs on the real tokens, with eager's gradients. (Before, such a batch ran every GEMM
+    on the padded rows.)"""
+    model = transformers.BertModel(transformers.BertConfig(vocab_size=100, attn_implementation="eager", **SMALL))
+    model.train()
+    lengths = [S] + [S // 2 + i for i in range(B - 1)]
+    ids, mask = padded_batch(B=B, S=S, lengths=lengths)
+    assert B * S in (SMALL["hidden_size"], SMALL["intermediate_size"])
+    params = list(model.parameters())
+    R = torch.randn(B, S, SMALL["hidden_size"], generator=torch.Generator().manual_seed(3)) * mask[..., None]
+    ref, ref_grads = forward_and_grads(model, model, ids, mask, R, params)
+    out, grads = forward_and_grads(model, torch.compile(model, backend="dmfx", options=UNPAD), ids, mask, R, params)
+    real = mask.bool()
+    assert torch.allclose(out[real], ref[real], atol=1e-5)
+    assert_grads_equal(grads, ref_grads)
+    rec = dmfx.records()[-1]
+    gemms = [n for n in rec.forward_graph.graph.nodes if n.op == "call_function"
+             and n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)]
+    rows = [n.meta["val"].shape[0] for n in gemms]
+    packed = [r for r in rows if isinstance(r, torch.SymInt)]
+    padded = [r for r in rows if isinstance(r, int) and r == B * S]  # (the pooler's GEMM has B rows)
+    assert len(packed) >= 8 and not padded, rows  # (Q, K, V (or QKV), O, FFN up and down, per layer)
+
+
 def test_dropout_training_runs_and_is_reproducible():
     cfg = transformers.BertConfig(vocab_size=100, **{**SMALL, "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1})
     model = transformers.BertModel(cfg).train()
