@@ -860,6 +860,7 @@ class Packer:
         self.gm, self.graph, self.ctx, self.region, self.grid = gm, gm.graph, ctx, region, region.grid
         self.packed: dict[Node, Node] = {}
         self.gathered: dict[tuple[Node, Tok], Node] = {}
+        self._scattered: dict[Node, Node] = {}  # region value -> its padded form
         self._pos: Node | None = None
         self._batch: Node | None = None
         self._sizes: dict[Any, Node] = {}
@@ -1055,7 +1056,22 @@ class Packer:
         record(self.ctx, "unpad", [a.node], into=node)
 
     def scatter(self, n: Node, tok: Tok) -> Node:
-        """Region value `n` back in its padded shape, zeros at the padding."""
+        """Region value `n` back in its padded shape, zeros at the padding. A reshape of another region
+        value (the logits viewed [B, S, V] for the output and [B * S, V] for the loss) is that value's
+        scatter reshaped: one scatter of the data, not one per view."""
+        if n in self._scattered:
+            return self._scattered[n]
+        src = n.args[0] if is_op(n, aten.view, aten.reshape, aten._unsafe_view) else None
+        if isinstance(src, Node) and src in self.packed and isinstance(self.region.tok.get(src), Tok):
+            full = self.scatter(src, self.region.tok[src])
+            with _at(self.graph, full):
+                out = self._call(aten.reshape.default, (full, [self._size(d) for d in val(n).shape]))
+        else:
+            out = self._scatter(n, tok)
+        self._scattered[n] = out
+        return out
+
+    def _scatter(self, n: Node, tok: Tok) -> Node:
         p = self.packed[n]
         shape = list(val(n).shape)
         with _at(self.graph, p):
