@@ -75,6 +75,30 @@ def test_linear_cross_entropy_costs_its_gemms_and_its_chunk_buffers():
     assert scale.flop == 0 and redo.flop == 3 * gemm and redo.bytes - scale.bytes == 5 * logits
 
 
+def test_varlen_attention_costs_the_pairs_of_each_sequence():
+    """Option unpad's attention: its GEMMs over each sequence's own query-key pairs (sum of L_b^2),
+    read from cu_seqlens where it holds values, estimated from T and B in a graph's fake values."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    T, H, D = 14, 4, 8
+    cu = torch.tensor([0, 2, 11, 14], dtype=torch.int32)
+    q, k, v = (torch.randn(T, H, D) for _ in range(3))
+    fwd, bwd = torch.ops.dmfx.varlen_attention.default, torch.ops.dmfx.varlen_attention_backward.default
+    out, stats = fwd(q, k, v, cu, D ** -0.5, False, None, 0.0)
+    pairs = 2 * 2 + 9 * 9 + 3 * 3
+    gemm = 2 * H * pairs * (D + D)
+    c = op_cost(fwd, (q, k, v, cu, D ** -0.5, False, None, 0.0), {}, (out, stats))
+    assert c.cls == FUSED and c.flop == gemm and c.note == ""
+    b = op_cost(bwd, (out, q, k, v, out, stats, cu, D ** -0.5, False, None, 0.0), {}, (q, k, v))
+    assert b.flop == 2 * gemm + 2 * H * pairs * D
+    qkv = torch.randn(T, 3 * H * D)
+    assert op_cost(torch.ops.dmfx.qkv_varlen_attention.default, (qkv, H, cu, 1.0, False, None, 0.0), {}, None).flop == gemm
+    with FakeTensorMode() as mode:
+        fq, fk, fv, fcu = (mode.from_tensor(t) for t in (q, k, v, cu))
+        est = op_cost(fwd, (fq, fk, fv, fcu, 1.0, False, None, 0.0), {}, None)
+    assert est.flop == 2 * H * (T * T // 3) * (D + D) and "estimated" in est.note
+
+
 def test_layer_norm_bytes():
     R, H = 9, 17
 

@@ -189,6 +189,42 @@ def _attention_cost(name: str, args: Sequence[Any]) -> tuple[int, int] | None:
     return (2 * gemm if backward else gemm), (6 * scores if backward else 2 * scores)
 
 
+_VARLEN_OPS = ("varlen_attention", "varlen_attention_backward", "qkv_varlen_attention", "qkv_varlen_attention_backward")
+
+
+def _varlen_cost(name: str, args: Sequence[Any]) -> tuple[int, str] | None:
+    """(flop, note) of a dmfx varlen attention op (option unpad; None for other ops): its GEMMs over the
+    query-key pairs of each sequence, ``sum_b L_b^2`` per head, Q·Kᵀ and P·V forward, twice that and
+    Q·Kᵀ again backward (flash: the scores stay in cache). The lengths are read from cu_seqlens where
+    it holds values (the run-time counter); in a graph's fake values it does not, and the pairs are
+    estimated as if the T packed tokens were B sequences of equal length (said in the note)."""
+    if name not in _VARLEN_OPS:
+        return None
+    backward = name.endswith("backward")
+    try:
+        if name.startswith("qkv_"):
+            qkv, heads, cu = (args[1], args[2], args[5]) if backward else (args[0], args[1], args[2])
+            Hq = int(heads)
+            D = Dv = concrete_int(qkv.shape[-1]) // (3 * Hq)
+            T = concrete_int(qkv.shape[0])
+        else:
+            q, k, v, cu = (args[1], args[2], args[3], args[6]) if backward else (args[0], args[1], args[2], args[3])
+            T, Hq, D = (concrete_int(s) for s in q.shape)
+            Dv = concrete_int(v.shape[-1])
+        B = concrete_int(cu.shape[0]) - 1
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if isinstance(cu, FakeTensor) or cu.device.type == "meta":
+            pairs, note = T * T // max(B, 1), "query-key pairs estimated as equal sequence lengths"
+        else:
+            lengths = (cu[1:] - cu[:-1]).to(torch.int64)
+            pairs, note = int((lengths * lengths).sum()), ""
+    except Exception:  # noqa: BLE001 (unknown sizes: priced as a memory-bound op)
+        return None
+    gemm = 2 * Hq * pairs * (D + Dv)
+    return (2 * gemm + 2 * Hq * pairs * D if backward else gemm), note
+
+
 def _linear_ce_cost(name: str, args: Sequence[Any], kwargs: dict) -> tuple[int, int] | None:
     """(flop, bytes moved inside the op) of dmfx::linear_cross_entropy and its backward (None for other
     ops): its GEMMs' flop, ``2 N V H`` each (the logits; dhidden and dweight where it computes them), and
@@ -284,6 +320,9 @@ def op_cost(func: Any, args: Sequence[Any], kwargs: dict | None, out: Any) -> Op
         flop, inside = cost
         note = "includes the scores written and read inside the op" if inside else ""
         return OpCost(name, cls, flop, read + inside // 2, written + inside // 2, note)
+    varlen = _varlen_cost(_base_name(func), args) if cls == FUSED else None
+    if varlen is not None:
+        return OpCost(name, cls, varlen[0], read, written, varlen[1])
     cost = _linear_ce_cost(_base_name(func), args, kwargs) if cls == FUSED else None
     if cost is not None:  # the chunked LM head and loss: its GEMMs' flop, its chunk buffers
         flop, inside = cost
