@@ -11,6 +11,9 @@ import dmfx
 transformers = pytest.importorskip("transformers")
 
 UNPAD = {"unpad": True, "fuse": "all"}
+# tests that read the compiled graphs: never from the compile cache (on a hit there are none to read;
+# the suite runs compiler="fx", which caches nothing, but DMFX_COMPILER=inductor runs it too)
+UNPAD_GRAPHS = {**UNPAD, "cache": False}
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
@@ -68,7 +71,7 @@ def forward_and_grads(model, run, ids, mask, R, params):
 def unpadded_matches_eager(model, ids, mask):
     """The model's last hidden state compiled with unpad, checked equal to eager's at the real positions;
     returns it and the real positions' mask."""
-    compiled = torch.compile(model, backend="dmfx", options=UNPAD)
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS)
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
         out = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
@@ -195,7 +198,7 @@ def test_fine_tuning_heads_gradients_equal_eager(head):
         return loss.detach(), [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
 
     ref_loss, ref_grads = step(model)
-    loss, grads = step(torch.compile(model, backend="dmfx", options=UNPAD))
+    loss, grads = step(torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS))
     assert torch.allclose(loss, ref_loss, rtol=1e-5)
     assert_grads_equal(grads, ref_grads)
     rec = dmfx.records()[-1]
@@ -221,7 +224,8 @@ def test_weights_shaped_like_token_tensors_are_still_weights(B, S):
     params = list(model.parameters())
     R = torch.randn(B, S, SMALL["hidden_size"], generator=torch.Generator().manual_seed(3)) * mask[..., None]
     ref, ref_grads = forward_and_grads(model, model, ids, mask, R, params)
-    out, grads = forward_and_grads(model, torch.compile(model, backend="dmfx", options=UNPAD), ids, mask, R, params)
+    out, grads = forward_and_grads(model, torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS), ids, mask, R,
+                                   params)
     real = mask.bool()
     assert torch.allclose(out[real], ref[real], atol=1e-5)
     assert_grads_equal(grads, ref_grads)
