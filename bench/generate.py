@@ -17,6 +17,10 @@ whether every candidate's tokens are eager's.
 Usage (from the repository root)::
 
     python -m bench.generate [--rounds 5] [--cache static|dynamic] [--threads 2] [--new-tokens 48]
+                             [--device cpu|cuda]
+
+On CUDA, CompileConfig's default mode ("reduce-overhead") captures CUDA graphs: Inductor's own for
+"inductor", dmfx's option ``cudagraphs`` for "dmfx" (each graph's record says whether it was captured).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ def build(seed: int = 0):
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-def generator(model, backend: str | None, cache: str, prompt: torch.Tensor, new_tokens: int):
+def generator(model, backend: str | None, cache: str, prompt: torch.Tensor, new_tokens: int, device: str = "cpu"):
     """A function running one greedy generate() of `model` compiled with `backend` (None: eager)."""
     import transformers
 
@@ -54,15 +58,19 @@ def generator(model, backend: str | None, cache: str, prompt: torch.Tensor, new_
     if cache == "static":
         kwargs["cache_implementation"] = "static"
         if backend is not None:
-            config = transformers.CompileConfig(backend=backend)
-            config._compile_all_devices = True  # (generate() compiles on the CPU only with it)
+            config = transformers.CompileConfig(backend=backend)  # (mode "reduce-overhead", HF's default)
+            if device == "cpu":
+                config._compile_all_devices = True  # (generate() compiles on the CPU only with it)
             kwargs["compile_config"] = config
     elif backend is not None:
         model.forward = torch.compile(model.forward, backend=backend, dynamic=True)
 
     def run() -> torch.Tensor:
         with torch.no_grad():
-            return model.generate(prompt, **kwargs)
+            out = model.generate(prompt, **kwargs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return out
 
     return run
 
@@ -80,18 +88,19 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--prompt", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch._dynamo.reset()
     dmfx.reset()
-    base = build()
-    prompt = torch.randint(0, base.config.vocab_size, (args.batch, args.prompt))
+    base = build().to(args.device)
+    prompt = torch.randint(0, base.config.vocab_size, (args.batch, args.prompt), device=args.device)
     runs, first, graphs, tokens = {}, {}, {}, {}
     for name in CANDIDATES:  # compile each (first call), counting the graphs it compiled
         before = _unique_graphs()
         runs[name] = generator(copy.deepcopy(base), None if name == "eager" else name, args.cache, prompt,
-                               args.new_tokens)
+                               args.new_tokens, args.device)
         start = time.perf_counter()
         tokens[name] = runs[name]()
         first[name] = time.perf_counter() - start
@@ -112,7 +121,7 @@ def main(argv=None) -> dict:
     tps = {n: per_run / (v / 1e3) for n, v in ms.items()}
     records = dmfx.records()
     result = {
-        "env": environment("cpu"),
+        "env": environment(args.device),
         "workload": dict(cache=args.cache, batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens,
                          model="LlamaForCausalLM hidden 512, 4 layers, 8/4 heads, vocab 8000"),
         "ms_per_generate": ms, "tokens_per_s": tps, "first_generate_s": first, "graphs": graphs,
@@ -121,7 +130,7 @@ def main(argv=None) -> dict:
         "dmfx_fallbacks": [r.fallback for r in records if r.fallback],
         "rounds_ms": {n: t["generate"] for n, t in times.items()},
     }
-    print(f"generate(), {args.cache} cache, batch {args.batch}, {args.new_tokens} new tokens, "
+    print(f"generate() on {args.device}, {args.cache} cache, batch {args.batch}, {args.new_tokens} new tokens, "
           f"{args.threads} threads, medians of {args.rounds} interleaved rounds")
     print(f"{'':10}{'tokens/s':>10}{'vs eager':>10}{'vs inductor':>13}{'graphs':>8}{'first s':>9}  same tokens")
     for n in CANDIDATES:

@@ -18,6 +18,9 @@ echo "== CUDA tests"
 # attention (the fused kernels), and the attention ops in test_cuda_attention_ops.py), then the
 # model tests on the GPU path are left to CPU CI; no -x: one failing family must not hide the others
 python3 -m pytest -q tests/test_cuda_*.py 2>&1 | tail -25 | tee "$out/gpu_tests.log"
+echo "== compiled generation (HF's CompileConfig default, mode reduce-overhead: CUDA graphs; tests/test_cuda_graphs.py ran above)"
+python3 -m bench.generate --device cuda --rounds 5 --threads 16 --json "$out/gpu_generate.json" \
+  2>>"$out/gpu_bench.err" | tee "$out/gpu_generate.txt"
 echo "== attention alone: dmfx's CUDA flash kernel against SDPA (the cost model runs it only when forced until this is known)"
 python3 -m bench.attention --device cuda --seq 128,512 --dropout 0.0,0.1 --mode train --rounds 10 --threads 16 \
   2>>"$out/gpu_bench.err" | tee "$out/gpu_attention.txt"
