@@ -299,22 +299,33 @@ def mlm_with_dropout():
     return transformers.BertForMaskedLM(cfg).train()
 
 
+def gpt2_with_dropout():
+    cfg = transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=32, resid_pdrop=0.3,
+                                  embd_pdrop=0.3, attn_pdrop=0.3)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg).train()
+
+
 @pytest.mark.parametrize("options", [{"compiler": "inductor"}, INDUCTOR], ids=["default", "fuse-all"])
-def test_dropout_draws_a_fresh_mask_on_every_call_on_a_miss_and_on_a_hit(fresh_cache, options):
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_dropout_draws_a_fresh_mask_on_every_call_on_a_miss_and_on_a_hit(fresh_cache, options, family):
     """The kept graph must keep the seed's randint a call. (A GraphModule's own pickling traces its
     code again, which ran the randint once and kept the seed as a constant: every step of every
     process reused one dropout mask.)"""
-    model = mlm_with_dropout()
+    model = mlm_with_dropout() if family == "bert" else gpt2_with_dropout()
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
     for expect in ("miss", "hit"):
         torch._dynamo.reset()
+        before = len(dmfx.records())
         c = torch.compile(model, backend="dmfx", options=options)
         first = c(input_ids=ids, labels=ids)
         (first.loss + first.logits.sum()).backward()  # (AOTAutograd keeps its entry once the backward compiled)
-        rec = dmfx.records()[-1]
-        assert rec.cache == expect and rec.fallback is None, rec.summary()
-        assert rec.lowered_from_cache == (expect == "hit")
-        assert {"bias_dropout_residual_norm", "bias_act_dropout"} <= set(rec.fired), rec.fired
+        # (GPT-2's loss is a graph of its own, which fuse="auto" leaves to Inductor: no dropout in it)
+        recs = [r for r in dmfx.records()[before:] if r.fallback is None]
+        assert recs and all(r.cache == expect for r in recs), [r.summary() for r in dmfx.records()[before:]]
+        assert all(r.lowered_from_cache == (expect == "hit") for r in recs)
+        fusion = "bias_dropout_residual_norm" if family == "bert" else "dropout"
+        assert any(fusion in r.fired for r in recs), [r.fired for r in recs]
         with torch.no_grad():
             a, b = c(input_ids=ids).logits, c(input_ids=ids).logits
             torch.manual_seed(7)
