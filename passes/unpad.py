@@ -8,11 +8,13 @@ every row-wise op on them (GEMMs, norms, activations, dropout, embeddings, eleme
 each attention as variable-length attention over the packed sequences
 (``dmfx::varlen_attention`` / ``qkv_varlen_attention``, offsets from ``dmfx::unpad_index``), and
 scatters the rows back to ``[B, S, ...]`` where a value leaves the packed region (a graph output, a
-pooler reading token 0, a loss over every position). Positions where the mask is 0 then hold zeros in
+pooler reading token 0). Positions where the mask is 0 then hold zeros in
 those outputs (as ModernBERT's own unpadding gives), instead of the values eager computes there from
 the real tokens: no real token ever reads them, so every real position's output and every parameter
 gradient are eager's as long as nothing downstream reads the padding positions' outputs (a loss over
-every position: give padding the label -100).
+every position: give padding the label -100). Such a loss (``dmfx::cross_entropy``,
+``dmfx::linear_cross_entropy``) runs on the packed rows and is read as it is (``WHOLE``): the loss
+over the real positions, with no ``[B * S, V]`` logits scattered for it.
 
 T, the number of real tokens, is a data-dependent size (an unbacked SymInt, cuda_ops/unpad.py): a
 batch with another number of real tokens runs the same graph, with no recompile and no kernel build.
@@ -456,7 +458,11 @@ class Reshape(Rule):
 
     def roles(self, n, tok, grid):
         out, x = tensor_meta(n), tensor_meta(n.args[0])
-        if tok.seq > 1 or not grid.fits(out.shape, tok):
+        if not grid.fits(out.shape, tok):
+            return None
+        if _same_shape(out.shape, x.shape):  # (a view that changes nothing: HF's attention output [B, heads, S, d])
+            return {("a", 0): Role("token", tok)}
+        if tok.seq > 1:
             return None
         xtok = grid.tok_of(x.shape)
         if xtok is None or xtok.seq > 1:
@@ -467,10 +473,16 @@ class Reshape(Rule):
         return {("a", 0): Role("token", xtok)}
 
     def out_tok(self, n, path, tok, grid):
+        if _same_shape(tensor_meta(n).shape, tensor_meta(n.args[0]).shape):
+            return tok
         return grid.tok_of(tensor_meta(n).shape) if tok.seq <= 1 else None
 
     def args(self, n, tok, T):
         return (n.args[0], tok.packed_shape(tensor_meta(n).shape, T)), {}
+
+
+def _same_shape(a: Any, b: Any) -> bool:
+    return len(a) == len(b) and all(_eq(x, y) for x, y in zip(a, b))
 
 
 def _perm(n: Node) -> list[int] | None:
@@ -632,6 +644,68 @@ class RowOp(Rule):
         return tuple(tok if isinstance(o, torch.Tensor) and o.dim() >= x.dim() - 1 and o.numel() != 0 else None for o in v)
 
 
+#: The annotation of a region node's output that is not a token tensor but a whole-batch value its
+#: packed node computes exactly (a loss reduced over the real rows): readers outside read the packed
+#: value itself, with no scatter.
+WHOLE = "whole"
+
+
+def _first_tok(t: Any) -> Tok:
+    """The token annotation a region node packs by: its own, or its first token output's."""
+    return t if isinstance(t, Tok) else next(o for o in t if isinstance(o, Tok))
+
+
+class CrossEntropy(Rule):
+    """dmfx::cross_entropy(logits [B * S, V], target [B * S], ...) on the real rows alone. A loss over
+    every position is eager's when padding positions hold ignore_index as their target (the module
+    docstring's contract: padding positions' logits are not eager's anyway), so with reduction mean or
+    sum the packed op's loss is the loss (WHOLE), and no [B * S, V] logits are read for it; its
+    per-row lse (and the per-row loss of reduction none) are token tensors."""
+
+    def roles(self, n, tok, grid):
+        if not tok.flat or len(n.args) < 5 or n.kwargs:
+            return None
+        logits, target = val(n.args[0]), val(n.args[1])
+        if logits.dim() != 2 or target.dim() != 1 or not (_eq(logits.shape[0], grid.B * grid.S)
+                                                          and _eq(target.shape[0], grid.B * grid.S)):
+            return None
+        return {("a", 0): Role("token", Tok(0)), ("a", 1): Role("token", Tok(0))}
+
+    def out_tok(self, n, path, tok, grid):
+        return Tok(0) if path in (("a", 0), ("a", 1)) and tok.flat else None
+
+    def outputs(self, n, tok):
+        return (tok if n.args[4] == 0 else WHOLE, tok)
+
+
+class LinearCrossEntropy(Rule):
+    """dmfx::linear_cross_entropy(hidden [B * S, H], weight, bias, target [B * S], ...) on the real
+    rows alone, as CrossEntropy: its loss (mean, sum) is WHOLE, its per-row loss (none), lse and
+    dhidden are token tensors, and the dweight and dbias it sums over the rows are WHOLE (the real
+    rows' sum: padding rows' targets are ignore_index by the contract). Outputs not asked for (empty
+    ``[0]`` tensors) are neither."""
+
+    def roles(self, n, tok, grid):
+        if not tok.flat or len(n.args) < 8 or n.kwargs:
+            return None
+        hidden, target = val(n.args[0]), val(n.args[3])
+        if hidden.dim() != 2 or target.dim() != 1 or not (_eq(hidden.shape[0], grid.B * grid.S)
+                                                         and _eq(target.shape[0], grid.B * grid.S)):
+            return None
+        roles = {("a", 0): Role("token", Tok(0)), ("a", 3): Role("token", Tok(0))}
+        roles.update({path: Role("bcast") for path, _ in _tensor_args(n) if path not in roles})
+        return roles
+
+    def out_tok(self, n, path, tok, grid):
+        return Tok(0) if path in (("a", 0), ("a", 3)) and tok.flat else None
+
+    def outputs(self, n, tok):
+        loss, lse, dhidden, dweight, dbias = val(n)
+        nonempty = lambda t, ann: None if _eq(t.numel(), 0) else ann  # noqa: E731
+        return (tok if n.args[6] == 0 else WHOLE, tok, nonempty(dhidden, tok), nonempty(dweight, WHOLE),
+                nonempty(dbias, WHOLE))
+
+
 class Split(Rule):
     """split / split_with_sizes / unbind / select / slice / narrow along a feature dim."""
 
@@ -685,6 +759,7 @@ _RULES.update({
     aten.slice: Split(1), aten.narrow: Split(1),
     dmfx.layer_norm: RowOp((0,)), dmfx.rms_norm: RowOp((0,)), dmfx.bias_dropout_residual_norm: RowOp((0, 2)),
     dmfx.dropout: RowOp((0,)), dmfx.bias_act_dropout: RowOp((0,)), dmfx.glu: RowOp((0, 1)),
+    dmfx.cross_entropy: CrossEntropy(), dmfx.linear_cross_entropy: LinearCrossEntropy(),
 })
 
 
@@ -781,7 +856,7 @@ class Region:
             return False
         for path, a in _tensor_args(u):
             t = self.value_tok(a) if a in self.tok else self._getitem_tok(a)
-            if t is None:
+            if not isinstance(t, Tok):  # (outside the region, or a whole-batch value)
                 continue
             out = rule.out_tok(u, path, t, self.grid)
             if out is None:
@@ -822,8 +897,9 @@ def _token_sources(region: Region, x: Node) -> set[Node]:
         if n.target is operator.getitem:
             stack.append(n.args[0])
             continue
-        tok = t if isinstance(t, Tok) else next(o for o in t if o is not None)
-        roles = _rule(n).roles(n, tok, region.grid) or {}
+        if t == WHOLE:
+            continue
+        roles = _rule(n).roles(n, _first_tok(t), region.grid) or {}
         stack += [_arg(n, p) for p, r in roles.items() if r.kind == "token"]
     return found
 
@@ -1003,7 +1079,7 @@ class Packer:
             self.packed[n] = g
             return
         rule = _rule(n)
-        out_tok = tok if isinstance(tok, Tok) else next(t for t in tok if t is not None)
+        out_tok = _first_tok(tok)
         roles = rule.roles(n, out_tok, self.grid)
         args, kwargs = rule.args(n, out_tok, self.T)
         args, kwargs = list(args), dict(kwargs)
@@ -1267,6 +1343,10 @@ def _rewrite(gm: GraphModule, ctx: PassContext, region: Region) -> None:
             continue
         outside = [u for u in n.users if u not in region.tok]
         tok = region.tok[n]
+        if outside and tok == WHOLE:  # (computed exactly on the real rows: read as it is)
+            for u in outside:
+                u.replace_input_with(n, packer.packed[n])
+            continue
         if not outside or not isinstance(tok, Tok):
             continue
         full = packer.scatter(n, tok)

@@ -208,6 +208,9 @@ def test_fine_tuning_heads_gradients_equal_eager(head):
         scatters = [n for n in rec.forward_graph.graph.nodes
                     if n.target is torch.ops.aten.index_copy.default and n.meta["val"].shape[-1] == V]
         assert len(scatters) == 1, scatters
+    if kind == "token":  # the loss over every position reads the real rows' logits alone
+        (ce,) = [n for n in rec.forward_graph.graph.nodes if n.target is torch.ops.dmfx.cross_entropy.default]
+        assert isinstance(ce.args[0].meta["val"].shape[0], torch.SymInt), ce.args[0].meta["val"].shape
 
 
 @pytest.mark.parametrize("B,S", [(2, 16), (4, 16)], ids=["B*S=hidden", "B*S=ffn"])
@@ -236,6 +239,41 @@ def test_weights_shaped_like_token_tensors_are_still_weights(B, S):
     packed = [r for r in rows if isinstance(r, torch.SymInt)]
     padded = [r for r in rows if isinstance(r, int) and r == B * S]  # (the pooler's GEMM has B rows)
     assert len(packed) >= 8 and not padded, rows  # (Q, K, V (or QKV), O, FFN up and down, per layer)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_a_loss_over_every_position_is_the_loss_over_the_real_ones(reduction):
+    """The contract for a loss over every position (the module docstring): it is eager's loss over the
+    real positions, which is eager's whole loss when padding holds the label -100, and what a padding
+    label that is not ignored adds is left out (padding positions have no eager logits here)."""
+    model = transformers.BertForTokenClassification(transformers.BertConfig(vocab_size=100, num_labels=5, **SMALL))
+    model.train()
+    ids, mask = padded_batch()
+    labels = torch.randint(0, 5, ids.shape, generator=torch.Generator().manual_seed(4))  # (padding not ignored)
+    real_labels = labels.masked_fill(~mask.bool(), -100)
+
+    def loss_of(run, y):
+        logits = run(input_ids=ids, attention_mask=mask).logits
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, 5), y.view(-1), reduction=reduction)
+        return loss if reduction != "none" else loss[mask.view(-1).bool()]
+
+    params = list(model.parameters())
+    want = loss_of(model, real_labels)
+    want.sum().backward()
+    ref_grads = [p.grad.clone() for p in params]
+    model.zero_grad(set_to_none=True)
+    compiled = torch.compile(lambda **kw: loss_of(model, labels), backend="dmfx", options=UNPAD_GRAPHS)
+    got = compiled()
+    got.sum().backward()
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert_grads_equal([p.grad for p in params], ref_grads)
+    rec = dmfx.records()[-1]
+    assert rec.fired.get("unpad") == 2 and rec.fired.get("linear_cross_entropy") == 1, rec.fired
+    # the head and its loss read the packed rows: nothing is scattered back to [B * S, ...]
+    (lce,) = [n for n in rec.forward_graph.graph.nodes if n.target is torch.ops.dmfx.linear_cross_entropy.default]
+    assert isinstance(lce.args[0].meta["val"].shape[0], torch.SymInt), lce.args[0].meta["val"].shape
+    scatters = [n.meta["val"].shape for n in rec.forward_graph.graph.nodes if n.target is torch.ops.aten.index_copy.default]
+    assert scatters == [] or reduction == "none", scatters
 
 
 def test_dropout_training_runs_and_is_reproducible():
