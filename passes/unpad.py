@@ -655,55 +655,40 @@ def _first_tok(t: Any) -> Tok:
     return t if isinstance(t, Tok) else next(o for o in t if isinstance(o, Tok))
 
 
-class CrossEntropy(Rule):
-    """dmfx::cross_entropy(logits [B * S, V], target [B * S], ...) on the real rows alone. A loss over
-    every position is eager's when padding positions hold ignore_index as their target (the module
-    docstring's contract: padding positions' logits are not eager's anyway), so with reduction mean or
-    sum the packed op's loss is the loss (WHOLE), and no [B * S, V] logits are read for it; its
-    per-row lse (and the per-row loss of reduction none) are token tensors."""
+class Loss(Rule):
+    """A cross-entropy over every row on the real rows alone: ``dmfx::cross_entropy(logits [B * S, V],
+    target [B * S], ...)`` and ``dmfx::linear_cross_entropy(hidden [B * S, H], weight, bias, target
+    [B * S], ...)``. A loss over every position is eager's when padding positions hold ignore_index as
+    their target (the module docstring's contract: padding positions' logits are not eager's anyway),
+    so with reduction mean or sum the packed op's loss is the loss (WHOLE) and no ``[B * S, V]`` logits
+    are read for it; so are the weight and bias gradients linear_cross_entropy sums over the rows. The
+    per-row lse, the per-row loss of reduction none and dhidden are token tensors; outputs not asked
+    for (empty ``[0]`` tensors) are neither."""
+
+    def __init__(self, x_at: int, target_at: int, reduction_at: int):
+        self.x_at, self.target_at, self.reduction_at = x_at, target_at, reduction_at
 
     def roles(self, n, tok, grid):
-        if not tok.flat or len(n.args) < 5 or n.kwargs:
+        if not tok.flat or len(n.args) <= self.reduction_at or n.kwargs:
             return None
-        logits, target = val(n.args[0]), val(n.args[1])
-        if logits.dim() != 2 or target.dim() != 1 or not (_eq(logits.shape[0], grid.B * grid.S)
-                                                          and _eq(target.shape[0], grid.B * grid.S)):
+        x, target = val(n.args[self.x_at]), val(n.args[self.target_at])
+        if x.dim() != 2 or target.dim() != 1 or not (_eq(x.shape[0], grid.B * grid.S)
+                                                     and _eq(target.shape[0], grid.B * grid.S)):
             return None
-        return {("a", 0): Role("token", Tok(0)), ("a", 1): Role("token", Tok(0))}
-
-    def out_tok(self, n, path, tok, grid):
-        return Tok(0) if path in (("a", 0), ("a", 1)) and tok.flat else None
-
-    def outputs(self, n, tok):
-        return (tok if n.args[4] == 0 else WHOLE, tok)
-
-
-class LinearCrossEntropy(Rule):
-    """dmfx::linear_cross_entropy(hidden [B * S, H], weight, bias, target [B * S], ...) on the real
-    rows alone, as CrossEntropy: its loss (mean, sum) is WHOLE, its per-row loss (none), lse and
-    dhidden are token tensors, and the dweight and dbias it sums over the rows are WHOLE (the real
-    rows' sum: padding rows' targets are ignore_index by the contract). Outputs not asked for (empty
-    ``[0]`` tensors) are neither."""
-
-    def roles(self, n, tok, grid):
-        if not tok.flat or len(n.args) < 8 or n.kwargs:
-            return None
-        hidden, target = val(n.args[0]), val(n.args[3])
-        if hidden.dim() != 2 or target.dim() != 1 or not (_eq(hidden.shape[0], grid.B * grid.S)
-                                                         and _eq(target.shape[0], grid.B * grid.S)):
-            return None
-        roles = {("a", 0): Role("token", Tok(0)), ("a", 3): Role("token", Tok(0))}
+        roles = {("a", self.x_at): Role("token", Tok(0)), ("a", self.target_at): Role("token", Tok(0))}
         roles.update({path: Role("bcast") for path, _ in _tensor_args(n) if path not in roles})
         return roles
 
     def out_tok(self, n, path, tok, grid):
-        return Tok(0) if path in (("a", 0), ("a", 3)) and tok.flat else None
+        return Tok(0) if path in (("a", self.x_at), ("a", self.target_at)) and tok.flat else None
 
     def outputs(self, n, tok):
-        loss, lse, dhidden, dweight, dbias = val(n)
-        nonempty = lambda t, ann: None if _eq(t.numel(), 0) else ann  # noqa: E731
-        return (tok if n.args[6] == 0 else WHOLE, tok, nonempty(dhidden, tok), nonempty(dweight, WHOLE),
-                nonempty(dbias, WHOLE))
+        loss = tok if n.args[self.reduction_at] == 0 else WHOLE
+        if len(val(n)) == 2:  # (cross_entropy: loss, lse)
+            return (loss, tok)
+        _, _, dhidden, dweight, dbias = val(n)
+        given = lambda t, ann: None if _eq(t.numel(), 0) else ann  # noqa: E731
+        return (loss, tok, given(dhidden, tok), given(dweight, WHOLE), given(dbias, WHOLE))
 
 
 class Split(Rule):
@@ -759,7 +744,7 @@ _RULES.update({
     aten.slice: Split(1), aten.narrow: Split(1),
     dmfx.layer_norm: RowOp((0,)), dmfx.rms_norm: RowOp((0,)), dmfx.bias_dropout_residual_norm: RowOp((0, 2)),
     dmfx.dropout: RowOp((0,)), dmfx.bias_act_dropout: RowOp((0,)), dmfx.glu: RowOp((0, 1)),
-    dmfx.cross_entropy: CrossEntropy(), dmfx.linear_cross_entropy: LinearCrossEntropy(),
+    dmfx.cross_entropy: Loss(0, 1, 4), dmfx.linear_cross_entropy: Loss(0, 3, 6),
 })
 
 

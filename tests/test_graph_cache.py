@@ -35,10 +35,10 @@ def fresh_cache(monkeypatch, tmp_path):
         yield tmp_path
 
 
-def mlm():
+def mlm(dropout: float = 0.0):
     cfg = transformers.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0)
+                                  intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=dropout,
+                                  attention_probs_dropout_prob=dropout)
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     return transformers.BertForMaskedLM(cfg).train()
@@ -290,15 +290,6 @@ def test_lowered_key_declines_what_it_cannot_see():
     assert graph_cache.lowered_key(two, [x, x], opts) != graph_cache.lowered_key(two, [x, x.clone()], opts)  # aliasing
 
 
-def mlm_with_dropout():
-    cfg = transformers.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.3,
-                                  attention_probs_dropout_prob=0.3)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    return transformers.BertForMaskedLM(cfg).train()
-
-
 def gpt2_with_dropout():
     cfg = transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=32, resid_pdrop=0.3,
                                   embd_pdrop=0.3, attn_pdrop=0.3)
@@ -312,7 +303,7 @@ def test_dropout_draws_a_fresh_mask_on_every_call_on_a_miss_and_on_a_hit(fresh_c
     """The kept graph must keep the seed's randint a call. (A GraphModule's own pickling traces its
     code again, which ran the randint once and kept the seed as a constant: every step of every
     process reused one dropout mask.)"""
-    model = mlm_with_dropout() if family == "bert" else gpt2_with_dropout()
+    model = mlm(dropout=0.3) if family == "bert" else gpt2_with_dropout()
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
     for expect in ("miss", "hit"):
         torch._dynamo.reset()
