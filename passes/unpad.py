@@ -882,8 +882,6 @@ def _token_sources(region: Region, x: Node) -> set[Node]:
         if n.target is operator.getitem:
             stack.append(n.args[0])
             continue
-        if t == WHOLE:
-            continue
         roles = _rule(n).roles(n, _first_tok(t), region.grid) or {}
         stack += [_arg(n, p) for p, r in roles.items() if r.kind == "token"]
     return found
