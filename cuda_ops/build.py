@@ -333,6 +333,21 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def write_atomic(path: Path, data: bytes | str) -> None:
+    """`data` into `path` through a temp file in the same directory and a rename, so a reader (another
+    process, another thread) never sees half a file. The temp file's name is unique (mkstemp), and it
+    is removed if the write fails; the error is the caller's to handle (a read-only or full disk)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def _library_path(build_dir: Path, name: str) -> Path:
     return build_dir / f"{name}.so"
 
@@ -553,7 +568,7 @@ def _build_or_load(key: str) -> ModuleType:
                 lib = _library_path(build_dir, name)
                 shutil.copyfile(module.__file__, lib)
             marker = {"sha256": _sha256(lib), "torch": torch.__version__, "module": module.__name__}
-            (build_dir / MARKER).write_text(json.dumps(marker))
+            write_atomic(build_dir / MARKER, json.dumps(marker))
             # the module as its cached copy names it (the object directory's library is rebuilt by
             # later versions; this process keeps the one it imported)
             module.__name__, module.__file__ = name, str(lib)

@@ -24,7 +24,6 @@ import functools
 import hashlib
 import json
 import os
-import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -35,7 +34,7 @@ import torch
 from torch import Tensor
 
 from . import reference as R
-from .build import FAMILIES, MARKER, KernelBuildError, _machine_tag, kernels_for, log, warn
+from .build import FAMILIES, MARKER, KernelBuildError, _machine_tag, kernels_for, log, warn, write_atomic
 
 VERDICT_FILE = "dmfx_selfcheck.json"
 
@@ -212,16 +211,10 @@ def _stored_families(path: Path, key: str) -> dict[str, str | None] | None:
 def _store_verdict(path: Path, key: str, entry: dict) -> None:
     """Add `entry` under `key`, atomically (a reader never sees a half-written file)."""
     data = {**_read_verdicts(path), key: entry}
-    tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{VERDICT_FILE}.")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(data, indent=1))
     except OSError as e:  # a read-only cache: the verdict holds for this process only
         log.info("dmfx: could not store the self-check verdict in %s (%s)", path, e)
-        if tmp:
-            Path(tmp).unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------------------- the check

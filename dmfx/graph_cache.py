@@ -159,14 +159,6 @@ def record_key(dmfx_tag: str, rewritten: torch.fx.GraphModule, example_inputs: S
     return h.hexdigest()[:32]
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """`data` into `path` through a temp file and a rename: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def _records_dir() -> Path:
     from .cuda_ops.build import cache_root
 
@@ -175,9 +167,11 @@ def _records_dir() -> Path:
 
 def save_record(key: str, record: Any) -> None:
     """Write `record`'s RECORD_FIELDS for `key` (atomically; never raises: the record is observability)."""
+    from .cuda_ops.build import write_atomic
+
     try:
         data = json.dumps({f: getattr(record, f) for f in RECORD_FIELDS}, default=list).encode()
-        _write_atomic(_records_dir() / f"{key}.json", data)
+        write_atomic(_records_dir() / f"{key}.json", data)
     except (OSError, TypeError, ValueError) as e:
         log.debug("dmfx: could not save the record of graph %d for the cache: %s", record.graph_id, e)
 
@@ -311,6 +305,8 @@ def save_lowered(key: str, record: Any, rewritten: torch.fx.GraphModule | None, 
     not the same graph (same_graph)."""
     import pickle
 
+    from .cuda_ops.build import write_atomic
+
     try:
         graph = back = None
         if rewritten is not None:
@@ -322,7 +318,7 @@ def save_lowered(key: str, record: Any, rewritten: torch.fx.GraphModule | None, 
                 return None
         entry = {"record": {f: getattr(record, f) for f in LOWERED_FIELDS}, "hint": hint, "whole_graph": whole_graph,
                  "graph": graph}
-        _write_atomic(_lowered_dir() / f"{key}.pkl", pickle.dumps(entry))
+        write_atomic(_lowered_dir() / f"{key}.pkl", pickle.dumps(entry))
         return back
     except Exception as e:  # noqa: BLE001
         log.debug("dmfx: graph %d's lowered graph not cached (%s: %s)", record.graph_id, type(e).__name__, e)

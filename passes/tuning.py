@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import statistics
 import time
 from pathlib import Path
@@ -69,13 +68,13 @@ def _load(path: Path) -> dict:
 def _store(path: Path, key: str, value: dict) -> None:
     from filelock import FileLock
 
+    from ..cuda_ops.build import write_atomic
+
     try:
         with FileLock(str(path) + ".lock", timeout=30):
             data = dict(_load(path))
             data[key] = value
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-            os.replace(tmp, path)
+            write_atomic(path, json.dumps(data, indent=1, sort_keys=True))
     except Exception as e:  # a read-only or full disk: the measurement is still used this time
         log.info("dmfx: could not save tuning results to %s: %s", path, e)
 

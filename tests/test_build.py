@@ -98,6 +98,43 @@ def test_corrupted_library_is_detected(tmp_path):
     assert not build._is_valid(dst, name)  # load() would discard and rebuild it
 
 
+def test_write_atomic_never_shows_half_a_file_nor_leaves_temp_files(tmp_path, monkeypatch):
+    """The one way dmfx writes its cache files (build marker, compile cache, tuning, self-check): threads
+    of one process writing one file at once each leave a whole payload (the pid alone named their temp
+    files before, so two threads could interleave), and a failed write raises, keeps the old file and
+    removes its temp file."""
+    import threading
+
+    path = tmp_path / "new" / "f.json"
+    payloads = [str(i) * 100_000 for i in range(4)]
+    errors = []
+
+    def writer(p):
+        try:
+            for _ in range(25):
+                build.write_atomic(path, p)
+        except Exception as e:  # (a thread's exception would not fail the test by itself)
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(p,)) for p in payloads]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert path.read_text() in payloads
+    assert [f.name for f in path.parent.iterdir()] == ["f.json"]
+
+    def fail(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(build.os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        build.write_atomic(path, b"new")
+    assert path.read_text() in payloads
+    assert [f.name for f in path.parent.iterdir()] == ["f.json"]
+
+
 def test_unwritable_cache_falls_back_to_a_temp_dir(monkeypatch, caplog):
     monkeypatch.setenv("DMFX_CACHE_DIR", "/proc/dmfx-cannot-write-here")
     with caplog.at_level("WARNING", logger="dmfx"):
