@@ -276,6 +276,43 @@ def test_a_loss_over_every_position_is_the_loss_over_the_real_ones(reduction):
     assert scatters == [] or reduction == "none", scatters
 
 
+@pytest.mark.parametrize("compiler", ["fx", "inductor"])
+def test_tied_weights_a_layer_applied_twice_and_logits_read_twice(compiler):
+    """Graph shapes, not only op chains: the MLM decoder tied to the word embeddings (one parameter
+    read by the gather at the input and the head's GEMM), one encoder layer applied twice (its
+    weights, and so their gradients, shared by two packed layers), and the returned logits read twice:
+    by the loss on the packed rows and by a random cotangent at the real positions (the scattered
+    copy). Loss, logits and every gradient equal eager's, under both compilers (inductor: the
+    default users get)."""
+    model = transformers.BertForMaskedLM(transformers.BertConfig(vocab_size=100, **SMALL))
+    first, second = model.bert.encoder.layer
+    model.bert.encoder.layer = torch.nn.ModuleList([first, second, first])
+    assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
+    model.train()
+    ids, mask = padded_batch()
+    real = mask.bool()
+    g = torch.Generator().manual_seed(5)
+    labels = torch.randint(0, 100, ids.shape, generator=g).masked_fill(~real, -100)
+    R = torch.randn(*ids.shape, 100, generator=g) * real[..., None]
+    params = list(model.parameters())
+
+    def step(run):
+        for p in params:
+            p.grad = None
+        out = run(input_ids=ids, attention_mask=mask, labels=labels)
+        (out.loss + (out.logits * R).sum()).backward()
+        return out.loss.detach(), out.logits.detach(), [p.grad.clone() for p in params]
+
+    ref_loss, ref_logits, ref_grads = step(model)
+    compiled = torch.compile(model, backend="dmfx", options={**UNPAD_GRAPHS, "compiler": compiler})
+    loss, logits, grads = step(compiled)
+    assert torch.allclose(loss, ref_loss, rtol=1e-5)
+    assert torch.allclose(logits[real], ref_logits[real], atol=1e-5)
+    assert_grads_equal(grads, ref_grads)
+    rec = dmfx.records()[-1]
+    assert rec.fired.get("unpad") == 3, rec.fired  # three attentions, two of them one module's
+
+
 def test_dropout_training_runs_and_is_reproducible():
     cfg = transformers.BertConfig(vocab_size=100, **{**SMALL, "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1})
     model = transformers.BertModel(cfg).train()
