@@ -3,8 +3,9 @@
 All CPU kernels live in one extension module and all CUDA kernels in another. Each is built with
 ``torch.utils.cpp_extension.load``, so ninja compiles its translation units in parallel, and named by a
 hash of its sources, headers, flags, the torch build and the machine, so a change to any of them builds
-a new module and an old one is never loaded by mistake. The CUDA module: one unit per kernel family
-(csrc/<family>_cuda.cu + <family>_cuda_bind.cpp). The CPU module: one unit of kernels per family
+a new module and an old one is never loaded by mistake. The CUDA module: one unit of kernels per
+family (csrc/<family>_cuda.cu, nvcc) and one unit of glue, csrc/cuda_bindings.cpp, which includes every
+family's binding (<family>_cuda_bind.cpp), at -O1, for the same reason as the CPU module's. The CPU module: one unit of kernels per family
 (csrc/<family>_cpu.cpp, -O3, ATen's tensor headers only) and one unit of glue, csrc/cpu_bindings.cpp,
 which includes every family file for its glue part (DMFX_CPU_GLUE: the kernel functions' Python
 bindings, the ops' registration and autograd formulas), compiled at -O1 (a pragma): the glue's heavy
@@ -66,9 +67,9 @@ log = logging.getLogger("dmfx")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 # One translation unit per kernel family: csrc/<family>_cpu.cpp (its kernels) in the CPU module,
-# <family>_cuda.cu and its binding <family>_cuda_bind.cpp in the CUDA module. What families share is in
-# headers. The module's Python entry point (PYBIND11_MODULE) is csrc/cpu_bindings.cpp /
-# cuda_bindings.cpp; the CPU one is also the unit of every family's glue (see the docstring).
+# <family>_cuda.cu in the CUDA module. What families share is in headers. The module's Python entry
+# point (PYBIND11_MODULE) is csrc/cpu_bindings.cpp / cuda_bindings.cpp, each also the unit of every
+# family's glue (see the docstring): cuda_bindings.cpp includes each <family>_cuda_bind.cpp.
 FAMILIES = ("norm", "softmax", "pointwise", "attention", "cross_entropy")
 # Functions of the CPU module without a CUDA twin: flash_use_blas switches the CPU flash kernels' GEMMs.
 CPU_ONLY_FUNCTIONS = ("flash_use_blas", "kernel_table", "use_kernel_table")
@@ -131,10 +132,11 @@ FLAVORS = {
     ),
     "cuda": Flavor(
         kind="cuda",
-        sources=(*(f"{f}_cuda.cu" for f in FAMILIES), *(f"{f}_cuda_bind.cpp" for f in FAMILIES), "cuda_bindings.cpp"),
+        # the longest units first, attention's kernels and the glue (ninja starts them in this order)
+        sources=("attention_cuda.cu", "cuda_bindings.cpp", *(f"{f}_cuda.cu" for f in FAMILIES if f != "attention")),
         cflags=("-O3",),
         cuda_cflags=("-O3", "-lineinfo"),
-        headers=("*.h", "*.cuh"),
+        headers=("*.h", "*.cuh", "*_cuda_bind.cpp"),  # (the bindings: included by cuda_bindings.cpp)
     ),
 }
 # The CPU builds the tests run the op tests against (see using_cpu_build).
