@@ -14,8 +14,12 @@ Two workloads, each candidate timed interleaved (A B C A B C ...), medians:
   dropout 0.1, AdamW-free: forward + backward) on a padded batch (lengths drawn so about half the
   positions are padding). Candidates: eager, inductor, dmfx, dmfx-unpad; the gradients of dmfx-unpad
   are compared with eager's with dropout off before timing.
+* ``--workload mlm``: the same padded batch through ``BertForMaskedLM`` (the LM head tied to the word
+  embeddings, its logits returned), labels as HF's MLM collator makes them: 15% of the real tokens,
+  -100 everywhere else (padding included). A token-level loss over ``[batch * seq, vocab]`` logits:
+  under ``unpad`` the loss runs on the real rows and only the returned logits are scattered back.
 
-    python -m bench.padded [--workload embed|finetune] [--batch 32] [--rounds 15] [--threads 2]
+    python -m bench.padded [--workload embed|finetune|mlm] [--batch 32] [--rounds 15] [--threads 2]
 
 Page faults: PyTorch's CPU tensors come from glibc's malloc, which returns large freed blocks to the
 OS, so every step faults its activations in again (the kernel zeroes each fresh page); ONNX Runtime
@@ -203,6 +207,8 @@ def finetune(args) -> None:
 
     import dmfx
 
+    mlm = args.workload == "mlm"
+    Model = transformers.BertForMaskedLM if mlm else transformers.BertForSequenceClassification
     cfg = transformers.BertConfig(num_labels=2, attn_implementation=args.attn)
     if args.layers:
         cfg.num_hidden_layers = args.layers
@@ -214,14 +220,18 @@ def finetune(args) -> None:
     ids = torch.randint(1000, cfg.vocab_size, (args.batch, S))
     mask = (torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]).long()
     ids = ids * mask
-    labels = torch.randint(0, 2, (args.batch,))
+    if mlm:  # HF's MLM collator: 15% of the real tokens carry a label, everything else -100
+        pick = (torch.rand(ids.shape, generator=torch.Generator().manual_seed(args.seed)) < 0.15) & mask.bool()
+        labels = torch.where(pick, ids, torch.full_like(ids, -100))
+    else:
+        labels = torch.randint(0, 2, (args.batch,))
     batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
     real, total = int(mask.sum()), mask.numel()
     log(f"batch {tuple(mask.shape)}: {real} real tokens of {total} ({100 * real / total:.0f}%)")
-    base = transformers.BertForSequenceClassification(cfg)
+    base = Model(cfg)
 
     # gradients first, dropout off: dmfx-unpad against eager
-    check = transformers.BertForSequenceClassification(transformers.BertConfig(
+    check = Model(transformers.BertConfig(
         **{**cfg.to_dict(), "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}))
     check.load_state_dict(base.state_dict())
     check.train()
@@ -254,7 +264,7 @@ def finetune(args) -> None:
              "dmfx-unpad": dict(backend="dmfx", options={"unpad": True})}
     for name, kw in kinds.items():
         if name in wanted:
-            m = transformers.BertForSequenceClassification(cfg)
+            m = Model(cfg)
             m.load_state_dict(base.state_dict())
             cands[name] = case(name, m if kw is None else torch.compile(m, **kw))
     _report(cands, {}, None, args, real, total)
@@ -263,10 +273,10 @@ def finetune(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=("embed", "finetune"), default="embed")
+    p.add_argument("--workload", choices=("embed", "finetune", "mlm"), default="embed")
     p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--seq", type=int, default=128, help="finetune: the padded length")
-    p.add_argument("--layers", type=int, default=None, help="finetune: BERT layers (default 12)")
+    p.add_argument("--seq", type=int, default=128, help="finetune, mlm: the padded length")
+    p.add_argument("--layers", type=int, default=None, help="finetune, mlm: BERT layers (default 12)")
     p.add_argument("--min-words", type=int, default=4)
     p.add_argument("--max-words", type=int, default=120)
     p.add_argument("--attn", default="eager", help="the compiled candidates' attention implementation")
