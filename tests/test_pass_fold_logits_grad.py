@@ -1,7 +1,7 @@
 """The fold_logits_grad pass (passes/backward/fold_logits_grad.py): ``add(g, view(cross_entropy_backward(
 ...)))`` becomes ``view(cross_entropy_backward(..., grad_logits=g))`` on hand-built backward graphs (with
 and without the view, either operand order), the rewritten graphs compute the same values, and the
-near-misses (a scaled add, a gradient read twice, a broadcasting add) are left alone. The end-to-end
+near-misses (a scaled add, a gradient or a view of it read twice, a broadcasting add) are left alone. The end-to-end
 case (HF models returning their logits) is in test_pass_cross_entropy.py."""
 
 from __future__ import annotations
@@ -47,6 +47,20 @@ def test_fires_through_a_view_in_either_order():
         assert max_rel_err(got[0], ref[0]) < 1e-6
 
 
+def test_fires_through_a_chain_of_views():
+    """unpad's packed logits: the loss backward reaches the add through two views, and the other operand
+    is the gathered tangent (here an expand to its own shape)."""
+    z, t, lse = _saved()
+
+    def fn(g, gl, z, t, lse):
+        return ceb(g, z, t, lse, -100, 0.0, 1).view(6, 11).reshape(6, 11) + gl.expand(6, 11)
+
+    gm, ctx, ref, got = _fold(fn, torch.randn(()), torch.randn(6, 11), z, t, lse)
+    assert ctx.fired == {"fold_logits_grad": 1}
+    assert aten.add.Tensor not in targets(gm)
+    assert max_rel_err(got[0], ref[0]) < 1e-6
+
+
 def test_fires_without_a_view():
     z, t, lse = _saved()
 
@@ -72,7 +86,11 @@ def test_near_misses_are_left_alone():
     def broadcasting(g, gl, z, t, lse):
         return gl[:1] + ceb(g, z, t, lse, -100, 0.0, 1)
 
-    for fn, missed in ((scaled, 1), (read_twice, 0), (broadcasting, 1)):
+    def view_read_twice(g, gl, z, t, lse):  # a view in the chain has another reader
+        v = ceb(g, z, t, lse, -100, 0.0, 1).view(2, 3, 11)
+        return gl.view(2, 3, 11) + v.view(2, 3, 11), v
+
+    for fn, missed in ((scaled, 1), (read_twice, 0), (broadcasting, 1), (view_read_twice, 0)):
         gm, ctx, ref, got = _fold(fn, torch.randn(()), torch.randn(6, 11), z, t, lse)
         assert ctx.fired == {}, fn.__name__
         assert aten.add.Tensor in targets(gm), fn.__name__

@@ -18,12 +18,17 @@ from ..graph_utils import PassContext, aten, insert_call, is_op, only_user, plai
 _VIEWS = (aten.view, aten._unsafe_view, aten.reshape)
 
 
-def _add_of(grad: Node) -> tuple[Node, Node | None] | None:
-    """The add that is the only reader of `grad` (directly or through one view), and the view."""
+def _add_of(grad: Node) -> tuple[Node, Node | None, list[Node]] | None:
+    """The add that is the only reader of `grad` (directly or through a chain of views, each the only
+    reader of the one before: unpad's packed logits reach it through two), the view it reads, and
+    the chain."""
+    chain: list[Node] = []
     reader = only_user(grad)
-    view = reader if is_op(reader, *_VIEWS) else None
-    add = only_user(view) if view is not None else reader
-    return (add, view) if is_op(add, aten.add.Tensor) else None
+    while is_op(reader, *_VIEWS):
+        chain.append(reader)
+        reader = only_user(reader)
+    view = chain[-1] if chain else None
+    return (reader, view, chain) if is_op(reader, aten.add.Tensor) else None
 
 
 def fold_logits_grad(gm: GraphModule, ctx: PassContext) -> None:
@@ -37,7 +42,7 @@ def fold_logits_grad(gm: GraphModule, ctx: PassContext) -> None:
         found = _add_of(n)
         if found is None:
             continue
-        add, view = found
+        add, view, chain = found
         pair = plain_add(add)
         if pair is None:
             ctx.miss("fold_logits_grad", add, "the add broadcasts, scales or mixes dtypes")
@@ -55,6 +60,5 @@ def fold_logits_grad(gm: GraphModule, ctx: PassContext) -> None:
             out = insert_call(graph, ctx, view.target, (fused, view.args[1])) if view is not None else fused
         add.replace_all_uses_with(out)
         record(ctx, "fold_logits_grad", [add], into=fused)
-        for dead in (add, view, n):
-            if dead is not None:
-                graph.erase_node(dead)
+        for dead in (add, *reversed(chain), n):
+            graph.erase_node(dead)
