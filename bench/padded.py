@@ -19,6 +19,8 @@ Two workloads, each candidate timed interleaved (A B C A B C ...), medians:
   -100 everywhere else (padding included). A token-level loss over ``[batch * seq, vocab]`` logits:
   under ``unpad`` the loss runs on the real rows and only the returned logits are scattered back.
 
+``--candidates`` also takes ``dmfx-skip-<pass>`` and ``dmfx-unpad-skip-<pass>`` (that pass switched off).
+
     python -m bench.padded [--workload embed|finetune|mlm] [--batch 32] [--rounds 15] [--threads 2]
 
 Page faults: PyTorch's CPU tensors come from glibc's malloc, which returns large freed blocks to the
@@ -262,11 +264,14 @@ def finetune(args) -> None:
     wanted = args.candidates.split(",")
     kinds = {"eager": None, "inductor": dict(), "dmfx": dict(backend="dmfx"),
              "dmfx-unpad": dict(backend="dmfx", options={"unpad": True})}
-    for name, kw in kinds.items():
-        if name in wanted:
-            m = Model(cfg)
-            m.load_state_dict(base.state_dict())
-            cands[name] = case(name, m if kw is None else torch.compile(m, **kw))
+    for name in wanted:  # dmfx[-unpad]-skip-<pass>: an ablation, that pass switched off
+        base_name, _, skip = name.partition("-skip-")
+        kw = kinds[base_name]
+        if skip:
+            kw = {**kw, "options": {**kw.get("options", {}), "skip": [skip]}}
+        m = Model(cfg)
+        m.load_state_dict(base.state_dict())
+        cands[name] = case(name, m if kw is None else torch.compile(m, **kw))
     _report(cands, {}, None, args, real, total)
     _records_summary(dmfx)
 
