@@ -809,6 +809,31 @@ def test_graph_fuzz_matches_eager(dtype, record_property):
     assert sum(bool(r.fired) for r in results) >= MIN_FUSED_FRACTION * len(results), summary
 
 
+INDUCTOR_PROGRAMS, INDUCTOR_CASES = 16, 4
+
+
+def test_graph_fuzz_under_the_default_compiler():
+    """The compiler users get by default (Inductor runs dmfx's rewritten graphs, dmfx's ops as extern
+    kernels; the rest of the suite runs them as FX), with every fusion on (fuse="all": under "auto" a
+    CPU graph without dropout is Inductor's whole, with nothing of dmfx's in it): the first programs,
+    a narrow and a BERT-wide one among them, on their first cases (each new shape is an Inductor
+    compile), equal eager's outputs and gradients."""
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    start = time.perf_counter()
+    results = []
+    with torch._dynamo.config.patch({limit: 32}):
+        for i in program_indices(INDUCTOR_PROGRAMS):
+            recipe = make_recipe(i, torch.float32)
+            recipe["cases"] = recipe["cases"][:INDUCTOR_CASES]
+            results.append(run_program(recipe, {"compiler": "inductor", "fuse": "all"}))
+    summary = fuzz_summary(results, time.perf_counter() - start)
+    print("\ndmfx graph fuzz under Inductor:", summary)
+    failed = [r for r in results if r.failures]
+    assert not failed, (f"{len(failed)} of {len(results)} programs differ from eager:\n"
+                        + "\n".join(r.report() for r in failed[:4]))
+    assert sum(bool(r.fired) for r in results) >= MIN_FUSED_FRACTION * len(results), summary
+
+
 DROPOUT_CASES = 4
 
 
