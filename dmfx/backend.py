@@ -84,6 +84,9 @@ class GraphRecord:
     # backward_graph and inference_graph are None; rewritten_graph is the forward passes' graph)
     cache: str = ""
     lowered_from_cache: bool = False  # the lowered, rewritten forward graph came from the compile cache
+    # the graph's inputs that are Python floats Dynamo made dynamic (graph_cache.python_float_inputs):
+    # where there are any, the graph compiles with every compile cache off, dmfx's and PyTorch's
+    float_inputs: tuple[str, ...] = ()
     bytes_saved: int | None = None  # saved_bytes of the rewritten graph, kept for a cache hit's log line
     # option cudagraphs (mode="reduce-overhead"): "" (not asked for), "captured" (Inductor's CUDA-graph
     # trees record the compiled graphs at their second call and replay them), "not applied: <why>", or
@@ -387,6 +390,10 @@ def _compiler(kind: str, record: GraphRecord, opts: Options, rewritten: GraphMod
     from .passes.fusion import carry_absorbed, carry_to_backward
 
     def compile_fn(gm: GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        with graph_cache.caches_off(bool(record.float_inputs)):  # (the backward compiles at its first run)
+            return _compile(gm, example_inputs)
+
+    def _compile(gm: GraphModule, example_inputs: Sequence[Any]) -> Callable:
         if kind == "backward":
             if record.forward_graph is not None:
                 carry_to_backward(record.forward_graph, gm)
@@ -446,8 +453,14 @@ def _whole_graph_to_inductor(gm: GraphModule, example_inputs: Sequence[Any], why
     leave_to_inductor); None when Inductor fails (then dmfx compiles the graph as usual)."""
     from torch._inductor.compile_fx import compile_fx
 
+    from . import graph_cache
+
+    patches: dict[str, Any] = {"triton.cudagraphs": True} if cudagraphs else {}
+    if record.float_inputs:  # (config_patches also reach the backward, which compiles at its first run)
+        patches["fx_graph_cache"] = False
     try:
-        compiled = compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": True} if cudagraphs else None)
+        with graph_cache.caches_off(bool(record.float_inputs)):
+            compiled = compile_fx(gm, example_inputs, config_patches=patches or None)
     except Exception as e:
         if not opts.fallback:
             raise
@@ -598,6 +611,13 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
     from . import graph_cache
     from .cuda_ops.selfcheck import passes_to_skip  # kernel families that failed their self-check here
 
+    record.float_inputs = tuple(graph_cache.python_float_inputs(gm))
+    if record.float_inputs:
+        opts = replace(opts, cache=False)
+        record.missed.append(f"cache: not cached, and compiled with PyTorch's caches off: the graph takes the Python "
+                             f"float(s) {', '.join(record.float_inputs)} as inputs, whose values no cache key holds "
+                             f"(graph_cache.python_float_inputs)")
+
     off = passes_to_skip(t.device for t in example_inputs if isinstance(t, torch.Tensor)) - set(opts.skip)
     if off:
         opts = replace(opts, skip=(*opts.skip, *sorted(off)))
@@ -664,7 +684,7 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
         decompositions={},
         keep_inference_input_mutations=True,
     )
-    with graph_cache.tagged(cache[0] if cache else None):
+    with graph_cache.tagged(cache[0] if cache else None), graph_cache.caches_off(bool(record.float_inputs)):
         compiled = compiler(traced, example_inputs)
     if cache is not None:
         if "forward" in record.compiled or "inference" in record.compiled:

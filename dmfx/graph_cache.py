@@ -215,6 +215,40 @@ def _symbolic(x: Any) -> bool:
                                                                                        x.storage_offset()))
 
 
+def python_float_inputs(gm: torch.fx.GraphModule) -> list[str]:
+    """The inputs of the Dynamo graph `gm` that are Python floats: Dynamo passes a float it made dynamic
+    (``dynamic=True``, or automatic dynamic shapes once the value changed) as a 0-d tensor and reads it
+    with ``.item()``.
+
+    No compile cache can hold such a graph: lowering it may specialize on the float's value (an op
+    that needs a Python number, ``math.floor(s)``, a norm's ``eps``: a guard and a constant), while
+    the graph every cache keys on is the same for every value. PyTorch's own caches then serve one
+    value's compiled graph for another: ``torch.compile`` with Inductor gives wrong answers on torch
+    2.11-2.14 (pytorch/pytorch#194976, #197889; ``layer_norm(x * s) + math.floor(s)`` is one), and so
+    would dmfx's lowered graphs. The backend compiles such a graph with every cache off (caches_off)."""
+    names = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        arg = n.meta.get("grapharg")
+        if getattr(arg, "pass_arg_as_tensor", False):
+            source = getattr(arg, "source", None)
+            name = getattr(source, "name", None)
+            names.append(str((name() if callable(name) else name) or n.name))
+    return names
+
+
+@contextlib.contextmanager
+def caches_off(off: bool = True) -> Iterator[None]:
+    """PyTorch's compile caches (AOTAutograd's, Inductor's FX graph cache, ...) off inside the block
+    (torch.compiler.config.force_disable_caches) when `off`."""
+    if not off:
+        yield
+        return
+    with torch.compiler.config.patch(force_disable_caches=True):
+        yield
+
+
 def lowered_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Any) -> str | None:
     """The key of the Dynamo graph `gm`'s lowered, rewritten graph under `opts`, or None where that
     graph is not cached (see above)."""

@@ -4,6 +4,7 @@ of the same graph is a hit that gives the same answers (and the same record); a 
 changed source, or the option off is never a hit."""
 
 import copy
+import math
 import uuid
 
 import pytest
@@ -348,3 +349,37 @@ def test_the_kept_graph_is_the_graph_node_for_node():
 
     retraced = pickle.loads(pickle.dumps(gm))  # (the GraphModule's own pickling)
     assert graph_cache.same_graph(gm, retraced) == "its code differs"
+
+
+FLOAT_PROGRAMS = {  # a Python float `s` a lowering specializes on (pytorch/pytorch#194976, #197889)
+    "layer_norm(x * s) + floor(s)": lambda x, s: torch.nn.functional.layer_norm(x * s, (8,)) + math.floor(s),
+    "rms_norm(x * s, eps=s)": lambda x, s: torch.nn.functional.rms_norm(x * s, (8,), eps=s * 1e-1),
+}
+
+
+@pytest.mark.parametrize("options", [{}, {"fuse": "all"}], ids=["default", "fuse-all"])
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic-dynamic", "dynamic"])
+@pytest.mark.parametrize("program", list(FLOAT_PROGRAMS))
+def test_a_python_float_input_is_never_served_from_a_cache(fresh_cache, program, dynamic, options):
+    """A float that changes between calls becomes a graph input (automatic dynamic, or dynamic=True),
+    and lowering specializes on its value, while every cache's key is the same graph: PyTorch's caches
+    then serve an earlier value's graph (with Inductor alone this test's programs give wrong outputs
+    and gradients on torch 2.11-2.14), and so would dmfx's. Such a graph compiles with every cache
+    off, and says so: outputs and gradients are eager's for every value, in a process whose caches
+    already hold another value's graph."""
+    f = FLOAT_PROGRAMS[program]
+    x = torch.randn(4, 8, requires_grad=True)
+    R = torch.randn(4, 8)
+    compiled = torch.compile(f, backend="dmfx", dynamic=dynamic, options={"compiler": "inductor", **options})
+    for s in (0.3, 1.5, 2.5, 3.7):
+        want = f(x, s)
+        (want_dx,) = torch.autograd.grad((want * R).sum(), x)
+        got = compiled(x, s)
+        (got_dx,) = torch.autograd.grad((got * R).sum(), x)
+        assert rel_err(got, want) < 1e-5, (s, rel_err(got, want))
+        assert rel_err(got_dx, want_dx) < 1e-5, (s, rel_err(got_dx, want_dx))
+    floats = [r for r in dmfx.records() if r.float_inputs]
+    assert floats, [r.summary() for r in dmfx.records()]
+    for r in floats:
+        assert r.float_inputs == ("L['s']",) and r.cache == "", (r.float_inputs, r.cache)
+        assert any(m.startswith("cache: not cached") for m in r.missed), r.missed
