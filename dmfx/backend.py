@@ -160,6 +160,15 @@ def reset() -> None:
     _records.clear()
 
 
+def _dynamo_signal(e: BaseException) -> bool:
+    """Whether `e` is Dynamo's request to trace the frame again (RestartAnalysis: Inductor's
+    tensorify pass raises it to specialize a float input), which must reach Dynamo, not count as a
+    failure of the compile it interrupted."""
+    from torch._dynamo.exc import RestartAnalysis
+
+    return isinstance(e, RestartAnalysis)
+
+
 def _warn_once(key: str, msg: str, *args: Any) -> None:
     if key not in _warned:
         _warned.add(key)
@@ -338,7 +347,7 @@ def _run_on_copy(gm: GraphModule, example_inputs: Sequence[Any], opts: Options, 
     try:
         run(work, ctx, opts.skip, verify=opts.verify)
     except Exception as e:
-        if not opts.fallback or isinstance(e, GraphVerificationError) and e.strict:
+        if not opts.fallback or _dynamo_signal(e) or isinstance(e, GraphVerificationError) and e.strict:
             raise
         name, kind = ctx.current, type(e).__name__
         then = {"": "the graph runs unrewritten", "backward": "the backward runs as AOTAutograd derived it",
@@ -429,7 +438,7 @@ def _inductor(gm: GraphModule, example_inputs: Sequence[Any], kind: str, record:
         compiled = compile_graph(gm, example_inputs, kind, record.graph_id, _output_count(rewritten),
                                  max_autotune=opts.max_autotune, cudagraphs=cudagraphs)
     except Exception as e:
-        if not opts.fallback:
+        if not opts.fallback or _dynamo_signal(e):
             raise
         _warn_once(f"inductor:{type(e).__name__}", "dmfx: Inductor could not compile graph %d's %s graph (%s: %s); "
                    "it runs as an FX GraphModule (compiler='fx')", record.graph_id, kind, type(e).__name__,
@@ -462,7 +471,7 @@ def _whole_graph_to_inductor(gm: GraphModule, example_inputs: Sequence[Any], why
         with graph_cache.caches_off(bool(record.float_inputs)):
             compiled = compile_fx(gm, example_inputs, config_patches=patches or None)
     except Exception as e:
-        if not opts.fallback:
+        if not opts.fallback or _dynamo_signal(e):
             raise
         _warn_once(f"inductor-whole:{type(e).__name__}", "dmfx: Inductor could not compile graph %d (%s: %s); dmfx "
                    "compiles it", record.graph_id, type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
@@ -555,7 +564,7 @@ def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Opt
     try:
         aten_gm = lower_to_aten(gm, example_inputs, opts, record)
     except Exception as e:  # metadata mutations, grad-mode regions in training, list inputs, ...
-        if not opts.fallback or isinstance(e, GraphVerificationError) and e.strict:
+        if not opts.fallback or _dynamo_signal(e) or isinstance(e, GraphVerificationError) and e.strict:
             raise
         record.fallback = f"could not lower to a functional ATen graph: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         if capture:

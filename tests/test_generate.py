@@ -88,3 +88,19 @@ def test_compiled_forward_with_the_dynamic_cache(dynamic):
     why = [m for m in prefill.missed if m.startswith("lower_sdpa_calls")]
     assert prefill.fired.get("lower_sdpa_calls", 0) + len(why) == 2, (prefill.fired, prefill.missed)
     _decode_attention_stays_sdpa(decode)
+
+
+def test_dynamos_restart_request_reaches_dynamo(recwarn):
+    """Under dynamic=True Inductor's tensorify pass asks Dynamo to trace the prefill again with a float
+    specialized (TensorifyScalarRestartAnalysis). dmfx passes the request on, as Inductor's own backend
+    does: the retraced graph goes to Inductor whole (fuse="auto", no dropout), where dmfx used to take
+    the request for a failure of Inductor's, warn, and compile the graph itself (15 s here)."""
+    model = _model()
+    prompt = torch.randint(0, VOCAB, (2, 7))
+    want = _generate(model, prompt)
+    model.forward = torch.compile(model.forward, backend="dmfx", dynamic=True, options={"compiler": "inductor"})
+    assert torch.equal(_generate(model, prompt), want)
+    assert not [str(w.message) for w in recwarn if "could not compile" in str(w.message)]
+    records = dmfx.records()
+    assert records and all((r.fallback or "").startswith("left to Inductor") for r in records), \
+        [r.summary() for r in records]
