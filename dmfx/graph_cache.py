@@ -225,7 +225,9 @@ def python_float_inputs(gm: torch.fx.GraphModule) -> list[str]:
     the graph every cache keys on is the same for every value. PyTorch's own caches then serve one
     value's compiled graph for another: ``torch.compile`` with Inductor gives wrong answers on torch
     2.11-2.14 (pytorch/pytorch#194976, #197889; ``layer_norm(x * s) + math.floor(s)`` is one), and so
-    would dmfx's lowered graphs. The backend compiles such a graph with every cache off (caches_off)."""
+    would dmfx's lowered graphs. The backend compiles such a graph with every cache off (caches_off).
+    Keying the caches by the floats' values is not enough (tried): a hit does not bring back the
+    guard the lowering added (``math.floor(s) == 1``), so a later value would run the hit's graph."""
     names = []
     for n in gm.graph.nodes:
         if n.op != "placeholder":
