@@ -87,6 +87,10 @@ class GraphRecord:
     # the graph's inputs that are Python floats Dynamo made dynamic (graph_cache.python_float_inputs):
     # where there are any, the graph compiles with every compile cache off, dmfx's and PyTorch's
     float_inputs: tuple[str, ...] = ()
+    # where there are float inputs: "value-free" (an earlier compile of the graph did not read their
+    # values, so it is cached as any other: graph_cache.FloatInputs), "specializes" (one did: never
+    # cached) or "" (not known yet: compiled uncached, and this compile decides)
+    float_verdict: str = ""
     bytes_saved: int | None = None  # saved_bytes of the rewritten graph, kept for a cache hit's log line
     # option cudagraphs (mode="reduce-overhead"): "" (not asked for), "captured" (Inductor's CUDA-graph
     # trees record the compiled graphs at their second call and replay them), "not applied: <why>", or
@@ -96,6 +100,18 @@ class GraphRecord:
     # is no longer among the GRAPHS_KEPT most recent (read them as forward_graph, ...)
     _graphs: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     _holds_graphs: bool = field(default=True, repr=False, compare=False)
+    _floats: Any = field(default=None, repr=False, compare=False)  # graph_cache.FloatInputs, where float_inputs
+
+    @property
+    def floats_uncached(self) -> bool:
+        """The graph has Python float inputs and compiles with every cache off (graph_cache.FloatInputs)."""
+        return bool(self.float_inputs) and self.float_verdict != "value-free"
+
+    def floats_compiled(self, last: bool) -> None:
+        """After each compiled graph (`last`: the backward or the inference graph): whether the compile
+        read a float input's value (graph_cache.FloatInputs.compiled)."""
+        if self._floats is not None:
+            self._floats.compiled(last)
 
     def _graph(self, kind: str) -> GraphModule | None:
         gm = self._graphs.get(kind)
@@ -399,8 +415,10 @@ def _compiler(kind: str, record: GraphRecord, opts: Options, rewritten: GraphMod
     from .passes.fusion import carry_absorbed, carry_to_backward
 
     def compile_fn(gm: GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        with graph_cache.caches_off(bool(record.float_inputs)):  # (the backward compiles at its first run)
-            return _compile(gm, example_inputs)
+        with graph_cache.caches_off(record.floats_uncached):  # (the backward compiles at its first run)
+            compiled = _compile(gm, example_inputs)
+        record.floats_compiled(last=kind != "forward")
+        return compiled
 
     def _compile(gm: GraphModule, example_inputs: Sequence[Any]) -> Callable:
         if kind == "backward":
@@ -460,16 +478,23 @@ def _whole_graph_to_inductor(gm: GraphModule, example_inputs: Sequence[Any], why
     """The Dynamo graph compiled by Inductor alone (its compile_fx: its decompositions, partitioner
     and passes), where dmfx's fusions would not pay under it (`why`: dmfx/inductor.py
     leave_to_inductor); None when Inductor fails (then dmfx compiles the graph as usual)."""
-    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     from . import graph_cache
 
     patches: dict[str, Any] = {"triton.cudagraphs": True} if cudagraphs else {}
-    if record.float_inputs:  # (config_patches also reach the backward, which compiles at its first run)
+    if record.floats_uncached:  # (config_patches also reach the backward, which compiles at its first run)
         patches["fx_graph_cache"] = False
+
+    def inner_compile(*args: Any, **kwargs: Any) -> Any:  # (whether each graph read a float input's value)
+        compiled = compile_fx_inner(*args, **kwargs)
+        record.floats_compiled(last=bool(kwargs.get("is_backward") or kwargs.get("is_inference")))
+        return compiled
+
     try:
-        with graph_cache.caches_off(bool(record.float_inputs)):
-            compiled = compile_fx(gm, example_inputs, config_patches=patches or None)
+        with graph_cache.caches_off(record.floats_uncached):
+            compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile if record.float_inputs else
+                                  compile_fx_inner, config_patches=patches or None)
     except Exception as e:
         if not opts.fallback or _dynamo_signal(e):
             raise
@@ -620,16 +645,22 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
     from . import graph_cache
     from .cuda_ops.selfcheck import passes_to_skip  # kernel families that failed their self-check here
 
-    record.float_inputs = tuple(graph_cache.python_float_inputs(gm))
-    if record.float_inputs:
-        opts = replace(opts, cache=False)
-        record.missed.append(f"cache: not cached, and compiled with PyTorch's caches off: the graph takes the Python "
-                             f"float(s) {', '.join(record.float_inputs)} as inputs, whose values no cache key holds "
-                             f"(graph_cache.python_float_inputs)")
-
     off = passes_to_skip(t.device for t in example_inputs if isinstance(t, torch.Tensor)) - set(opts.skip)
     if off:
         opts = replace(opts, skip=(*opts.skip, *sorted(off)))
+    floats = graph_cache.FloatInputs(gm, example_inputs, opts)
+    record.float_inputs = tuple(floats.names)
+    if record.float_inputs:
+        record._floats = floats
+        record.float_verdict = floats.verdict
+        if not floats.cached:
+            opts = replace(opts, cache=False)
+            why = ("a compile of it read their values" if floats.verdict == "specializes" else
+                   "no earlier compile of it was seen not to read their values" if floats.key else
+                   "their values cannot be told apart from the graph")
+            record.missed.append(f"cache: not cached, and compiled with PyTorch's caches off: the graph takes the "
+                                 f"Python float(s) {', '.join(record.float_inputs)} as inputs, and {why} "
+                                 f"(graph_cache.FloatInputs)")
     capture = False  # option cudagraphs, on a CUDA graph Inductor runs: not cached (see below)
     if opts.cudagraphs:
         why_not = _cudagraphs_why_not(opts, record.devices)
@@ -693,7 +724,7 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
         decompositions={},
         keep_inference_input_mutations=True,
     )
-    with graph_cache.tagged(cache[0] if cache else None), graph_cache.caches_off(bool(record.float_inputs)):
+    with graph_cache.tagged(cache[0] if cache else None), graph_cache.caches_off(record.floats_uncached):
         compiled = compiler(traced, example_inputs)
     if cache is not None:
         if "forward" in record.compiled or "inference" in record.compiled:

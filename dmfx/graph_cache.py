@@ -220,24 +220,176 @@ def python_float_inputs(gm: torch.fx.GraphModule) -> list[str]:
     (``dynamic=True``, or automatic dynamic shapes once the value changed) as a 0-d tensor and reads it
     with ``.item()``.
 
-    No compile cache can hold such a graph: lowering it may specialize on the float's value (an op
-    that needs a Python number, ``math.floor(s)``, a norm's ``eps``: a guard and a constant), while
-    the graph every cache keys on is the same for every value. PyTorch's own caches then serve one
-    value's compiled graph for another: ``torch.compile`` with Inductor gives wrong answers on torch
-    2.11-2.14 (pytorch/pytorch#194976, #197889; ``layer_norm(x * s) + math.floor(s)`` is one), and so
-    would dmfx's lowered graphs. The backend compiles such a graph with every cache off (caches_off).
-    Keying the caches by the floats' values is not enough (tried): a hit does not bring back the
-    guard the lowering added (``math.floor(s) == 1``), so a later value would run the hit's graph."""
+    A compile cache may hold such a graph only where its compile never read the float's value. Lowering
+    may specialize on it (an op that needs a Python number, ``math.floor(s)``, a norm's ``eps``: a
+    guard and a constant), while the graph every cache keys on is the same for every value. PyTorch's
+    own caches then serve one value's compiled graph for another: ``torch.compile`` with Inductor gives
+    wrong answers on torch 2.11-2.14 (pytorch/pytorch#194976, #197889; ``layer_norm(x * s) +
+    math.floor(s)`` is one), and so would dmfx's lowered graphs. Keying the caches by the floats'
+    values is not enough (tried): a hit does not bring back the guard the lowering added
+    (``math.floor(s) == 1``), so a later value would run the hit's graph. See FloatInputs for when
+    such a graph is cached."""
     names = []
-    for n in gm.graph.nodes:
-        if n.op != "placeholder":
-            continue
-        arg = n.meta.get("grapharg")
-        if getattr(arg, "pass_arg_as_tensor", False):
-            source = getattr(arg, "source", None)
-            name = getattr(source, "name", None)
-            names.append(str((name() if callable(name) else name) or n.name))
+    for n in _float_placeholders(gm):
+        source = getattr(n.meta.get("grapharg"), "source", None)
+        name = getattr(source, "name", None)
+        names.append(str((name() if callable(name) else name) or n.name))
     return names
+
+
+def _float_placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes
+            if n.op == "placeholder" and getattr(n.meta.get("grapharg"), "pass_arg_as_tensor", False)]
+
+
+#: Verdicts on graphs with Python float inputs (FloatInputs), by key: "value-free" or "specializes".
+_float_verdicts: dict[str, str] = {}
+
+
+class FloatInputs:
+    """Whether the compile caches may hold a graph with Python float inputs (python_float_inputs).
+
+    Such a graph compiles with every cache off (caches_off) until a compile of it has been seen not to
+    read the floats' values: no guard on a float's symbol in the ShapeEnv, neither from Dynamo's trace
+    nor after dmfx's lowering and passes, AOTAutograd and Inductor (backward included) have run. That verdict, "value-free", is kept
+    on disk under a key of everything the compile's path depends on but the floats: the Dynamo
+    graph's code, its inputs' metadata with their sizes' values (hints), grad mode and autocast, dmfx's
+    tag (sources, options), Inductor's and AOTAutograd's configs. A compile is deterministic given
+    those, except where it branches on a float's value, and a branch on a symbolic value adds a guard:
+    so a compile under the same key is value-free too, and from then on the graph compiles with the
+    caches on, and what they keep holds for every value. A compile that reads a float (a guard on its
+    symbol) makes the verdict "specializes", which sticks: the graph then always compiles uncached.
+
+    So HF LLaMA under ``dynamic=True`` (RMSNorm's ``eps`` added to a tensor, the rotary
+    ``attention_scaling`` multiplied in) compiles uncached in the first process, with the caches on
+    (filling them) in the second, and from the caches in the third."""
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Any) -> None:
+        self.names = python_float_inputs(gm)
+        self.symbols: set[Any] = set()
+        self.shape_env: Any = None
+        self.key: str | None = None
+        self.verdict = ""  # "", "value-free" or "specializes"
+        if not self.names or not enabled(opts):
+            return
+        for n in _float_placeholders(gm):
+            values = [u.meta.get("example_value") for u in n.users]
+            floats = [v for v in values if isinstance(v, torch.SymFloat)]
+            if not floats or any(not v.node.expr.free_symbols for v in floats):
+                return  # (a float read otherwise, or already a constant: never cached)
+            for v in floats:
+                self.symbols |= v.node.expr.free_symbols
+                self.shape_env = v.node.shape_env
+        if self.shape_env is None:
+            return
+        self.key = _verdict_key(gm, example_inputs, opts)
+        if self.key is not None:
+            self.verdict = _float_verdicts.get(self.key) or _load_verdict(self.key)
+            self.compiled(last=False)  # (Dynamo's own trace may have read a value: a guard, and a constant)
+
+    @property
+    def cached(self) -> bool:
+        """The caches may hold the graph (an earlier compile of it was value-free)."""
+        return self.verdict == "value-free"
+
+    def read(self) -> list[str]:
+        """The guards on the floats' symbols so far: Dynamo's (its trace read a value: ``eps=s * 0.1``
+        is a guard ``0.1*s == 0.15`` and a constant in the graph it hands over, whose code is the same
+        for every value) and the compile's."""
+        if self.shape_env is None:
+            return []
+        found = [str(g.expr) for g in self.shape_env.guards if g.expr.free_symbols & self.symbols]
+        found += [f"{k} == {v}" for k, v in self.shape_env.replacements.items() if k in self.symbols]
+        return found
+
+    def compiled(self, last: bool) -> None:
+        """After each graph of the compile (`last`: the backward, or the inference graph): the verdict."""
+        if self.key is None or self.verdict == "specializes":
+            return
+        read = self.read()
+        if read:
+            if self.cached:  # (cannot happen if the compile is deterministic, see the class docstring)
+                log.warning("dmfx: a graph with Python float inputs %s read their values (%s) in a compile "
+                            "an earlier one said was value-free; it is compiled uncached from now on",
+                            ", ".join(self.names), "; ".join(read))
+            self._save("specializes", read)
+        elif last and not self.verdict:
+            self._save("value-free", [])
+
+    def _save(self, verdict: str, guards: list[str]) -> None:
+        from .cuda_ops.build import write_atomic
+
+        assert self.key is not None
+        self.verdict = _float_verdicts[self.key] = verdict
+        try:
+            write_atomic(_verdicts_dir() / f"{self.key}.json",
+                         json.dumps({"verdict": verdict, "floats": self.names, "guards": guards}))
+        except OSError as e:
+            log.debug("dmfx: could not save a float-input verdict: %s", e)
+
+
+def _verdicts_dir() -> Path:
+    from .cuda_ops.build import cache_root
+
+    return cache_root() / "float_verdicts"
+
+
+def _load_verdict(key: str) -> str:
+    try:
+        verdict = json.loads((_verdicts_dir() / f"{key}.json").read_text()).get("verdict", "")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    if verdict in ("value-free", "specializes"):
+        _float_verdicts[key] = verdict
+        return verdict
+    return ""
+
+
+def _hint(x: Any) -> Any:
+    if isinstance(x, torch.SymInt):
+        hint = x.node.hint
+        if hint is None:
+            raise LookupError("an unbacked size")
+        return int(hint)
+    return x
+
+
+def _canonical_symbols(code: str) -> str:
+    """`code` with ShapeEnv symbol names (``s77``, ``zf72``, ``u0``) numbered by first appearance:
+    Dynamo names a size's symbol by a hash of its source, made unique within the process, so the same
+    graph traced again can read ``s48`` where it read ``s77``."""
+    import re
+
+    names: dict[str, str] = {}
+    return re.sub(r"\b(s|zf|u|zuf)\d+\b", lambda m: names.setdefault(m.group(0), f"{m.group(1)}#{len(names)}"), code)
+
+
+def _verdict_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Any) -> str | None:
+    """FloatInputs' key: the graph and everything its compile reads but the floats' values (None where
+    some of it cannot be read: then the graph is never cached)."""
+    h = hashlib.sha256(("F" + tag(opts, gm)).encode())
+    for name, mod in gm.named_modules():
+        if not isinstance(mod, torch.fx.GraphModule):
+            return None
+        h.update(f"{name}\n{_canonical_symbols(mod.code)}".encode())
+    try:
+        for x in example_inputs:
+            if isinstance(x, torch.Tensor):
+                h.update(f"T({[_hint(s) for s in x.shape]},{[_hint(s) for s in x.stride()]},"
+                         f"{_hint(x.storage_offset())},{x.dtype},{x.device},{x.requires_grad})".encode())
+            else:
+                h.update(f"{type(x).__name__}({_hint(x)})".encode())
+        from torch._functorch import config as functorch_config
+        from torch._inductor import config as inductor_config
+
+        for config in (inductor_config, functorch_config):
+            h.update(repr(sorted(config.save_config_portable().items(), key=lambda kv: kv[0])).encode())
+    except Exception:  # noqa: BLE001 (an unbacked size, a config that cannot be read: no key)
+        return None
+    h.update(_input_aliasing(example_inputs).encode())
+    h.update(_modes().encode())
+    h.update(torch.compiler.config.cache_key_tag.encode())
+    return "F" + h.hexdigest()[:32]
 
 
 @contextlib.contextmanager
@@ -263,24 +415,44 @@ def lowered_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: A
         if any(n.op == "get_attr" and isinstance(_attr(mod, str(n.target)), torch.Tensor) for n in mod.graph.nodes):
             return None  # (a parameter, a buffer the graph may write, a constant: Dynamo makes them inputs)
         h.update(f"{name}\n{mod.code}".encode())
-    storages: dict[Any, int] = {}
-    for i, x in enumerate(example_inputs):
+    for x in example_inputs:
         h.update(_describe(x).encode())
         if isinstance(x, torch.Tensor):
-            try:
-                from torch.multiprocessing.reductions import StorageWeakRef
+            h.update(f"@{x.storage_offset()}".encode())
+    aliasing = _input_aliasing(example_inputs)
+    if aliasing is None:
+        return None
+    h.update(aliasing.encode())
+    h.update(_modes().encode())
+    return "L" + h.hexdigest()[:32]
 
+
+def _input_aliasing(example_inputs: Sequence[Any]) -> str | None:
+    """Which of `example_inputs` share a storage (each tensor: its type and the first input with its
+    storage), or None where a tensor has no storage."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    storages: dict[Any, int] = {}
+    out = []
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, torch.Tensor):
+            try:
                 ref = StorageWeakRef(x.untyped_storage())
             except Exception:  # noqa: BLE001 (a tensor without a storage: no key)
                 return None
-            h.update(f"{type(x).__name__}:{x.storage_offset()}:{storages.setdefault(ref, i)}".encode())
-    h.update(f"{torch.is_grad_enabled()}:{torch.are_deterministic_algorithms_enabled()}:{torch.get_default_dtype()}".encode())
+            out.append(f"{type(x).__name__}:{storages.setdefault(ref, i)}")
+    return ",".join(out)
+
+
+def _modes() -> str:
+    """The global modes a compile reads: grad mode, deterministic algorithms, default dtype, autocast."""
+    out = [f"{torch.is_grad_enabled()}:{torch.are_deterministic_algorithms_enabled()}:{torch.get_default_dtype()}"]
     for device in ("cpu", "cuda"):
         try:
-            h.update(f"{device}:{torch.is_autocast_enabled(device)}:{torch.get_autocast_dtype(device)}".encode())
+            out.append(f"{device}:{torch.is_autocast_enabled(device)}:{torch.get_autocast_dtype(device)}")
         except (RuntimeError, TypeError, AttributeError):  # (an older torch's autocast API)
-            h.update(f"{device}:{torch.is_autocast_enabled()}:{torch.is_autocast_cpu_enabled()}".encode())
-    return "L" + h.hexdigest()[:32]
+            out.append(f"{device}:{torch.is_autocast_enabled()}:{torch.is_autocast_cpu_enabled()}")
+    return ";".join(out)
 
 
 def _attr(gm: Any, target: str) -> Any:

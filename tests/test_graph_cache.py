@@ -31,6 +31,8 @@ def fresh_cache(monkeypatch, tmp_path):
     monkeypatch.setattr(graph_cache, "fingerprint", lambda: salted)
     monkeypatch.setattr(graph_cache, "_records_dir", lambda: tmp_path / "graph_records")
     monkeypatch.setattr(graph_cache, "_lowered_dir", lambda: tmp_path / "lowered_graphs")
+    monkeypatch.setattr(graph_cache, "_verdicts_dir", lambda: tmp_path / "float_verdicts")
+    monkeypatch.setattr(graph_cache, "_float_verdicts", {})
     with functorch_config.patch(enable_autograd_cache=True), inductor_config.patch(fx_graph_cache=True), \
             torch.compiler.config.patch(force_disable_caches=False):
         yield tmp_path
@@ -370,16 +372,60 @@ def test_a_python_float_input_is_never_served_from_a_cache(fresh_cache, program,
     f = FLOAT_PROGRAMS[program]
     x = torch.randn(4, 8, requires_grad=True)
     R = torch.randn(4, 8)
-    compiled = torch.compile(f, backend="dmfx", dynamic=dynamic, options={"compiler": "inductor", **options})
-    for s in (0.3, 1.5, 2.5, 3.7):
-        want = f(x, s)
-        (want_dx,) = torch.autograd.grad((want * R).sum(), x)
-        got = compiled(x, s)
-        (got_dx,) = torch.autograd.grad((got * R).sum(), x)
-        assert rel_err(got, want) < 1e-5, (s, rel_err(got, want))
-        assert rel_err(got_dx, want_dx) < 1e-5, (s, rel_err(got_dx, want_dx))
-    floats = [r for r in dmfx.records() if r.float_inputs]
-    assert floats, [r.summary() for r in dmfx.records()]
-    for r in floats:
-        assert r.float_inputs == ("L['s']",) and r.cache == "", (r.float_inputs, r.cache)
-        assert any(m.startswith("cache: not cached") for m in r.missed), r.missed
+    for process in ("first", "later"):  # (a later process: Dynamo reset, the verdicts read from disk)
+        torch._dynamo.reset()
+        graph_cache._float_verdicts.clear()
+        dmfx.reset()
+        compiled = torch.compile(f, backend="dmfx", dynamic=dynamic, options={"compiler": "inductor", **options})
+        for s in (0.3, 1.5, 2.5, 3.7):
+            want = f(x, s)
+            (want_dx,) = torch.autograd.grad((want * R).sum(), x)
+            got = compiled(x, s)
+            (got_dx,) = torch.autograd.grad((got * R).sum(), x)
+            assert rel_err(got, want) < 1e-5, (process, s, rel_err(got, want))
+            assert rel_err(got_dx, want_dx) < 1e-5, (process, s, rel_err(got_dx, want_dx))
+        floats = [r for r in dmfx.records() if r.float_inputs]
+        assert floats, [r.summary() for r in dmfx.records()]
+        for r in floats:
+            assert r.float_inputs == ("L['s']",) and r.cache == "", (r.float_inputs, r.cache)
+            assert r.float_verdict != "value-free" and r.floats_uncached, r.float_verdict
+            assert any(m.startswith("cache: not cached") for m in r.missed), r.missed
+        assert set(graph_cache._float_verdicts.values()) <= {"specializes"}, graph_cache._float_verdicts
+    assert "specializes" in graph_cache._float_verdicts.values()
+
+
+def rms_scaled(x, s):  # HF's RMSNorm (eps added to a tensor) times a scale: no lowering reads `s` itself
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + s * 1e-2) * s
+
+
+@pytest.mark.parametrize("options", [{}, {"fuse": "all"}], ids=["default", "fuse-all"])
+def test_a_float_input_no_compile_reads_is_cached_once_seen_so(fresh_cache, options, monkeypatch):
+    """A graph whose compile does not read its float inputs' values (no guard on them) is compiled
+    uncached once, which finds that out ("value-free"); a later process compiles it with the caches on
+    (filling them), and the one after that is served from them, with eager's outputs and gradients
+    for every value."""
+    from torch._dynamo.utils import counters
+
+    # (left to Inductor whole, the graph goes to Inductor's own cache entries, without dmfx's tag)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(fresh_cache / "inductor"))
+    x = torch.randn(4, 8, requires_grad=True)
+    R = torch.randn(4, 8)
+    verdicts, hits = [], []
+    for process in range(3):
+        torch._dynamo.reset()
+        graph_cache._float_verdicts.clear()
+        dmfx.reset()
+        counters.clear()
+        compiled = torch.compile(rms_scaled, backend="dmfx", dynamic=True, options={"compiler": "inductor", **options})
+        for s in (0.3, 1.5, 2.5):
+            want = rms_scaled(x, s)
+            (want_dx,) = torch.autograd.grad((want * R).sum(), x)
+            got = compiled(x, s)
+            (got_dx,) = torch.autograd.grad((got * R).sum(), x)
+            assert rel_err(got, want) < 1e-5, (process, s, rel_err(got, want))
+            assert rel_err(got_dx, want_dx) < 1e-5, (process, s, rel_err(got_dx, want_dx))
+        (r,) = [r for r in dmfx.records() if r.float_inputs]  # (one graph for every value: no guard on `s`)
+        verdicts.append((r.float_verdict, r.floats_uncached))
+        hits.append(counters["aot_autograd"]["autograd_cache_hit"])
+    assert verdicts == [("", True), ("value-free", False), ("value-free", False)], verdicts
+    assert hits[0] == hits[1] == 0 and hits[2] >= 1, hits
