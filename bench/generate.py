@@ -17,7 +17,7 @@ whether every candidate's tokens are eager's.
 Usage (from the repository root)::
 
     python -m bench.generate [--rounds 5] [--cache static|dynamic] [--threads 2] [--new-tokens 48]
-                             [--device cpu|cuda]
+                             [--device cpu|cuda] [--backends inductor,dmfx]
 
 On CUDA, CompileConfig's default mode ("reduce-overhead") captures CUDA graphs: Inductor's own for
 "inductor", dmfx's option ``cudagraphs`` for "dmfx" (each graph's record says whether it was captured).
@@ -90,14 +90,21 @@ def main(argv=None) -> dict:
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--json", default=None)
+    p.add_argument("--backends", default=",".join(CANDIDATES[1:]),
+                   help="compiled candidates beside eager, comma-separated (default: inductor,dmfx); one alone "
+                        "gives its first-call time with no other backend's compile in the process")
     args = p.parse_args(argv)
+    candidates = ("eager", *[b for b in args.backends.split(",") if b and b != "eager"])
+    unknown = sorted(set(candidates) - set(CANDIDATES))
+    if unknown:
+        p.error(f"--backends: unknown {unknown}; expected some of {list(CANDIDATES[1:])}")
     torch.set_num_threads(args.threads)
     torch._dynamo.reset()
     dmfx.reset()
     base = build().to(args.device)
     prompt = torch.randint(0, base.config.vocab_size, (args.batch, args.prompt), device=args.device)
     runs, first, graphs, tokens = {}, {}, {}, {}
-    for name in CANDIDATES:  # compile each (first call), counting the graphs it compiled
+    for name in candidates:  # compile each (first call), counting the graphs it compiled
         before = _unique_graphs()
         runs[name] = generator(copy.deepcopy(base), None if name == "eager" else name, args.cache, prompt,
                                args.new_tokens, args.device)
@@ -133,7 +140,7 @@ def main(argv=None) -> dict:
     print(f"generate() on {args.device}, {args.cache} cache, batch {args.batch}, {args.new_tokens} new tokens, "
           f"{args.threads} threads, medians of {args.rounds} interleaved rounds")
     print(f"{'':10}{'tokens/s':>10}{'vs eager':>10}{'vs inductor':>13}{'graphs':>8}{'first s':>9}  same tokens")
-    for n in CANDIDATES:
+    for n in candidates:
         if n in tps:
             print(f"{n:10}{tps[n]:10.1f}{tps[n] / tps['eager']:10.2f}{tps[n] / tps.get('inductor', float('nan')):13.2f}"
                   f"{graphs[n]:8d}{first[n]:9.1f}  {result['same_tokens_as_eager'][n]}")

@@ -578,11 +578,13 @@ def _cudagraphs_why_not(opts: Options, devices: tuple[str, ...]) -> str | None:
 
 
 def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Options, off: set[str],
-                       record: GraphRecord, start: float, key: str | None, capture: bool = False) -> Any:
+                       record: GraphRecord, start: float, key: str | None, capture: bool = False,
+                       whole_key: str | None = None) -> Any:
     """The Dynamo graph lowered and rewritten: ``(rewritten, padding hint, kept)``, kept under `key` (the
     compile cache's lowered graph, dmfx/graph_cache.py; `kept` is the graph as the cache holds it, or
     None) when it has one; or, for a graph dmfx leaves to PyTorch or to Inductor whole, the compiled
-    callable itself."""
+    callable itself (the decision to leave it to Inductor kept under `key`, or under `whole_key`
+    where only that decision may be kept: graph_cache.whole_graph_key)."""
     from . import graph_cache
     from .passes.verify import GraphVerificationError
 
@@ -605,10 +607,15 @@ def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Opt
         from .inductor import leave_to_inductor
 
         why = leave_to_inductor(aten_gm, record.devices)
-        compiled = _whole_graph_to_inductor(gm, example_inputs, why, record, opts, start, capture) if why else None
+        try:
+            compiled = _whole_graph_to_inductor(gm, example_inputs, why, record, opts, start, capture) if why else None
+        except Exception as e:
+            if (key or whole_key) and _dynamo_signal(e):  # (Dynamo traces again; the next process meets this
+                graph_cache.save_lowered(key or whole_key, record, None, hint, whole_graph=why)  # graph again)
+            raise
         if compiled is not None:
-            if key:
-                graph_cache.save_lowered(key, record, None, hint, whole_graph=why)
+            if key or whole_key:
+                graph_cache.save_lowered(key or whole_key, record, None, hint, whole_graph=why)
             return _with_padding_hint(compiled, hint, record)
     if off:
         record.missed.append(
@@ -648,6 +655,7 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
     off = passes_to_skip(t.device for t in example_inputs if isinstance(t, torch.Tensor)) - set(opts.skip)
     if off:
         opts = replace(opts, skip=(*opts.skip, *sorted(off)))
+    decision_opts = opts  # (the options the decision to leave the graph to Inductor whole is kept under)
     floats = graph_cache.FloatInputs(gm, example_inputs, opts)
     record.float_inputs = tuple(floats.names)
     if record.float_inputs:
@@ -668,23 +676,36 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
         if why_not:
             record.cudagraphs = f"not applied: {why_not}"
             _log_once(f"cudagraphs:{why_not}", "dmfx: CUDA graphs (mode='reduce-overhead') not applied: %s", why_not)
-    key = graph_cache.lowered_key(gm, example_inputs, opts) if graph_cache.enabled(opts) and not capture else None
-    entry = graph_cache.load_lowered(key) if key else None
+    # The lowered graph is kept under `key`; where it may not be (symbolic shapes, or Python float
+    # inputs that keep the caches off) only the decision to leave the graph to Inductor whole is, under
+    # `whole_key`: that decision holds nothing the lowering computed, so a stale one costs speed, never
+    # an answer (graph_cache.whole_graph_key).
+    key = whole_key = None
+    if graph_cache.enabled(decision_opts) and not capture:
+        key = graph_cache.lowered_key(gm, example_inputs, opts) if graph_cache.enabled(opts) else None
+        if key is None:
+            whole_key = (graph_cache.whole_graph_key(gm, example_inputs, decision_opts)
+                         or graph_cache.lowered_key(gm, example_inputs, decision_opts))
+    entry = graph_cache.load_lowered(key or whole_key) if key or whole_key else None
+    if entry is not None and whole_key and entry["whole_graph"] is None:
+        entry = None  # (under whole_key only the decision to leave the graph to Inductor is kept)
+    own = [m for m in record.missed if m.startswith("cache:")]  # (this compile's, not the entry's)
     if entry is not None:
         for f, value in entry["record"].items():
             setattr(record, f, value)
+        record.missed = [*own, *record.missed]
         record.lowered_from_cache = True
     if entry is not None and entry["whole_graph"] is not None:  # left to Inductor whole before: its cache has it
         compiled = _whole_graph_to_inductor(gm, example_inputs, entry["whole_graph"], record, opts, start, capture)
         if compiled is not None:
             return _with_padding_hint(compiled, entry["hint"], record)
-        entry, record = None, replace(record, fired={}, replaced={}, missed=[], copies=[], attention_forms={}, unpad={},
+        entry, record = None, replace(record, fired={}, replaced={}, missed=own, copies=[], attention_forms={}, unpad={},
                                       epilogue=[], lowered_from_cache=False)  # (lowered afresh below)
     if entry is not None:
         rewritten = kept = entry["graph"]
         hint = entry["hint"]
     else:
-        lowered = _lower_and_rewrite(gm, example_inputs, opts, off, record, start, key, capture)
+        lowered = _lower_and_rewrite(gm, example_inputs, opts, off, record, start, key, capture, whole_key)
         if not isinstance(lowered, tuple):  # (compiled already: left to PyTorch or to Inductor whole)
             return lowered
         rewritten, hint, kept = lowered

@@ -201,7 +201,8 @@ def load_record(key: str, record: Any) -> bool:
 # options). It stays off where that key could miss something: symbolic shapes (a pass may have added
 # a guard, which a hit would not add again), tensors held as graph attributes (a parameter, or a
 # buffer the graph writes, would be pickled as a copy; Dynamo makes them graph inputs), submodules
-# that are not graphs.
+# that are not graphs. Where it is off, the decision to leave a graph to Inductor whole may still be
+# kept (whole_graph_key): nothing of the lowering is used on such a hit.
 
 #: The GraphRecord fields the lowered graph's entry restores (what the lowering and forward passes did).
 LOWERED_FIELDS = ("fired", "replaced", "missed", "copies", "attention_forms", "unpad", "epilogue",
@@ -427,6 +428,31 @@ def lowered_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: A
     return "L" + h.hexdigest()[:32]
 
 
+def whole_graph_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Any) -> str | None:
+    """For a graph with symbolic shapes (which lowered_key leaves uncached): the key under which only
+    the decision to leave it to Inductor whole is kept (save_lowered's `whole_graph`), so that a later
+    compile does not lower the graph again (a few seconds for a decoder) only to find that out. Only
+    that decision: on a hit nothing of dmfx's lowering is used (Inductor compiles the Dynamo graph
+    itself, adding its own guards, with its caches off where Python float inputs say so), so an
+    entry made under other sizes or float values can cost speed, never an answer. The key: dmfx's
+    tag, the graph's code and its inputs' metadata with the ShapeEnv's symbol names renumbered
+    (_canonical_symbols), their aliasing, the global modes. None where the graph has no symbolic
+    input (lowered_key's case) or cannot be read."""
+    if not any(_symbolic(x) for x in example_inputs) or any(isinstance(x, (list, tuple, dict)) for x in example_inputs):
+        return None
+    parts = [tag(opts, gm)]
+    for name, mod in gm.named_modules():
+        if not isinstance(mod, torch.fx.GraphModule):
+            return None
+        parts.append(f"{name}\n{mod.code}")
+    parts += [_describe(x) + (f"@{x.storage_offset()}" if isinstance(x, torch.Tensor) else "") for x in example_inputs]
+    aliasing = _input_aliasing(example_inputs)
+    if aliasing is None:
+        return None
+    text = "\n".join([_canonical_symbols("\n".join(parts)), aliasing, _modes()])
+    return "W" + hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
 def _input_aliasing(example_inputs: Sequence[Any]) -> str | None:
     """Which of `example_inputs` share a storage (each tensor: its type and the first input with its
     storage), or None where a tensor has no storage."""
@@ -524,7 +550,9 @@ def save_lowered(key: str, record: Any, rewritten: torch.fx.GraphModule | None, 
             if why:
                 log.info("dmfx: graph %d's lowered graph not cached: read back, %s", record.graph_id, why)
                 return None
-        entry = {"record": {f: getattr(record, f) for f in LOWERED_FIELDS}, "hint": hint, "whole_graph": whole_graph,
+        kept = {f: getattr(record, f) for f in LOWERED_FIELDS}
+        kept["missed"] = [m for m in kept["missed"] if not m.startswith("cache:")]  # (each compile's own)
+        entry = {"record": kept, "hint": hint, "whole_graph": whole_graph,
                  "graph": graph}
         write_atomic(_lowered_dir() / f"{key}.pkl", pickle.dumps(entry))
         return back

@@ -43,6 +43,13 @@ def test_bench_rejects_unknown_section():
     assert p.returncode != 0 and "unknown section" in p.stderr
 
 
+def test_generate_bench_rejects_an_unknown_backend():
+    from bench import generate
+
+    with pytest.raises(SystemExit):
+        generate.main(["--backends", "dmfx,nope"])
+
+
 def test_step_ops_sees_inside_the_compiled_step():
     """bench/step_ops.py times the ops of the compiled code (dmfx's kernels appear, so Dynamo did not
     fall back to eager under the dispatch mode) and counts every call of a step."""

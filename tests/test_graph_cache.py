@@ -259,6 +259,39 @@ def test_a_graph_left_to_inductor_whole_is_remembered(fresh_cache):
     assert torch.allclose(outs[0], outs[1], rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_a_dynamic_shape_graph_left_to_inductor_whole_is_remembered(fresh_cache, monkeypatch, dropout):
+    """Under symbolic shapes only the decision to leave a graph to Inductor whole is kept (the lowered
+    graph never is): a later process does not lower the graph again, and its answers are Inductor's."""
+    from dmfx import backend
+
+    lowerings = []
+    lower = backend.lower_to_aten
+    monkeypatch.setattr(backend, "lower_to_aten", lambda *a, **k: lowerings.append(1) or lower(*a, **k))
+    base = mlm(dropout).eval() if dropout == 0.0 else mlm(dropout)
+    recs, counts = [], []
+    for _ in range(2):  # (two processes, as far as Dynamo and dmfx's memory go)
+        torch._dynamo.reset()
+        lowerings.clear()
+        model = copy.deepcopy(base)
+        c = torch.compile(model, backend="dmfx", options={"compiler": "inductor"}, dynamic=True)
+        for seq in (12, 20):
+            ids = torch.randint(0, 96, (2, seq), generator=torch.Generator().manual_seed(seq))
+            out = c(input_ids=ids)
+            if dropout == 0.0:
+                assert rel_err(out.logits, copy.deepcopy(base)(input_ids=ids).logits) < 1e-5
+        recs.append(dmfx.records()[-1])
+        counts.append(len(lowerings))
+    if dropout == 0.0:
+        assert all(r.fallback and r.fallback.startswith("left to Inductor") for r in recs)
+        # (Dynamo traces the forward twice, the first trace ending in Inductor's request to specialize a
+        # float: both decisions are kept)
+        assert [r.lowered_from_cache for r in recs] == [False, True] and counts[0] >= 1 and counts[1] == 0
+    else:  # (dmfx rewrites it: lowered again in every process)
+        assert not any(r.fallback for r in recs)
+        assert [r.lowered_from_cache for r in recs] == [False, False] and counts[1] == counts[0] >= 1
+
+
 def test_lowered_key_declines_what_it_cannot_see():
     opts = Options(compiler="inductor")
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))  # (its weight and bias are graph attributes)
@@ -282,6 +315,7 @@ def test_lowered_key_declines_what_it_cannot_see():
     plain = torch.fx.symbolic_trace(f)
     key = graph_cache.lowered_key(plain, [torch.randn(3, 2)], opts)
     assert key is not None
+    assert graph_cache.whole_graph_key(plain, [torch.randn(3, 2)], opts) is None  # (static shapes: lowered_key's)
     assert graph_cache.lowered_key(plain, [torch.randn(3, 3)], opts) != key  # shapes
     assert graph_cache.lowered_key(plain, [torch.randn(3, 2).t()], opts) != key  # strides
     assert graph_cache.lowered_key(plain, [torch.randn(3, 2, requires_grad=True)], opts) != key
