@@ -481,6 +481,9 @@ def _whole_graph_to_inductor(gm: GraphModule, example_inputs: Sequence[Any], why
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     from . import graph_cache
+    from .inductor import pin_contiguous_outputs
+
+    pin_contiguous_outputs(gm)  # (eager's layout for the outputs, which Inductor's decompositions may change)
 
     patches: dict[str, Any] = {"triton.cudagraphs": True} if cudagraphs else {}
     if record.floats_uncached:  # (config_patches also reach the backward, which compiles at its first run)

@@ -63,15 +63,55 @@ def leave_to_inductor(aten_gm: GraphModule, devices: tuple[str, ...]) -> str | N
     return WHY_LEFT
 
 
-def decompose(gm: GraphModule, example_inputs: Sequence[Any]) -> GraphModule:
+def _contiguous(v: Any) -> bool:
+    from torch._prims_common import is_contiguous_or_false  # (no guard on symbolic sizes)
+
+    return isinstance(v, torch.Tensor) and is_contiguous_or_false(v)
+
+
+def pin_contiguous_outputs(gm: GraphModule) -> int:
+    """Keep the Dynamo graph `gm`'s contiguous outputs contiguous under Inductor: a ``.contiguous()``
+    after each (traced as nothing where the value is contiguous anyway). Inductor keeps an output's
+    strides as its decomposed graph has them, and a decomposition can change them: its ``cat``
+    drops empty inputs and clones the one left with that one's layout, so HF's DynamicCache, which
+    appends the prefill's keys to an empty tensor, gets the keys in the attention's transposed layout
+    (eager: contiguous), the first decode step is compiled for that layout and the second, whose
+    cache ``cat`` made contiguous, compiles a third graph. Returns how many outputs it pinned."""
+    out = _output_node(gm)
+    outputs = out.args[0]
+    if not isinstance(outputs, (tuple, list)):
+        return 0
+    pinned = list(outputs)
+    for i, a in enumerate(outputs):
+        if isinstance(a, Node) and a.op != "placeholder" and _contiguous(a.meta.get("example_value")):
+            with gm.graph.inserting_before(out):
+                pinned[i] = gm.graph.call_method("contiguous", (a,))
+            pinned[i].meta.update(a.meta)
+    count = sum(p is not a for p, a in zip(pinned, outputs))
+    if count:
+        out.args = (type(outputs)(pinned),)
+        gm.recompile()
+    return count
+
+
+def decompose(gm: GraphModule, example_inputs: Sequence[Any], visible: Sequence[int] = ()) -> GraphModule:
     """`gm` traced again, functionalized (mutations only: views stay views) and with Inductor's
-    decompositions applied, under the fake mode of `example_inputs` (AOTAutograd's)."""
+    decompositions applied, under the fake mode of `example_inputs` (AOTAutograd's). The outputs at
+    `visible` (those the user sees) that are contiguous in `gm` stay so (pin_contiguous_outputs says
+    why a decomposition may change them)."""
     from torch._guards import detect_fake_mode
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    outputs = _output_node(gm).args[0]
+    keep = {i for i in visible if isinstance(outputs, (tuple, list)) and i < len(outputs)
+            and isinstance(outputs[i], Node) and _contiguous(outputs[i].meta.get("val"))}
+
     def run(*args: Any) -> Any:
-        return torch.fx.Interpreter(gm).run(*args)
+        out = torch.fx.Interpreter(gm).run(*args)
+        if not keep:
+            return out
+        return type(out)(o.contiguous() if i in keep and isinstance(o, torch.Tensor) else o for i, o in enumerate(out))
 
     functional = torch.func.functionalize(run, remove="mutations")
     fake_mode = detect_fake_mode(example_inputs)
@@ -83,11 +123,11 @@ def _output_node(gm: GraphModule) -> Node:
     return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
 
 
-def mark_user_visible_outputs(gm: GraphModule, kind: str, user_outputs: int) -> None:
-    """Tell Inductor which outputs the user sees (their strides are kept as eager has them): in an
-    inference or backward graph every output; in a forward graph the `user_outputs` outputs after
-    the updated values of mutated inputs (AOTAutograd's layout: mutated inputs, user outputs, then
-    the activations saved for the backward)."""
+def user_visible_outputs(gm: GraphModule, kind: str, user_outputs: int) -> list[int]:
+    """The outputs the user sees (their strides are kept as eager has them): in an inference or
+    backward graph every output; in a forward graph the `user_outputs` outputs after the updated
+    values of mutated inputs (AOTAutograd's layout: mutated inputs, user outputs, then the
+    activations saved for the backward)."""
     outputs = list(_output_node(gm).args[0])
     start, end = 0, len(outputs)
     if kind == "forward":
@@ -95,22 +135,29 @@ def mark_user_visible_outputs(gm: GraphModule, kind: str, user_outputs: int) -> 
         meta = getattr(context, "fw_metadata", None)
         start = getattr(meta, "num_mutated_inp_runtime_indices", 0) if meta is not None else 0
         end = min(start + user_outputs, len(outputs))
-    _output_node(gm).meta["user_visible_output_idxs"] = [i for i in range(start, end) if isinstance(outputs[i], Node)]
+    return [i for i in range(start, end) if isinstance(outputs[i], Node)]
+
+
+def mark_user_visible_outputs(gm: GraphModule, visible: list[int]) -> None:
+    """Tell Inductor which outputs the user sees (user_visible_outputs)."""
+    outputs = list(_output_node(gm).args[0])
+    _output_node(gm).meta["user_visible_output_idxs"] = [i for i in visible if isinstance(outputs[i], Node)]
 
 
 def compile_graph(gm: GraphModule, example_inputs: Sequence[Any], kind: str, graph_id: int, user_outputs: int,
                   max_autotune: bool = False, cudagraphs: "CudaGraphs | None" = None) -> Callable:
     """`gm` (one of AOTAutograd's "forward", "backward" or "inference" graphs, after dmfx's passes)
     compiled by Inductor: a boxed callable. `user_outputs`: how many outputs the graph dmfx handed
-    AOTAutograd returns (see mark_user_visible_outputs). `cudagraphs`: the Dynamo graph's CUDA-graph
+    AOTAutograd returns (see user_visible_outputs). `cudagraphs`: the Dynamo graph's CUDA-graph
     state (mode="reduce-overhead"), or None. Raises what Inductor raises."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.utils import BoxedBool
 
-    decomposed = decompose(gm, example_inputs)
-    mark_user_visible_outputs(decomposed, kind, user_outputs)
+    visible = user_visible_outputs(gm, kind, user_outputs)
+    decomposed = decompose(gm, example_inputs, visible)
+    mark_user_visible_outputs(decomposed, visible)
     capture = cudagraphs is not None and bool(cudagraphs.enabled)
     static = cudagraphs.static_input_idxs(kind, gm, decomposed, example_inputs) if capture else []
     with config.patch({"max_autotune": max_autotune, "triton.cudagraphs": capture}), \

@@ -104,3 +104,31 @@ def test_dynamos_restart_request_reaches_dynamo(recwarn):
     records = dmfx.records()
     assert records and all((r.fallback or "").startswith("left to Inductor") for r in records), \
         [r.summary() for r in records]
+
+
+@pytest.mark.parametrize("fuse", ["auto", "all"])
+def test_the_prefill_leaves_the_cache_in_eagers_layout_so_decoding_compiles_once(fuse):
+    """HF's DynamicCache appends the prefill's keys and values to empty tensors. Eager's ``cat`` gives
+    a contiguous tensor; Inductor's decomposition of it keeps the appended tensor's layout (the
+    attention's transposed one), so the first decode step was compiled for that layout and the
+    second, whose ``cat`` is contiguous, compiled a third graph (Inductor alone does the same). dmfx
+    keeps the outputs eager makes contiguous so, on Inductor's whole graphs (fuse="auto") and on its
+    own (fuse="all")."""
+    model = _model()
+    prompt = torch.randint(0, VOCAB, (2, 7))
+
+    def prefill_layout(forward):
+        cache = transformers.DynamicCache(config=model.config)
+        with torch.no_grad():
+            forward(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache, use_cache=True)
+        return [(layer.keys.stride(), layer.values.stride()) for layer in cache.layers]
+
+    want_layout, want = prefill_layout(model.forward), _generate(model, prompt, new_tokens=5)
+    compiled = torch.compile(model.forward, backend="dmfx", dynamic=True,
+                             options={"compiler": "inductor", "fuse": fuse, "fallback": False})
+    assert prefill_layout(compiled) == want_layout
+    torch._dynamo.reset()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    model.forward = compiled
+    assert torch.equal(_generate(model, prompt, new_tokens=5), want)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2, [r.summary() for r in dmfx.records()]
