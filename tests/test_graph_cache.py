@@ -407,17 +407,10 @@ def test_a_python_float_input_is_never_served_from_a_cache(fresh_cache, program,
     x = torch.randn(4, 8, requires_grad=True)
     R = torch.randn(4, 8)
     for process in ("first", "later"):  # (a later process: Dynamo reset, the verdicts read from disk)
-        torch._dynamo.reset()
-        graph_cache._float_verdicts.clear()
-        dmfx.reset()
+        _new_process()
         compiled = torch.compile(f, backend="dmfx", dynamic=dynamic, options={"compiler": "inductor", **options})
         for s in (0.3, 1.5, 2.5, 3.7):
-            want = f(x, s)
-            (want_dx,) = torch.autograd.grad((want * R).sum(), x)
-            got = compiled(x, s)
-            (got_dx,) = torch.autograd.grad((got * R).sum(), x)
-            assert rel_err(got, want) < 1e-5, (process, s, rel_err(got, want))
-            assert rel_err(got_dx, want_dx) < 1e-5, (process, s, rel_err(got_dx, want_dx))
+            _assert_matches_eager(f, compiled, x, s, R, process)
         floats = [r for r in dmfx.records() if r.float_inputs]
         assert floats, [r.summary() for r in dmfx.records()]
         for r in floats:
@@ -426,6 +419,23 @@ def test_a_python_float_input_is_never_served_from_a_cache(fresh_cache, program,
             assert any(m.startswith("cache: not cached") for m in r.missed), r.missed
         assert set(graph_cache._float_verdicts.values()) <= {"specializes"}, graph_cache._float_verdicts
     assert "specializes" in graph_cache._float_verdicts.values()
+
+
+def _new_process():
+    """A later process, as far as Dynamo and dmfx's memory go (the float verdicts are read from disk)."""
+    torch._dynamo.reset()
+    graph_cache._float_verdicts.clear()
+    dmfx.reset()
+
+
+def _assert_matches_eager(f, compiled, x, s, R, process):
+    """compiled(x, s) and its gradient for x under the random cotangent R are f's (eager's)."""
+    want = f(x, s)
+    (want_dx,) = torch.autograd.grad((want * R).sum(), x)
+    got = compiled(x, s)
+    (got_dx,) = torch.autograd.grad((got * R).sum(), x)
+    assert rel_err(got, want) < 1e-5, (process, s, rel_err(got, want))
+    assert rel_err(got_dx, want_dx) < 1e-5, (process, s, rel_err(got_dx, want_dx))
 
 
 def rms_scaled(x, s):  # HF's RMSNorm (eps added to a tensor) times a scale: no lowering reads `s` itself
@@ -446,18 +456,11 @@ def test_a_float_input_no_compile_reads_is_cached_once_seen_so(fresh_cache, opti
     R = torch.randn(4, 8)
     verdicts, hits = [], []
     for process in range(3):
-        torch._dynamo.reset()
-        graph_cache._float_verdicts.clear()
-        dmfx.reset()
+        _new_process()
         counters.clear()
         compiled = torch.compile(rms_scaled, backend="dmfx", dynamic=True, options={"compiler": "inductor", **options})
         for s in (0.3, 1.5, 2.5):
-            want = rms_scaled(x, s)
-            (want_dx,) = torch.autograd.grad((want * R).sum(), x)
-            got = compiled(x, s)
-            (got_dx,) = torch.autograd.grad((got * R).sum(), x)
-            assert rel_err(got, want) < 1e-5, (process, s, rel_err(got, want))
-            assert rel_err(got_dx, want_dx) < 1e-5, (process, s, rel_err(got_dx, want_dx))
+            _assert_matches_eager(rms_scaled, compiled, x, s, R, process)
         (r,) = [r for r in dmfx.records() if r.float_inputs]  # (one graph for every value: no guard on `s`)
         verdicts.append((r.float_verdict, r.floats_uncached))
         hits.append(counters["aot_autograd"]["autograd_cache_hit"])
