@@ -686,9 +686,10 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
     key = whole_key = None
     if graph_cache.enabled(decision_opts) and not capture:
         key = graph_cache.lowered_key(gm, example_inputs, opts) if graph_cache.enabled(opts) else None
-        if key is None:
-            whole_key = (graph_cache.whole_graph_key(gm, example_inputs, decision_opts)
-                         or graph_cache.lowered_key(gm, example_inputs, decision_opts))
+        if key is None:  # (where the caches are on, opts is decision_opts: lowered_key said None already)
+            whole_key = graph_cache.whole_graph_key(gm, example_inputs, decision_opts)
+            if whole_key is None and not graph_cache.enabled(opts):
+                whole_key = graph_cache.lowered_key(gm, example_inputs, decision_opts)
     entry = graph_cache.load_lowered(key or whole_key) if key or whole_key else None
     if entry is not None and whole_key and entry["whole_graph"] is None:
         entry = None  # (under whole_key only the decision to leave the graph to Inductor is kept)
