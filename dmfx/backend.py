@@ -85,7 +85,8 @@ class GraphRecord:
     cache: str = ""
     lowered_from_cache: bool = False  # the lowered, rewritten forward graph came from the compile cache
     # the graph's inputs that are Python floats Dynamo made dynamic (graph_cache.python_float_inputs):
-    # where there are any, the graph compiles with every compile cache off, dmfx's and PyTorch's
+    # where there are any, the graph compiles with dmfx's cache off and PyTorch's write-only
+    # (graph_cache.caches_off) until a compile of it was seen not to read their values
     float_inputs: tuple[str, ...] = ()
     # where there are float inputs: "value-free" (an earlier compile of the graph did not read their
     # values, so it is cached as any other: graph_cache.FloatInputs), "specializes" (one did: never
@@ -104,8 +105,14 @@ class GraphRecord:
 
     @property
     def floats_uncached(self) -> bool:
-        """The graph has Python float inputs and compiles with every cache off (graph_cache.FloatInputs)."""
+        """The graph has Python float inputs and compiles with its caches off (graph_cache.FloatInputs)."""
         return bool(self.float_inputs) and self.float_verdict != "value-free"
+
+    def caches_off(self) -> Any:
+        """The context a compile of the graph runs in: graph_cache.caches_off where floats_uncached."""
+        from . import graph_cache
+
+        return graph_cache.caches_off(self._floats if self.floats_uncached else None)
 
     def floats_compiled(self, last: bool) -> None:
         """After each compiled graph (`last`: the backward or the inference graph): whether the compile
@@ -398,7 +405,7 @@ def _add_to_record(record: GraphRecord, ctx: Any, kind: str) -> None:
 
 
 def _compiler(kind: str, record: GraphRecord, opts: Options, rewritten: GraphModule,
-              cache: tuple[str, str] | None = None, cudagraphs: Any = None) -> Callable:
+              cache: tuple[str, str] | None = None, cudagraphs: Any = None, dmfx_tag: str | None = None) -> Callable:
     """AOTAutograd's compiler for the `kind` graph ("forward", "backward", "inference"): what the
     fused nodes of `rewritten` (the graph the forward pipeline made) absorbed is carried onto the
     nodes of this graph that compute them (passes/fusion.py); the backward passes run on the backward
@@ -407,15 +414,16 @@ def _compiler(kind: str, record: GraphRecord, opts: Options, rewritten: GraphMod
     (functionalize.reinplace_input_writes; Inductor reinplaces them itself).
 
     `cache`: (dmfx's cache tag, the record's key) where the compiled graphs go to AOTAutograd's cache
-    (dmfx/graph_cache.py): Inductor compiles under the tag, and once the last graph of the compile
-    (the backward, or the inference graph) is compiled the record is saved for a later hit.
+    (dmfx/graph_cache.py): once the last graph of the compile (the backward, or the inference graph)
+    is compiled the record is saved for a later hit. `dmfx_tag`: the tag Inductor compiles under
+    (graph_cache.tagged), also where AOTAutograd's cache is off.
     `cudagraphs`: the graph's CUDA-graph state (dmfx/inductor.py CudaGraphs) where it is captured."""
     from . import graph_cache
     from .functionalize import reinplace_input_writes
     from .passes.fusion import carry_absorbed, carry_to_backward
 
     def compile_fn(gm: GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        with graph_cache.caches_off(record.floats_uncached):  # (the backward compiles at its first run)
+        with record.caches_off():  # (here, as the backward compiles at its first run)
             compiled = _compile(gm, example_inputs)
         record.floats_compiled(last=kind != "forward")
         return compiled
@@ -432,7 +440,7 @@ def _compiler(kind: str, record: GraphRecord, opts: Options, rewritten: GraphMod
         log.debug("dmfx: graph %d %s graph:\n%s", record.graph_id, kind, gm.code)
         compiled = None
         if opts.compiler == "inductor":
-            with graph_cache.tagged(cache[0] if cache else None):
+            with graph_cache.tagged(dmfx_tag):
                 compiled = _inductor(gm, example_inputs, kind, record, opts, rewritten, cudagraphs)  # (Inductor reinplaces itself)
         if compiled is None:
             if kind == "inference":
@@ -480,22 +488,20 @@ def _whole_graph_to_inductor(gm: GraphModule, example_inputs: Sequence[Any], why
     leave_to_inductor); None when Inductor fails (then dmfx compiles the graph as usual)."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-    from . import graph_cache
     from .inductor import pin_contiguous_outputs
 
     pin_contiguous_outputs(gm)  # (eager's layout for the outputs, which Inductor's decompositions may change)
 
     patches: dict[str, Any] = {"triton.cudagraphs": True} if cudagraphs else {}
-    if record.floats_uncached:  # (config_patches also reach the backward, which compiles at its first run)
-        patches["fx_graph_cache"] = False
 
     def inner_compile(*args: Any, **kwargs: Any) -> Any:  # (whether each graph read a float input's value)
-        compiled = compile_fx_inner(*args, **kwargs)
+        with record.caches_off():  # (here, as the backward compiles at its first run)
+            compiled = compile_fx_inner(*args, **kwargs)
         record.floats_compiled(last=bool(kwargs.get("is_backward") or kwargs.get("is_inference")))
         return compiled
 
     try:
-        with graph_cache.caches_off(record.floats_uncached):
+        with record.caches_off():
             compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile if record.float_inputs else
                                   compile_fx_inner, config_patches=patches or None)
     except Exception as e:
@@ -669,9 +675,9 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
             why = ("a compile of it read their values" if floats.verdict == "specializes" else
                    "no earlier compile of it was seen not to read their values" if floats.key else
                    "their values cannot be told apart from the graph")
-            record.missed.append(f"cache: not cached, and compiled with PyTorch's caches off: the graph takes the "
+            record.missed.append(f"cache: not cached, and compiled with PyTorch's caches write-only: the graph takes the "
                                  f"Python float(s) {', '.join(record.float_inputs)} as inputs, and {why} "
-                                 f"(graph_cache.FloatInputs)")
+                                 f"(graph_cache.FloatInputs, caches_off)")
     capture = False  # option cudagraphs, on a CUDA graph Inductor runs: not cached (see below)
     if opts.cudagraphs:
         why_not = _cudagraphs_why_not(opts, record.devices)
@@ -735,21 +741,25 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
             cudagraphs = CudaGraphs.new(gm, traced)
     cache = None
     wrap: Callable[[Callable], Callable] = lambda fn: fn  # noqa: E731
+    # Inductor's FX graph cache keys what it compiles by dmfx's fingerprint and options even where
+    # AOTAutograd's cache is off (option cache=False, Python float inputs: graph_cache.caches_off),
+    # under the options the caches-on compile has, so that the entries one keeps are the other's.
+    dmfx_tag = graph_cache.tag(decision_opts, traced) if opts.compiler == "inductor" else None
     # (a captured graph is not cached: AOTAutograd's cache would load it with PyTorch's CUDA-graph
     # settings, not with the state dmfx hands Inductor)
     if graph_cache.enabled(opts) and not record.fallback and not capture:
-        dmfx_tag = graph_cache.tag(opts, traced)
+        assert dmfx_tag is not None
         cache = (dmfx_tag, graph_cache.record_key(dmfx_tag, traced, example_inputs))
         wrap = graph_cache.serializable
     compiler = aot_autograd(
-        fw_compiler=wrap(_compiler("forward", record, opts, rewritten, cache, cudagraphs)),
-        bw_compiler=wrap(_compiler("backward", record, opts, rewritten, cache, cudagraphs)),
-        inference_compiler=wrap(_compiler("inference", record, opts, rewritten, cache, cudagraphs)),
+        fw_compiler=wrap(_compiler("forward", record, opts, rewritten, cache, cudagraphs, dmfx_tag)),
+        bw_compiler=wrap(_compiler("backward", record, opts, rewritten, cache, cudagraphs, dmfx_tag)),
+        inference_compiler=wrap(_compiler("inference", record, opts, rewritten, cache, cudagraphs, dmfx_tag)),
         partition_fn=_partitioner(opts, record),
         decompositions={},
         keep_inference_input_mutations=True,
     )
-    with graph_cache.tagged(cache[0] if cache else None), graph_cache.caches_off(record.floats_uncached):
+    with graph_cache.tagged(dmfx_tag), record.caches_off():
         compiled = compiler(traced, example_inputs)
     if cache is not None:
         if "forward" in record.compiled or "inference" in record.compiled:

@@ -35,6 +35,7 @@ GraphModules dmfx returns there are not serializable.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import hashlib
 import json
@@ -250,7 +251,7 @@ _float_verdicts: dict[str, str] = {}
 class FloatInputs:
     """Whether the compile caches may hold a graph with Python float inputs (python_float_inputs).
 
-    Such a graph compiles with every cache off (caches_off) until a compile of it has been seen not to
+    Such a graph compiles with the caches keyed by a graph off (caches_off) until a compile of it has been seen not to
     read the floats' values: no guard on a float's symbol in the ShapeEnv, neither from Dynamo's trace
     nor after dmfx's lowering and passes, AOTAutograd and Inductor (backward included) have run. That verdict, "value-free", is kept
     on disk under a key of everything the compile's path depends on but the floats: the Dynamo
@@ -260,10 +261,13 @@ class FloatInputs:
     so a compile under the same key is value-free too, and from then on the graph compiles with the
     caches on, and what they keep holds for every value. A compile that reads a float (a guard on its
     symbol) makes the verdict "specializes", which sticks: the graph then always compiles uncached.
+    By the same argument, what a compile made before any value was read holds for every value: the
+    first compile keeps Inductor's compiled graphs made so far in its FX graph cache (may_save).
 
     So HF LLaMA under ``dynamic=True`` (RMSNorm's ``eps`` added to a tensor, the rotary
-    ``attention_scaling`` multiplied in) compiles uncached in the first process, with the caches on
-    (filling them) in the second, and from the caches in the third."""
+    ``attention_scaling`` multiplied in) compiles uncached in the first process (keeping Inductor's
+    code), with the caches on in the second (which finds Inductor's code, so redoes only
+    AOTAutograd's part, and fills AOTAutograd's cache), and from the caches in the third."""
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Any) -> None:
         self.names = python_float_inputs(gm)
@@ -302,6 +306,11 @@ class FloatInputs:
         found = [str(g.expr) for g in self.shape_env.guards if g.expr.free_symbols & self.symbols]
         found += [f"{k} == {v}" for k, v in self.shape_env.replacements.items() if k in self.symbols]
         return found
+
+    def may_save(self) -> bool:
+        """Whether what the compile made so far may be kept in PyTorch's caches (caches_off): no
+        float's value has been read so far."""
+        return self.key is not None and self.verdict != "specializes" and not self.read()
 
     def compiled(self, last: bool) -> None:
         """After each graph of the compile (`last`: the backward, or the inference graph): the verdict."""
@@ -393,15 +402,98 @@ def _verdict_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: 
     return "F" + h.hexdigest()[:32]
 
 
+#: The graph compiling in this thread whose Python float inputs restrict PyTorch's caches
+#: (caches_off): its FloatInputs, or False where nothing may be saved; None outside such a compile.
+_restricted: contextvars.ContextVar[Any] = contextvars.ContextVar("dmfx_float_inputs", default=None)
+
+#: AOTAutograd cache keys looked up inside caches_off, with what decides whether their entry may be
+#: saved: a training graph's entry is saved after its backward compiled, at its first run, outside
+#: the block (a FloatInputs, or False).
+_pending_aot: dict[str, Any] = {}
+
+
 @contextlib.contextmanager
-def caches_off(off: bool = True) -> Iterator[None]:
-    """PyTorch's compile caches (AOTAutograd's, Inductor's FX graph cache, ...) off inside the block
-    (torch.compiler.config.force_disable_caches) when `off`."""
-    if not off:
+def caches_off(floats: FloatInputs | None) -> Iterator[None]:
+    """PyTorch's compile caches keyed by a graph, for a compile of a graph with Python float inputs
+    whose verdict does not let the caches hold it (`floats`; None: nothing changes). Inside the block
+    AOTAutograd's cache and Inductor's FX graph cache find nothing, and keep what is compiled only
+    while no float's value has been read so far (FloatInputs.may_save): what a compile made without
+    reading a value holds for every value, by FloatInputs' argument, so the next process (whose
+    verdict then is "value-free") finds it instead of compiling it again. A training graph's
+    AOTAutograd entry, saved after its backward compiled, is judged with the backward's reads.
+
+    The caches keyed by a kernel's source (Inductor's C++ and Triton code caches) stay on: a kernel's
+    source is its key, whatever value it was made for. Where the hooks cannot be installed (a
+    PyTorch whose internals differ), every cache is off (``force_disable_caches``, which also
+    compiles each kernel again, in a fresh directory)."""
+    if floats is None:
         yield
         return
-    with torch.compiler.config.patch(force_disable_caches=True):
+    if not _hook_caches():
+        with torch.compiler.config.patch(force_disable_caches=True):
+            yield
+        return
+    token = _restricted.set(floats if floats.key is not None else False)
+    try:
         yield
+    finally:
+        _restricted.reset(token)
+
+
+def _may_save(floats: Any) -> bool:
+    return floats is not False and floats.may_save()
+
+
+@functools.cache
+def _hook_caches() -> bool:
+    """Wraps the lookups and saves of Inductor's FX graph cache (FxGraphCache._lookup_graph,
+    _save_graph) and of AOTAutograd's cache (AOTAutogradCache._lookup, save), the same in torch
+    2.11-2.14, for caches_off; outside it they are PyTorch's own. False where they are not there as
+    expected (then nothing is wrapped)."""
+    try:
+        from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+        from torch._inductor.codecache import FxGraphCache
+    except ImportError:
+        return False
+    names = {FxGraphCache: ("_lookup_graph", "_save_graph"), AOTAutogradCache: ("_lookup", "save")}
+    found = {(cls, n): cls.__dict__.get(n) for cls, pair in names.items() for n in pair}
+    if not all(isinstance(f, staticmethod) for f in found.values()):
+        return False
+    fx_lookup, fx_save, aot_lookup, aot_save = (f.__func__ for f in found.values())  # type: ignore[union-attr]
+
+    @functools.wraps(fx_lookup)
+    def _lookup_graph(*args: Any, **kwargs: Any) -> Any:
+        if _restricted.get() is not None:
+            return None, {}  # (a miss)
+        return fx_lookup(*args, **kwargs)
+
+    @functools.wraps(fx_save)
+    def _save_graph(*args: Any, **kwargs: Any) -> Any:
+        floats = _restricted.get()
+        return fx_save(*args, **kwargs) if floats is None or _may_save(floats) else None
+
+    @functools.wraps(aot_lookup)
+    def _lookup(key: str, *args: Any, **kwargs: Any) -> Any:
+        floats = _restricted.get()
+        if floats is not None:
+            _pending_aot[key] = floats
+            return None  # (a miss)
+        return aot_lookup(key, *args, **kwargs)
+
+    @functools.wraps(aot_save)
+    def save(key: str, *args: Any, **kwargs: Any) -> Any:
+        pending = _pending_aot.pop(key, None)
+        floats = _restricted.get()
+        floats = pending if floats is None else floats
+        if floats is None or _may_save(floats):
+            return aot_save(key, *args, **kwargs)
+        return None
+
+    FxGraphCache._lookup_graph = staticmethod(_lookup_graph)
+    FxGraphCache._save_graph = staticmethod(_save_graph)
+    AOTAutogradCache._lookup = staticmethod(_lookup)
+    AOTAutogradCache.save = staticmethod(save)
+    return True
 
 
 def lowered_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Any) -> str | None:

@@ -421,6 +421,48 @@ def test_a_python_float_input_is_never_served_from_a_cache(fresh_cache, program,
     assert "specializes" in graph_cache._float_verdicts.values()
 
 
+def test_caches_off_keeps_only_what_was_compiled_before_a_value_was_read(fresh_cache, monkeypatch):
+    """Inside caches_off (a graph with float inputs whose verdict is not "value-free") AOTAutograd's
+    cache and Inductor's FX graph cache find nothing, and keep a compiled graph only where
+    FloatInputs.may_save says no value was read before it: a training graph's AOTAutograd entry,
+    saved after the backward compiled outside the block, with the backward's reads. Outside, both
+    caches are PyTorch's own."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(fresh_cache / "inductor"))
+
+    class Floats:  # (FloatInputs' part caches_off reads)
+        key = "a verdict key"
+
+        def __init__(self, read: bool) -> None:
+            self.read = read
+
+        def may_save(self) -> bool:
+            return not self.read
+
+    def run(floats, backward_reads=False):
+        """(FX graph cache keys kept, its hits, AOTAutograd cache hits, its entries saved)"""
+        torch._dynamo.reset()
+        counters.clear()
+        x = torch.randn(4, 8, requires_grad=True)
+        with graph_cache.caches_off(floats):
+            out = torch.compile(lambda x: (x.sin() * 2).cos(), backend="inductor")(x)
+        if backward_reads:
+            floats.read = True
+        with graph_cache.caches_off(floats):  # (as dmfx's compilers do, around the backward's compile only)
+            out.sum().backward()  # (AOTAutograd saves its entry after this, outside the block)
+        kept = sorted((fresh_cache / "inductor").glob("fxgraph/*/*"))  # (a key each)
+        return (len(kept), counters["inductor"]["fxgraph_cache_hit"], counters["aot_autograd"]["autograd_cache_hit"],
+                counters["aot_autograd"]["autograd_cache_saved"])
+
+    assert run(Floats(read=True)) == (0, 0, 0, 0)  # a value read: nothing kept
+    assert run(Floats(read=False), backward_reads=True) == (1, 0, 0, 0)  # the forward, not AOTAutograd's entry
+    assert run(Floats(read=False)) == (2, 0, 0, 1)  # both graphs and the entry kept
+    assert run(Floats(read=False)) == (2, 0, 0, 1)  # lookups find nothing (so it compiles, and saves, again)
+    assert run(None)[1:3] == (2, 1)  # outside: PyTorch's caches as they are (its entry loads both graphs)
+    assert run(Floats(read=True)) == (2, 0, 0, 0)
+
+
 def _new_process():
     """A later process, as far as Dynamo and dmfx's memory go (the float verdicts are read from disk)."""
     torch._dynamo.reset()
@@ -445,16 +487,16 @@ def rms_scaled(x, s):  # HF's RMSNorm (eps added to a tensor) times a scale: no 
 @pytest.mark.parametrize("options", [{}, {"fuse": "all"}], ids=["default", "fuse-all"])
 def test_a_float_input_no_compile_reads_is_cached_once_seen_so(fresh_cache, options, monkeypatch):
     """A graph whose compile does not read its float inputs' values (no guard on them) is compiled
-    uncached once, which finds that out ("value-free"); a later process compiles it with the caches on
-    (filling them), and the one after that is served from them, with eager's outputs and gradients
-    for every value."""
+    uncached once, which finds that out ("value-free") and keeps what it compiled; a later process
+    compiles it with the caches on (finding that), and the one after that is served from them, with
+    eager's outputs and gradients for every value."""
     from torch._dynamo.utils import counters
 
     # (left to Inductor whole, the graph goes to Inductor's own cache entries, without dmfx's tag)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(fresh_cache / "inductor"))
     x = torch.randn(4, 8, requires_grad=True)
     R = torch.randn(4, 8)
-    verdicts, hits = [], []
+    verdicts, hits, fx_hits = [], [], []
     for process in range(3):
         _new_process()
         counters.clear()
@@ -464,5 +506,12 @@ def test_a_float_input_no_compile_reads_is_cached_once_seen_so(fresh_cache, opti
         (r,) = [r for r in dmfx.records() if r.float_inputs]  # (one graph for every value: no guard on `s`)
         verdicts.append((r.float_verdict, r.floats_uncached))
         hits.append(counters["aot_autograd"]["autograd_cache_hit"])
+        fx_hits.append(counters["inductor"]["fxgraph_cache_hit"])
     assert verdicts == [("", True), ("value-free", False), ("value-free", False)], verdicts
-    assert hits[0] == hits[1] == 0 and hits[2] >= 1, hits
+    # The first process kept what it compiled before any value was read (graph_cache.caches_off):
+    # Inductor's forward and backward, which the second finds, and where the graph was left to
+    # Inductor whole (the default here: no dropout) AOTAutograd's entry too. Under fuse="all" dmfx's
+    # own compile of a not-yet-cached graph hands AOTAutograd no cacheable compilers, so the second
+    # process redoes AOTAutograd's part (and fills its cache).
+    assert hits[0] == 0 and hits[2] >= 1 and hits[1] == (0 if options else 1), hits
+    assert fx_hits[0] == 0 and fx_hits[1] == 2, fx_hits
