@@ -374,32 +374,47 @@ def _canonical_symbols(code: str) -> str:
     return re.sub(r"\b(s|zf|u|zuf)\d+\b", lambda m: names.setdefault(m.group(0), f"{m.group(1)}#{len(names)}"), code)
 
 
-def _verdict_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Any) -> str | None:
-    """FloatInputs' key: the graph and everything its compile reads but the floats' values (None where
-    some of it cannot be read: then the graph is never cached)."""
-    h = hashlib.sha256(("F" + tag(opts, gm)).encode())
+def _key(prefix: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Any, inputs: Callable[[Any], str],
+         canonical: bool = False, extra: str = "") -> str | None:
+    """The keys below, from what they share: dmfx's tag for `gm` under `opts`, the code of `gm` and of
+    its submodules, each input as `inputs` describes it, which inputs share a storage, the global
+    modes, and `extra`; with `canonical`, the ShapeEnv's symbol names renumbered (_canonical_symbols).
+    None where a submodule is not a GraphModule or a tensor input has no storage."""
+    parts = [tag(opts, gm)]
     for name, mod in gm.named_modules():
         if not isinstance(mod, torch.fx.GraphModule):
             return None
-        h.update(f"{name}\n{_canonical_symbols(mod.code)}".encode())
+        parts.append(f"{name}\n{mod.code}")
+    parts += [inputs(x) for x in example_inputs]
+    aliasing = _input_aliasing(example_inputs)
+    if aliasing is None:
+        return None
+    text = "\n".join(parts)
+    text = "\n".join([_canonical_symbols(text) if canonical else text, aliasing, _modes(), extra])
+    return prefix + hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _verdict_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Any) -> str | None:
+    """FloatInputs' key: the graph and everything its compile reads but the floats' values (None where
+    some of it cannot be read: then the graph is never cached): the inputs with their sizes' values
+    (hints), Inductor's and AOTAutograd's configs, the user's cache tag."""
+
+    def hinted(x: Any) -> str:
+        if isinstance(x, torch.Tensor):
+            return (f"T({[_hint(s) for s in x.shape]},{[_hint(s) for s in x.stride()]},{_hint(x.storage_offset())},"
+                    f"{x.dtype},{x.device},{x.requires_grad})")
+        return f"{type(x).__name__}({_hint(x)})"
+
     try:
-        for x in example_inputs:
-            if isinstance(x, torch.Tensor):
-                h.update(f"T({[_hint(s) for s in x.shape]},{[_hint(s) for s in x.stride()]},"
-                         f"{_hint(x.storage_offset())},{x.dtype},{x.device},{x.requires_grad})".encode())
-            else:
-                h.update(f"{type(x).__name__}({_hint(x)})".encode())
         from torch._functorch import config as functorch_config
         from torch._inductor import config as inductor_config
 
-        for config in (inductor_config, functorch_config):
-            h.update(repr(sorted(config.save_config_portable().items(), key=lambda kv: kv[0])).encode())
+        configs = [repr(sorted(c.save_config_portable().items(), key=lambda kv: kv[0]))
+                   for c in (inductor_config, functorch_config)]
+        return _key("F", gm, example_inputs, opts, hinted, canonical=True,
+                    extra="\n".join([*configs, torch.compiler.config.cache_key_tag]))
     except Exception:  # noqa: BLE001 (an unbacked size, a config that cannot be read: no key)
         return None
-    h.update(_input_aliasing(example_inputs).encode())
-    h.update(_modes().encode())
-    h.update(torch.compiler.config.cache_key_tag.encode())
-    return "F" + h.hexdigest()[:32]
 
 
 #: The graph compiling in this thread whose Python float inputs restrict PyTorch's caches
@@ -501,23 +516,11 @@ def lowered_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: A
     graph is not cached (see above)."""
     if any(_symbolic(x) for x in example_inputs) or any(isinstance(x, (list, tuple, dict)) for x in example_inputs):
         return None
-    h = hashlib.sha256(tag(opts, gm).encode())
-    for name, mod in gm.named_modules():
-        if not isinstance(mod, torch.fx.GraphModule):
-            return None
-        if any(n.op == "get_attr" and isinstance(_attr(mod, str(n.target)), torch.Tensor) for n in mod.graph.nodes):
+    for mod in gm.modules():
+        if isinstance(mod, torch.fx.GraphModule) and any(
+                n.op == "get_attr" and isinstance(_attr(mod, str(n.target)), torch.Tensor) for n in mod.graph.nodes):
             return None  # (a parameter, a buffer the graph may write, a constant: Dynamo makes them inputs)
-        h.update(f"{name}\n{mod.code}".encode())
-    for x in example_inputs:
-        h.update(_describe(x).encode())
-        if isinstance(x, torch.Tensor):
-            h.update(f"@{x.storage_offset()}".encode())
-    aliasing = _input_aliasing(example_inputs)
-    if aliasing is None:
-        return None
-    h.update(aliasing.encode())
-    h.update(_modes().encode())
-    return "L" + h.hexdigest()[:32]
+    return _key("L", gm, example_inputs, opts, _described)
 
 
 def whole_graph_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Any) -> str | None:
@@ -532,17 +535,11 @@ def whole_graph_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opt
     input (lowered_key's case) or cannot be read."""
     if not any(_symbolic(x) for x in example_inputs) or any(isinstance(x, (list, tuple, dict)) for x in example_inputs):
         return None
-    parts = [tag(opts, gm)]
-    for name, mod in gm.named_modules():
-        if not isinstance(mod, torch.fx.GraphModule):
-            return None
-        parts.append(f"{name}\n{mod.code}")
-    parts += [_describe(x) + (f"@{x.storage_offset()}" if isinstance(x, torch.Tensor) else "") for x in example_inputs]
-    aliasing = _input_aliasing(example_inputs)
-    if aliasing is None:
-        return None
-    text = "\n".join([_canonical_symbols("\n".join(parts)), aliasing, _modes()])
-    return "W" + hashlib.sha256(text.encode()).hexdigest()[:32]
+    return _key("W", gm, example_inputs, opts, _described, canonical=True)
+
+
+def _described(x: Any) -> str:
+    return _describe(x) + (f"@{x.storage_offset()}" if isinstance(x, torch.Tensor) else "")
 
 
 def _input_aliasing(example_inputs: Sequence[Any]) -> str | None:

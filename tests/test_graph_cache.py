@@ -463,6 +463,19 @@ def test_caches_off_keeps_only_what_was_compiled_before_a_value_was_read(fresh_c
     assert run(Floats(read=True)) == (2, 0, 0, 0)
 
 
+def test_no_key_where_a_tensor_input_has_no_storage():
+    """Every key names which inputs share a storage; a tensor without one (sparse) gives no key, so
+    the graph is not cached (FloatInputs' key raised on it before)."""
+    from dmfx.options import Options
+
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    sparse = torch.randn(2, 3).to_sparse()
+    assert graph_cache._verdict_key(gm, [sparse], Options()) is None
+    assert graph_cache.lowered_key(gm, [sparse], Options()) is None
+    assert graph_cache._verdict_key(gm, [torch.randn(2, 3)], Options()) is not None
+    assert graph_cache.lowered_key(gm, [torch.randn(2, 3)], Options()) is not None
+
+
 def _new_process():
     """A later process, as far as Dynamo and dmfx's memory go (the float verdicts are read from disk)."""
     torch._dynamo.reset()
