@@ -98,6 +98,32 @@ def passes_to_skip(devices: Iterable[torch.device | str]) -> set[str]:
     return {name for family in off for name in FAMILY_PASSES[family]}
 
 
+def known_passes_to_skip(devices: Iterable[torch.device | str]) -> set[str] | None:
+    """passes_to_skip where it is known without building or loading a kernel module: each device's
+    module is loaded in this process already (or failed to build), or built on disk with a verdict
+    stored for the device; None otherwise. The backend asks this first, so that a graph it leaves
+    to Inductor whole does not build dmfx's kernels (about 45 s on a 2-core machine, once per machine
+    and version) only to check them."""
+    from . import build
+
+    off: set[str] = set()
+    for dev in {torch.device(d) for d in devices}:
+        if dev.type not in ("cpu", "cuda") or not enabled():
+            continue
+        flavor = build._cpu_build if dev.type == "cpu" else dev.type
+        if flavor in build._loaded or flavor in build._failed:
+            off |= disabled_families(dev)
+            continue
+        if dev.type != "cpu":
+            return None
+        path = build.cache_root() / build.module_name(flavor) / VERDICT_FILE
+        families = _stored_families(path, device_key(dev)) if (path.parent / MARKER).is_file() else None
+        if families is None:
+            return None
+        off |= {family for family, why in families.items() if why}
+    return {name for family in off for name in FAMILY_PASSES[family]}
+
+
 def disabled_families(device: torch.device | str) -> set[str]:
     """The kernel families switched off on `device` (checked on first use of its kernel module there,
     then cached in the process and on disk); empty when DMFX_SELFCHECK=0."""

@@ -588,12 +588,14 @@ def _cudagraphs_why_not(opts: Options, devices: tuple[str, ...]) -> str | None:
 
 def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Options, off: set[str],
                        record: GraphRecord, start: float, key: str | None, capture: bool = False,
-                       whole_key: str | None = None) -> Any:
+                       whole_key: str | None = None, self_check_pending: bool = False) -> Any:
     """The Dynamo graph lowered and rewritten: ``(rewritten, padding hint, kept)``, kept under `key` (the
     compile cache's lowered graph, dmfx/graph_cache.py; `kept` is the graph as the cache holds it, or
     None) when it has one; or, for a graph dmfx leaves to PyTorch or to Inductor whole, the compiled
     callable itself (the decision to leave it to Inductor kept under `key`, or under `whole_key`
-    where only that decision may be kept: graph_cache.whole_graph_key)."""
+    where only that decision may be kept: graph_cache.whole_graph_key). `self_check_pending`: the
+    kernels' self-check was deferred and its verdict is not known (_compile_graph): _KernelsNeeded
+    where the graph is to be rewritten."""
     from . import graph_cache
     from .passes.verify import GraphVerificationError
 
@@ -626,6 +628,8 @@ def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Opt
             if key or whole_key:
                 graph_cache.save_lowered(key or whole_key, record, None, hint, whole_graph=why)
             return _with_padding_hint(compiled, hint, record)
+    if self_check_pending:
+        raise _KernelsNeeded
     if off:
         record.missed.append(
             f"kernel self-check: a kernel family failed on this device, so its passes are skipped: {', '.join(sorted(off))}"
@@ -658,10 +662,36 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
         return gm.forward
 
     start = time.perf_counter()
-    from . import graph_cache
-    from .cuda_ops.selfcheck import passes_to_skip  # kernel families that failed their self-check here
+    # A CPU graph dmfx may leave to Inductor whole needs none of dmfx's kernels: their self-check (and
+    # so their build, on a new machine) waits until the graph turns out to be rewritten after all.
+    defer = opts.compiler == "inductor" and opts.fuse == "auto" and not opts.unpad and record.devices == ("cpu",)
+    try:
+        return _compile_graph(gm, example_inputs, opts, record, start, defer_self_check=defer)
+    except _KernelsNeeded:
+        record = GraphRecord(graph_id=record.graph_id, devices=record.devices, training=record.training)
+        return _compile_graph(gm, example_inputs, opts, record, start, defer_self_check=False)
 
-    off = passes_to_skip(t.device for t in example_inputs if isinstance(t, torch.Tensor)) - set(opts.skip)
+
+class _KernelsNeeded(Exception):
+    """A graph compiled with its kernels' self-check deferred (_compile_graph) is rewritten by dmfx
+    after all: it is compiled again with the check done (dmfx's kernels built) first."""
+
+
+def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options, record: GraphRecord, start: float,
+                   defer_self_check: bool) -> Callable:
+    """dmfx_backend's compile of one graph. With `defer_self_check`, the kernel families the
+    self-check switched off are those known without building dmfx's kernels (selfcheck.
+    known_passes_to_skip); where not known, the compile goes on as if none were, as far as leaving
+    the graph to Inductor whole, and raises _KernelsNeeded where it would rewrite it instead."""
+    from . import graph_cache
+    from .cuda_ops.selfcheck import known_passes_to_skip, passes_to_skip  # families that failed their self-check
+
+    devices = [t.device for t in example_inputs if isinstance(t, torch.Tensor)]
+    off = known_passes_to_skip(devices) if defer_self_check else None
+    self_check_pending = defer_self_check and off is None
+    if off is None:
+        off = set() if self_check_pending else passes_to_skip(devices)
+    off -= set(opts.skip)
     if off:
         opts = replace(opts, skip=(*opts.skip, *sorted(off)))
     decision_opts = opts  # (the options the decision to leave the graph to Inductor whole is kept under)
@@ -712,10 +742,13 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
         entry, record = None, replace(record, fired={}, replaced={}, missed=own, copies=[], attention_forms={}, unpad={},
                                       epilogue=[], lowered_from_cache=False)  # (lowered afresh below)
     if entry is not None:
+        if self_check_pending:
+            raise _KernelsNeeded
         rewritten = kept = entry["graph"]
         hint = entry["hint"]
     else:
-        lowered = _lower_and_rewrite(gm, example_inputs, opts, off, record, start, key, capture, whole_key)
+        lowered = _lower_and_rewrite(gm, example_inputs, opts, off, record, start, key, capture, whole_key,
+                                     self_check_pending)
         if not isinstance(lowered, tuple):  # (compiled already: left to PyTorch or to Inductor whole)
             return lowered
         rewritten, hint, kept = lowered

@@ -245,6 +245,24 @@ def test_the_verdict_is_cached_next_to_the_build_marker(built_cpu, monkeypatch):
         assert _off_in_a_new_process() == {"pointwise"}
 
 
+def test_the_verdict_is_known_without_loading_the_kernels_once_stored(built_cpu, monkeypatch):
+    """known_passes_to_skip (what the backend asks first) reads a verdict stored next to the build
+    marker without loading the module; with no verdict stored, or no build, it does not know (None)."""
+    root = built_cpu.parent.parent
+    monkeypatch.setattr(build, "cache_root", lambda: root)
+    monkeypatch.setattr(build, "module_name", lambda flavor: built_cpu.parent.name)
+    assert selfcheck.known_passes_to_skip(["cpu"]) == set()  # (loaded in this process: its verdict)
+    monkeypatch.delitem(build._loaded, "cpu")  # (a new process, the module built on disk)
+    assert selfcheck.known_passes_to_skip(["cpu"]) is not None  # (the check above stored its verdict)
+    data = json.loads(built_cpu.read_text())
+    next(iter(data.values()))["families"]["norm"] = "planted in the cache"
+    built_cpu.write_text(json.dumps(data))
+    assert selfcheck.known_passes_to_skip(["cpu"]) == set(selfcheck.FAMILY_PASSES["norm"])
+    built_cpu.unlink()
+    assert selfcheck.known_passes_to_skip(["cpu"]) is None
+    assert selfcheck.known_passes_to_skip(["meta"]) == set()
+
+
 @pytest.mark.parametrize("damage", ["corrupt", "other checks", "another device"])
 def test_a_corrupt_or_stale_verdict_is_redone(built_cpu, damage):
     _off_in_a_new_process()
@@ -331,6 +349,58 @@ def test_the_backend_skips_the_passes_of_a_family_switched_off(planted_cpu):
     compiled_step_matches_eager(layer, ref, _compile_options(planted_cpu))
     record = dmfx.records()[-1]
     assert not (_dmfx_ops(record.forward_graph) | _dmfx_ops(record.backward_graph)) & FAMILY_OPS[planted_cpu]
+
+
+LEFT_TO_INDUCTOR = """
+import torch, dmfx
+from dmfx.cuda_ops import build
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.GELU())
+x = torch.randn(4, 16, requires_grad=True)
+out = torch.compile(m, backend="dmfx", options={"compiler": "inductor"})(x)
+out.sum().backward()
+assert torch.allclose(out, m(x), atol=1e-5)
+print("SUMMARY", dmfx.records()[-1].summary())
+print("LOADED", sorted(build._loaded))
+"""
+
+
+def test_a_graph_left_to_inductor_builds_no_kernels(tmp_path):
+    """On a new machine (an empty kernel cache), a CPU graph dmfx leaves to Inductor whole (no
+    dropout) compiles without building dmfx's kernels for their self-check: nothing of theirs runs."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "DMFX_CACHE_DIR": str(tmp_path / "dmfx"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    p = subprocess.run([sys.executable, "-c", LEFT_TO_INDUCTOR], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "left to Inductor" in p.stdout and "LOADED []" in p.stdout, p.stdout
+    assert "building" not in p.stderr and not list((tmp_path / "dmfx").glob("dmfx_cpu*")), p.stderr[-2000:]
+
+
+def test_a_graph_rewritten_after_all_runs_the_self_check_first(monkeypatch):
+    """Where the self-check's verdict is not known without building the kernels (a new machine), the
+    backend defers it for a graph it may leave to Inductor whole; one it rewrites after all is compiled
+    again with the check done first (its passes skip what the check switched off), one record each."""
+    import dmfx.inductor
+
+    calls = []
+    real = selfcheck.passes_to_skip
+    monkeypatch.setattr(selfcheck, "known_passes_to_skip", lambda devices: None)
+    monkeypatch.setattr(selfcheck, "passes_to_skip", lambda devices: calls.append(1) or real(devices))
+    layer, ref = tiny_bert_layer()  # (no dropout: left to Inductor whole)
+    torch._dynamo.reset()
+    dmfx.reset()
+    compiled_step_matches_eager(layer, ref, {"compiler": "inductor"})
+    assert calls == [] and "left to Inductor" in dmfx.records()[-1].summary()
+
+    monkeypatch.setattr(dmfx.inductor, "leave_to_inductor", lambda *a: None)  # (rewritten after all)
+    torch._dynamo.reset()
+    dmfx.reset()
+    layer, ref = tiny_bert_layer()
+    compiled_step_matches_eager(layer, ref, {"compiler": "inductor", "cache": False})  # (not the decision kept above)
+    (record,) = dmfx.records()
+    assert calls == [1] and not record.fallback and record.fired, record.summary()
 
 
 # ----------------------------------------------------------------------------------------- CUDA emulation
