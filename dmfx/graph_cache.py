@@ -41,6 +41,7 @@ import hashlib
 import json
 import logging
 import os
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -417,14 +418,25 @@ def _verdict_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: 
         return None
 
 
+class _NothingSaved:
+    """caches_off's verdict for a graph whose floats cannot be told apart (no FloatInputs key)."""
+
+    def may_save(self) -> bool:
+        return False
+
+
+_NOTHING_SAVED = _NothingSaved()
+
 #: The graph compiling in this thread whose Python float inputs restrict PyTorch's caches
-#: (caches_off): its FloatInputs, or False where nothing may be saved; None outside such a compile.
+#: (caches_off): its FloatInputs, or _NOTHING_SAVED; None outside such a compile.
 _restricted: contextvars.ContextVar[Any] = contextvars.ContextVar("dmfx_float_inputs", default=None)
 
 #: AOTAutograd cache keys looked up inside caches_off, with what decides whether their entry may be
 #: saved: a training graph's entry is saved after its backward compiled, at its first run, outside
-#: the block (a FloatInputs, or False).
-_pending_aot: dict[str, Any] = {}
+#: the block. Weakly held (a compile that never saves leaves only its key behind); a key whose
+#: FloatInputs is gone is never saved.
+_pending_aot: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+_restricted_aot_keys: set[str] = set()
 
 
 @contextlib.contextmanager
@@ -448,15 +460,11 @@ def caches_off(floats: FloatInputs | None) -> Iterator[None]:
         with torch.compiler.config.patch(force_disable_caches=True):
             yield
         return
-    token = _restricted.set(floats if floats.key is not None else False)
+    token = _restricted.set(floats if floats.key is not None else _NOTHING_SAVED)
     try:
         yield
     finally:
         _restricted.reset(token)
-
-
-def _may_save(floats: Any) -> bool:
-    return floats is not False and floats.may_save()
 
 
 @functools.cache
@@ -485,22 +493,26 @@ def _hook_caches() -> bool:
     @functools.wraps(fx_save)
     def _save_graph(*args: Any, **kwargs: Any) -> Any:
         floats = _restricted.get()
-        return fx_save(*args, **kwargs) if floats is None or _may_save(floats) else None
+        return fx_save(*args, **kwargs) if floats is None or floats.may_save() else None
 
     @functools.wraps(aot_lookup)
     def _lookup(key: str, *args: Any, **kwargs: Any) -> Any:
         floats = _restricted.get()
         if floats is not None:
             _pending_aot[key] = floats
+            _restricted_aot_keys.add(key)
             return None  # (a miss)
         return aot_lookup(key, *args, **kwargs)
 
     @functools.wraps(aot_save)
     def save(key: str, *args: Any, **kwargs: Any) -> Any:
         pending = _pending_aot.pop(key, None)
+        if pending is None and key in _restricted_aot_keys:
+            pending = _NOTHING_SAVED  # (looked up restricted, and its FloatInputs is gone: not saved)
+        _restricted_aot_keys.discard(key)
         floats = _restricted.get()
         floats = pending if floats is None else floats
-        if floats is None or _may_save(floats):
+        if floats is None or floats.may_save():
             return aot_save(key, *args, **kwargs)
         return None
 

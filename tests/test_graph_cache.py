@@ -3,6 +3,7 @@ through AOTAutograd's cache, keyed also by dmfx's source fingerprint and options
 of the same graph is a hit that gives the same answers (and the same record); a changed option, a
 changed source, or the option off is never a hit."""
 
+import contextlib
 import copy
 import math
 import uuid
@@ -461,6 +462,39 @@ def test_caches_off_keeps_only_what_was_compiled_before_a_value_was_read(fresh_c
     assert run(Floats(read=False)) == (2, 0, 0, 1)  # lookups find nothing (so it compiles, and saves, again)
     assert run(None)[1:3] == (2, 1)  # outside: PyTorch's caches as they are (its entry loads both graphs)
     assert run(Floats(read=True)) == (2, 0, 0, 0)
+
+
+def test_an_entry_looked_up_in_caches_off_is_not_saved_once_its_verdict_is_gone():
+    """AOTAutograd saves a training graph's entry after its backward compiled, outside caches_off;
+    where the compile's FloatInputs is gone by then, the entry is not saved (never saved unjudged)."""
+    import gc
+
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+
+    class Floats:
+        key = "a verdict key"
+
+        def may_save(self) -> bool:
+            return True
+
+    saved = []
+
+    class Entry:  # (what PyTorch's own save calls first)
+        def pre_save(self):
+            saved.append(True)
+            raise RuntimeError("not a real entry")
+
+    floats = Floats()
+    with graph_cache.caches_off(floats):
+        assert AOTAutogradCache._lookup("an entry's key", False, False, [], {}, None) is None  # (a miss)
+    del floats
+    gc.collect()
+    with contextlib.suppress(RuntimeError):
+        AOTAutogradCache.save("an entry's key", Entry(), False)
+    assert saved == []
+    with contextlib.suppress(RuntimeError):
+        AOTAutogradCache.save("another key", Entry(), False)  # (not looked up restricted: PyTorch's save)
+    assert saved == [True]
 
 
 def test_no_key_where_a_tensor_input_has_no_storage():
