@@ -83,7 +83,9 @@ def pin_contiguous_outputs(gm: GraphModule) -> int:
         return 0
     pinned = list(outputs)
     for i, a in enumerate(outputs):
-        if isinstance(a, Node) and a.op != "placeholder" and _contiguous(a.meta.get("example_value")):
+        if not isinstance(a, Node) or a.op == "placeholder" or (a.op == "call_method" and a.target == "contiguous"):
+            continue  # (not a computed tensor, or pinned already: the graph is compiled a second time)
+        if _contiguous(a.meta.get("example_value")):
             with gm.graph.inserting_before(out):
                 pinned[i] = gm.graph.call_method("contiguous", (a,))
             pinned[i].meta.update(a.meta)

@@ -106,6 +106,37 @@ def test_dynamos_restart_request_reaches_dynamo(recwarn):
         [r.summary() for r in records]
 
 
+def test_outputs_are_pinned_once():
+    """pin_contiguous_outputs pins a contiguous computed output, not an input or a non-contiguous one,
+    and nothing a second time (a graph compiled again: the backend's deferred self-check)."""
+    from dmfx.inductor import pin_contiguous_outputs
+
+    def f(x, y):
+        return x, x + 1, (x + 1).t(), y * 2
+
+    gm = torch.fx.symbolic_trace(f)
+    args = (torch.randn(3, 4), torch.randn(3))
+    for n, v in zip(gm.graph.nodes, _values(gm, args)):
+        n.meta["example_value"] = v  # (as Dynamo's graph has them)
+    assert pin_contiguous_outputs(gm) == 2
+    assert pin_contiguous_outputs(gm) == 0
+    got = gm(*args)
+    assert all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(got, f(*args)))
+
+
+def _values(gm, args):
+    """Each node's value in a run of `gm` on `args` (placeholders, then computed values, in order)."""
+    env = {}
+
+    class Keep(torch.fx.Interpreter):
+        def run_node(self, n):
+            env[n] = super().run_node(n)
+            return env[n]
+
+    Keep(gm).run(*args)
+    return [env.get(n) for n in gm.graph.nodes]
+
+
 @pytest.mark.parametrize("fuse", ["auto", "all"])
 def test_the_prefill_leaves_the_cache_in_eagers_layout_so_decoding_compiles_once(fuse):
     """HF's DynamicCache appends the prefill's keys and values to empty tensors. Eager's ``cat`` gives
