@@ -696,18 +696,24 @@ def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options
         opts = replace(opts, skip=(*opts.skip, *sorted(off)))
     decision_opts = opts  # (the options the decision to leave the graph to Inductor whole is kept under)
     floats = graph_cache.FloatInputs(gm, example_inputs, opts)
+    write_only = False  # (AOTAutograd's cache written, not read: below)
     record.float_inputs = tuple(floats.names)
     if record.float_inputs:
         record._floats = floats
         record.float_verdict = floats.verdict
         if not floats.cached:
+            # dmfx's own cache is off (the lowered graph may hold a value); AOTAutograd's and Inductor's
+            # are written, not read, while the verdict is not known yet (graph_cache.caches_off)
             opts = replace(opts, cache=False)
+            write_only = (bool(floats.key) and not floats.verdict and graph_cache.enabled(decision_opts)
+                          and graph_cache.caches_write_only())
             why = ("a compile of it read their values" if floats.verdict == "specializes" else
                    "no earlier compile of it was seen not to read their values" if floats.key else
                    "their values cannot be told apart from the graph")
-            record.missed.append(f"cache: not cached, and compiled with PyTorch's caches write-only: the graph takes the "
-                                 f"Python float(s) {', '.join(record.float_inputs)} as inputs, and {why} "
-                                 f"(graph_cache.FloatInputs, caches_off)")
+            kept = ("what its compile makes before reading a value is kept for the next process" if write_only else
+                    "nothing of it is kept")
+            record.missed.append(f"cache: not cached: the graph takes the Python float(s) {', '.join(record.float_inputs)} "
+                                 f"as inputs, and {why}; {kept} (graph_cache.FloatInputs, caches_off)")
     capture = False  # option cudagraphs, on a CUDA graph Inductor runs: not cached (see below)
     if opts.cudagraphs:
         why_not = _cudagraphs_why_not(opts, record.devices)
@@ -780,7 +786,7 @@ def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options
     dmfx_tag = graph_cache.tag(decision_opts, traced) if opts.compiler == "inductor" else None
     # (a captured graph is not cached: AOTAutograd's cache would load it with PyTorch's CUDA-graph
     # settings, not with the state dmfx hands Inductor)
-    if graph_cache.enabled(opts) and not record.fallback and not capture:
+    if (graph_cache.enabled(opts) or write_only) and not record.fallback and not capture:
         assert dmfx_tag is not None
         cache = (dmfx_tag, graph_cache.record_key(dmfx_tag, traced, example_inputs))
         wrap = graph_cache.serializable

@@ -263,12 +263,12 @@ class FloatInputs:
     caches on, and what they keep holds for every value. A compile that reads a float (a guard on its
     symbol) makes the verdict "specializes", which sticks: the graph then always compiles uncached.
     By the same argument, what a compile made before any value was read holds for every value: the
-    first compile keeps Inductor's compiled graphs made so far in its FX graph cache (may_save).
+    first compile keeps what it made so far in AOTAutograd's and Inductor's caches (may_save,
+    caches_off).
 
     So HF LLaMA under ``dynamic=True`` (RMSNorm's ``eps`` added to a tensor, the rotary
-    ``attention_scaling`` multiplied in) compiles uncached in the first process (keeping Inductor's
-    code), with the caches on in the second (which finds Inductor's code, so redoes only
-    AOTAutograd's part, and fills AOTAutograd's cache), and from the caches in the third."""
+    ``attention_scaling`` multiplied in) compiles uncached in the first process, which keeps what
+    it compiled, and from the caches in the second."""
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Any) -> None:
         self.names = python_float_inputs(gm)
@@ -465,6 +465,11 @@ def caches_off(floats: FloatInputs | None) -> Iterator[None]:
         yield
     finally:
         _restricted.reset(token)
+
+
+def caches_write_only() -> bool:
+    """Whether caches_off can keep PyTorch's caches write-only (its hooks fit the installed PyTorch)."""
+    return _hook_caches() and not torch.compiler.config.force_disable_caches
 
 
 @functools.cache

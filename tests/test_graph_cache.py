@@ -415,7 +415,9 @@ def test_a_python_float_input_is_never_served_from_a_cache(fresh_cache, program,
         floats = [r for r in dmfx.records() if r.float_inputs]
         assert floats, [r.summary() for r in dmfx.records()]
         for r in floats:
-            assert r.float_inputs == ("L['s']",) and r.cache == "", (r.float_inputs, r.cache)
+            # (the first process's compile writes PyTorch's caches, reading none: graph_cache.caches_off)
+            assert r.float_inputs == ("L['s']",) and r.cache in (("", "miss") if process == "first" else ("",)), \
+                (r.float_inputs, r.cache)
             assert r.float_verdict != "value-free" and r.floats_uncached, r.float_verdict
             assert any(m.startswith("cache: not cached") for m in r.missed), r.missed
         assert set(graph_cache._float_verdicts.values()) <= {"specializes"}, graph_cache._float_verdicts
@@ -556,9 +558,6 @@ def test_a_float_input_no_compile_reads_is_cached_once_seen_so(fresh_cache, opti
         fx_hits.append(counters["inductor"]["fxgraph_cache_hit"])
     assert verdicts == [("", True), ("value-free", False), ("value-free", False)], verdicts
     # The first process kept what it compiled before any value was read (graph_cache.caches_off):
-    # Inductor's forward and backward, which the second finds, and where the graph was left to
-    # Inductor whole (the default here: no dropout) AOTAutograd's entry too. Under fuse="all" dmfx's
-    # own compile of a not-yet-cached graph hands AOTAutograd no cacheable compilers, so the second
-    # process redoes AOTAutograd's part (and fills its cache).
-    assert hits[0] == 0 and hits[2] >= 1 and hits[1] == (0 if options else 1), hits
-    assert fx_hits[0] == 0 and fx_hits[1] == 2, fx_hits
+    # AOTAutograd's entry and Inductor's forward and backward, which the second finds
+    assert hits == [0, 1, 1], hits
+    assert fx_hits == [0, 2, 2], fx_hits
