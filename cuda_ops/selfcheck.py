@@ -95,7 +95,11 @@ def passes_to_skip(devices: Iterable[torch.device | str]) -> set[str]:
     for dev in {torch.device(d) for d in devices}:
         if dev.type in ("cpu", "cuda"):
             off |= disabled_families(dev)
-    return {name for family in off for name in FAMILY_PASSES[family]}
+    return _passes_of(off)
+
+
+def _passes_of(families: set[str]) -> set[str]:
+    return {name for family in families for name in FAMILY_PASSES[family]}
 
 
 def known_passes_to_skip(devices: Iterable[torch.device | str]) -> set[str] | None:
@@ -121,7 +125,7 @@ def known_passes_to_skip(devices: Iterable[torch.device | str]) -> set[str] | No
         if families is None:
             return None
         off |= {family for family, why in families.items() if why}
-    return {name for family in off for name in FAMILY_PASSES[family]}
+    return _passes_of(off)
 
 
 def disabled_families(device: torch.device | str) -> set[str]:

@@ -594,8 +594,8 @@ def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Opt
     None) when it has one; or, for a graph dmfx leaves to PyTorch or to Inductor whole, the compiled
     callable itself (the decision to leave it to Inductor kept under `key`, or under `whole_key`
     where only that decision may be kept: graph_cache.whole_graph_key). `self_check_pending`: the
-    kernels' self-check was deferred and its verdict is not known (_compile_graph): _KernelsNeeded
-    where the graph is to be rewritten."""
+    kernels' self-check was deferred and its verdict is not known (_compile_graph): it runs before
+    the graph is rewritten (_run_deferred_self_check)."""
     from . import graph_cache
     from .passes.verify import GraphVerificationError
 
@@ -629,7 +629,7 @@ def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Opt
                 graph_cache.save_lowered(key or whole_key, record, None, hint, whole_graph=why)
             return _with_padding_hint(compiled, hint, record)
     if self_check_pending:
-        raise _KernelsNeeded
+        _run_deferred_self_check(example_inputs, opts)
     if off:
         record.missed.append(
             f"kernel self-check: a kernel family failed on this device, so its passes are skipped: {', '.join(sorted(off))}"
@@ -674,15 +674,26 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
 
 class _KernelsNeeded(Exception):
     """A graph compiled with its kernels' self-check deferred (_compile_graph) is rewritten by dmfx
-    after all: it is compiled again with the check done (dmfx's kernels built) first."""
+    after all, and the check switched off a family whose passes its options do not skip: it is
+    compiled again, under those options (its keys and tag name them)."""
+
+
+def _run_deferred_self_check(example_inputs: Sequence[Any], opts: Options) -> None:
+    """The kernels' self-check a graph's compile deferred (building the kernels where needed), now
+    that the graph is to be rewritten; _KernelsNeeded where it switched off a family `opts` does not
+    skip (where none, the usual case, the compile goes on: its keys are those of a known verdict)."""
+    from .cuda_ops.selfcheck import passes_to_skip
+
+    if passes_to_skip(t.device for t in example_inputs if isinstance(t, torch.Tensor)) - set(opts.skip):
+        raise _KernelsNeeded
 
 
 def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options, record: GraphRecord, start: float,
                    defer_self_check: bool) -> Callable:
     """dmfx_backend's compile of one graph. With `defer_self_check`, the kernel families the
     self-check switched off are those known without building dmfx's kernels (selfcheck.
-    known_passes_to_skip); where not known, the compile goes on as if none were, as far as leaving
-    the graph to Inductor whole, and raises _KernelsNeeded where it would rewrite it instead."""
+    known_passes_to_skip); where not known, the compile goes on as if none were, and the check runs
+    only where the graph is rewritten after all (_run_deferred_self_check)."""
     from . import graph_cache
     from .cuda_ops.selfcheck import known_passes_to_skip, passes_to_skip  # families that failed their self-check
 
@@ -749,7 +760,7 @@ def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options
                                       epilogue=[], lowered_from_cache=False)  # (lowered afresh below)
     if entry is not None:
         if self_check_pending:
-            raise _KernelsNeeded
+            _run_deferred_self_check(example_inputs, opts)
         rewritten = kept = entry["graph"]
         hint = entry["hint"]
     else:

@@ -431,12 +431,11 @@ _NOTHING_SAVED = _NothingSaved()
 #: (caches_off): its FloatInputs, or _NOTHING_SAVED; None outside such a compile.
 _restricted: contextvars.ContextVar[Any] = contextvars.ContextVar("dmfx_float_inputs", default=None)
 
-#: AOTAutograd cache keys looked up inside caches_off, with what decides whether their entry may be
-#: saved: a training graph's entry is saved after its backward compiled, at its first run, outside
-#: the block. Weakly held (a compile that never saves leaves only its key behind); a key whose
-#: FloatInputs is gone is never saved.
-_pending_aot: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
-_restricted_aot_keys: set[str] = set()
+#: AOTAutograd cache keys looked up inside caches_off, with a weak reference to what decides whether
+#: their entry may be saved: a training graph's entry is saved after its backward compiled, at its
+#: first run, outside the block. A compile that never saves leaves only its key and a dead reference
+#: behind; a key whose FloatInputs is gone is never saved.
+_pending_aot: dict[str, weakref.ref] = {}
 
 
 @contextlib.contextmanager
@@ -469,7 +468,7 @@ def caches_off(floats: FloatInputs | None) -> Iterator[None]:
 
 def caches_write_only() -> bool:
     """Whether caches_off can keep PyTorch's caches write-only (its hooks fit the installed PyTorch)."""
-    return _hook_caches() and not torch.compiler.config.force_disable_caches
+    return _hook_caches()
 
 
 @functools.cache
@@ -504,19 +503,16 @@ def _hook_caches() -> bool:
     def _lookup(key: str, *args: Any, **kwargs: Any) -> Any:
         floats = _restricted.get()
         if floats is not None:
-            _pending_aot[key] = floats
-            _restricted_aot_keys.add(key)
+            _pending_aot[key] = weakref.ref(floats)
             return None  # (a miss)
         return aot_lookup(key, *args, **kwargs)
 
     @functools.wraps(aot_save)
     def save(key: str, *args: Any, **kwargs: Any) -> Any:
-        pending = _pending_aot.pop(key, None)
-        if pending is None and key in _restricted_aot_keys:
-            pending = _NOTHING_SAVED  # (looked up restricted, and its FloatInputs is gone: not saved)
-        _restricted_aot_keys.discard(key)
+        ref = _pending_aot.pop(key, None)
         floats = _restricted.get()
-        floats = pending if floats is None else floats
+        if floats is None and ref is not None:  # (looked up restricted: its FloatInputs, or gone: not saved)
+            floats = ref() or _NOTHING_SAVED
         if floats is None or floats.may_save():
             return aot_save(key, *args, **kwargs)
         return None

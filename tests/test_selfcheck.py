@@ -403,6 +403,26 @@ def test_a_graph_rewritten_after_all_runs_the_self_check_first(monkeypatch):
     assert calls == [1] and not record.fallback and record.fired, record.summary()
 
 
+def test_a_family_the_deferred_check_switches_off_recompiles_the_graph_without_its_passes(monkeypatch):
+    """Where the deferred check (run once a graph is to be rewritten) switches a family off, the graph
+    is compiled again under options that skip that family's passes (one record), and its step is
+    eager's; where it switches none off, the compile just goes on (the test above)."""
+    import dmfx.inductor
+
+    skip = set(selfcheck.FAMILY_PASSES["pointwise"])
+    calls = []
+    monkeypatch.setattr(selfcheck, "known_passes_to_skip", lambda devices: None)
+    monkeypatch.setattr(selfcheck, "passes_to_skip", lambda devices: calls.append(1) or set(skip))
+    monkeypatch.setattr(dmfx.inductor, "leave_to_inductor", lambda *a: None)
+    torch._dynamo.reset()
+    dmfx.reset()
+    layer, ref = tiny_bert_layer()
+    compiled_step_matches_eager(layer, ref, {"compiler": "inductor", "cache": False})
+    (record,) = dmfx.records()
+    assert calls == [1, 1] and record.fired and not set(record.fired) & skip, record.summary()
+    assert any(m.startswith("kernel self-check") for m in record.missed), record.missed
+
+
 # ----------------------------------------------------------------------------------------- CUDA emulation
 
 # A realistic CUDA bug: the softmax backward's warp reduction stops at 16 lanes (xor 8, 4, 2, 1), so
