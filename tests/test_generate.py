@@ -163,3 +163,32 @@ def test_the_prefill_leaves_the_cache_in_eagers_layout_so_decoding_compiles_once
     model.forward = compiled
     assert torch.equal(_generate(model, prompt, new_tokens=5), want)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2, [r.summary() for r in dmfx.records()]
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_left_padded_prompts_under_dmfxs_own_rewrites(cache):
+    """A batch of prompts of different lengths, left-padded as generate() wants them: the mask's zeros
+    reach the prefill's attention (fused by dmfx under fuse="all") and every decode step's, and the
+    tokens are still eager's, with the graph counts of the unpadded tests above (the mask's values
+    must not specialize a graph)."""
+    model = _model()
+    prompt = torch.randint(1, VOCAB, (3, 9))
+    mask = torch.ones_like(prompt)
+    mask[0, :4] = 0
+    mask[1, :2] = 0
+    prompt[mask == 0] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    options = {"fuse": "all", "fallback": False}
+    if cache == "static":
+        want = model.generate(prompt, cache_implementation="static", **kwargs)
+        config = transformers.CompileConfig(backend=dmfx.with_options(**options))
+        config._compile_all_devices = True
+        got = model.generate(prompt, cache_implementation="static", compile_config=config, **kwargs)
+    else:
+        want = model.generate(prompt, **kwargs)
+        model.forward = torch.compile(model.forward, backend="dmfx", dynamic=True, options=options)
+        got = model.generate(prompt, **kwargs)
+    assert torch.equal(got, want)
+    records = _compiled_records()
+    assert len(records) == (1 if cache == "static" else 2), [r.summary() for r in records]
+    assert all(r.fired.get("rope") == 2 for r in records), [r.fired for r in records]
