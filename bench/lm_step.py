@@ -17,7 +17,7 @@ with other work (these 2-core machines often run at a load of 4-8) the wall cloc
 queue, CPU time measures the work; use it with ``--threads 1``. Report which clock a number used.
 
 Usage: ``python -m bench.lm_step [--models llama-small,bert-mlm] [--layers 4] [--train/--infer]
-[--rounds 5] [--threads 2] [--clock wall|cpu] [--candidates eager,inductor,dmfx,dmfx-fx,floor]``;
+[--rounds 5] [--threads 2] [--clock wall|cpu] [--candidates eager,inductor,dmfx,dmfx-fx,dmfx-all,floor]``;
 ``dmfx-skip-<pass>`` is dmfx's default with that pass skipped (an ablation, e.g.
 ``dmfx-skip-accumulate_embedding_grad``)
 """
@@ -102,6 +102,8 @@ def candidates(names, base, kwargs, train: bool) -> dict:
             m = torch.compile(m, backend="dmfx")
         elif name == "dmfx-fx":
             m = torch.compile(m, backend="dmfx", options={"compiler": "fx"})
+        elif name == "dmfx-all":  # every fusion that matches, also where fuse="auto" leaves the graph to Inductor
+            m = torch.compile(m, backend="dmfx", options={"fuse": "all"})
         elif name.startswith("dmfx-skip-"):  # an ablation: the default with one pass switched off
             m = torch.compile(m, backend="dmfx", options={"skip": [name[len("dmfx-skip-"):]]})
         elif name != "eager":

@@ -156,6 +156,19 @@ def test_nan_and_masked_logits_give_what_eager_gives():
     torch.testing.assert_close(loss, F.cross_entropy(x, t, reduction="none"), equal_nan=True)
 
 
+@pytest.mark.parametrize("where", [0, 17, 40, 95, 99])
+def test_a_nan_anywhere_in_a_long_row_gives_a_nan_loss(where):
+    """The row max runs in vectors (at::vec::maximum) over the body of the row and element by element over
+    its tail: a NaN in the first vector, a later one, or the tail makes the row's loss NaN (eager's), and
+    the other rows keep their values."""
+    x, t = _logits(3, 100, torch.float32), torch.tensor([1, 2, 3])
+    x[1, where] = float("nan")
+    x[2, 30:] = float("-inf")
+    loss, _ = op(x, t, IGNORE, 0.0, CODES["none"])
+    torch.testing.assert_close(loss, F.cross_entropy(x, t, reduction="none"), equal_nan=True)
+    assert torch.isnan(loss[1]) and torch.isfinite(loss[[0, 2]]).all()
+
+
 def test_large_logits_lose_no_precision():
     # eager's log_softmax keeps z - max exact; so does the kernel's (max, log-sum) pair, forward and backward
     # (without smoothing: its mean-logit term sums the raw logits in fp32, cross_entropy_api.h)

@@ -158,7 +158,8 @@ void bwd_rows(const CeArgs& a, const scalar_t* x, const int64_t* t, const acc_t*
       const scalar_t* xr = x + r * a.row_stride;
       for (int64_t c0 = 0; c0 < a.V; c0 += kChunk) {
         const int64_t n = std::min(kChunk, a.V - c0);
-        load_chunk<acc_t>(xr + c0, n, buf.data());
+        softmax_impl::load_row<acc_t>(xr + c0, static_cast<const softmax_impl::NoMask*>(nullptr), n, acc_t(1), acc_t(0),
+                                      buf.data());  // (the forward's max is in lse)
         if (glr) {
           bwd_chunk<true>(buf.data(), n, c0, tr, lse[2 * r], lse[2 * r + 1], g, g_eps, g_target, glr + c0, orow + c0);
         } else {
