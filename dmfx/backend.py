@@ -615,7 +615,7 @@ def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Opt
     record.aten_ops_before = _count_ops(aten_gm)
     hint = None if opts.unpad else _padding_hint(aten_gm, record, gm)
     if opts.compiler == "inductor" and opts.fuse == "auto" and not opts.unpad:
-        from .inductor import leave_to_inductor
+        from .inductor import NOT_THE_LOSS, WHY_LOSS_ONLY, leave_to_inductor, loss_only
 
         why = leave_to_inductor(aten_gm, record.devices)
         try:
@@ -628,6 +628,10 @@ def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Opt
             if key or whole_key:
                 graph_cache.save_lowered(key or whole_key, record, None, hint, whole_graph=why)
             return _with_padding_hint(compiled, hint, record)
+        loss = loss_only(aten_gm, record.devices) if why is None else None
+        if loss is not None:
+            opts = replace(opts, skip=tuple(dict.fromkeys((*opts.skip, *NOT_THE_LOSS))))
+            record.missed.append(WHY_LOSS_ONLY.format(rows=loss[0], vocab=loss[1]))
     if self_check_pending:
         _run_deferred_self_check(example_inputs, opts)
     if off:

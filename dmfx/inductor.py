@@ -57,10 +57,68 @@ def leave_to_inductor(aten_gm: GraphModule, devices: tuple[str, ...]) -> str | N
     fusions pay under Inductor where a graph drops out (fused Philox dropout whose mask is
     regenerated in the backward, the norm backward with its folded gradients: BERT MLM training
     1.03-1.05x Inductor) and lose 3-9% where it does not (LLaMA causal-LM training; BERT inference at
-    parity), measured in bench/RESULTS.md. On CUDA no measurement exists yet: dmfx rewrites."""
-    if devices != ("cpu",) or has_dropout(aten_gm):
+    parity), measured in bench/RESULTS.md; except the loss over a large vocabulary (loss_pays). On
+    CUDA no measurement exists yet: dmfx rewrites."""
+    if devices != ("cpu",) or has_dropout(aten_gm) or loss_pays(aten_gm):
         return None
     return WHY_LEFT
+
+
+#: Logits of at least this many elements (4 MB of float32: past a core's L2 cache, so the loss is a pass
+#: over memory) make a loss worth fusing in a graph otherwise left to Inductor (loss_pays).
+LARGE_LOGITS = 1 << 20
+
+#: The fusions a graph that is rewritten only for its loss (loss_pays) skips: every fusion of the forward
+#: pipeline but the losses' (the backward passes run: they fold the loss's gradients and find nothing
+#: else of theirs without these).
+NOT_THE_LOSS = ("norm_idioms", "layer_norm", "bias_dropout_residual_norm", "activation_idioms", "attention_softmax",
+                "attention", "lower_sdpa_calls", "qkv_attention", "rope", "glu", "bias_act_dropout", "dropout")
+
+WHY_LOSS_ONLY = ("fuse='auto': rewritten for its loss only (no dropout in this graph, so its other fusions are "
+                 "Inductor's; dmfx's loss over the [{rows}, {vocab}] logits is faster than Inductor's: "
+                 "bench/RESULTS.md, issue 16)")
+
+
+def loss_only(aten_gm: GraphModule, devices: tuple[str, ...]) -> tuple[int, int] | None:
+    """Where leave_to_inductor keeps a graph for dmfx only because of its loss (loss_pays): the loss's
+    (rows, vocab), and the graph is rewritten with NOT_THE_LOSS skipped; None otherwise."""
+    if devices != ("cpu",) or has_dropout(aten_gm):
+        return None
+    return loss_pays(aten_gm)
+
+
+def _hint(v: Any) -> int | None:
+    """`v` as an int without adding a guard: its hint where it is symbolic, None where it has none."""
+    if isinstance(v, int):
+        return v
+    try:
+        hint = v.node.hint
+    except AttributeError:
+        return None
+    return hint if isinstance(hint, int) else None
+
+
+def loss_pays(aten_gm: GraphModule) -> tuple[int, int] | None:
+    """The (rows, vocab) of a loss in `aten_gm` whose fusion pays on the CPU where the rest of
+    the graph is left to Inductor: ``nll_loss_forward(_log_softmax(z, 1))``, ATen's
+    ``F.cross_entropy`` (an LM's loss), over logits of at least LARGE_LOGITS elements; None where
+    there is none. dmfx's loss reads the logits once forward (online log-sum-exp) and once backward,
+    and saves only each row's (max, log-sum): on [1024, 32000] float32, 1 thread, forward and
+    backward took 92 ms against 139 ms for Inductor's generated loss, and the LLaMA causal-LM training
+    step ran 1.04-1.05x Inductor with only the loss fused (bench/RESULTS.md, 2026-12-04). Whether the
+    fused op takes it (class weights, label smoothing, its other near-misses) is the pass's to say."""
+    from .passes.graph_utils import aten, is_op, tensor_meta
+
+    for n in aten_gm.graph.nodes:
+        if not is_op(n, aten.nll_loss_forward) or not is_op(n.args[0], aten._log_softmax):
+            continue
+        meta = tensor_meta(n.args[0])
+        if meta is None or len(meta.shape) != 2:
+            continue
+        rows, vocab = (_hint(d) for d in meta.shape)
+        if rows is not None and vocab is not None and rows * vocab >= LARGE_LOGITS:
+            return rows, vocab
+    return None
 
 
 def _contiguous(v: Any) -> bool:

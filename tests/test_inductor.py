@@ -136,6 +136,41 @@ def test_a_graph_without_dropout_is_left_to_inductor_on_the_cpu():
     assert "fuse='all'" in rec.summary()
 
 
+@pytest.mark.parametrize("vocab", [33000, 32000], ids=["large-logits", "just-below"])
+def test_a_graph_without_dropout_keeps_dmfxs_loss_where_the_logits_are_large(vocab):
+    """fuse="auto" on the CPU: a training graph without dropout whose loss runs over logits of at least
+    dmfx.inductor.LARGE_LOGITS elements (here [32, 33000]) is rewritten for its loss only (the fused
+    cross-entropy and its folded logits gradient; the rest is Inductor's), and says so; at [32, 32000]
+    (just under) it is left to Inductor whole. Loss, logits and gradients are eager's either way (a
+    random cotangent on the returned logits too)."""
+    import transformers
+
+    import dmfx.inductor
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    m = transformers.LlamaForCausalLM(cfg).train()
+    ref = copy.deepcopy(m)
+    ids = torch.randint(0, vocab, (2, 16))
+    out = torch.compile(m, backend="dmfx", options={"compiler": "inductor", "fallback": False})(input_ids=ids, labels=ids)
+    expect = ref(input_ids=ids, labels=ids)
+    R = torch.randn_like(expect.logits)
+    (out.loss + (out.logits * R).sum()).backward()
+    (expect.loss + (expect.logits * R).sum()).backward()
+    assert abs(out.loss.item() - expect.loss.item()) < 1e-5 * abs(expect.loss.item())
+    assert rel_err(out.logits, expect.logits) < 1e-5
+    grads_match(m, ref)
+    (rec,) = dmfx.records()
+    if vocab * 32 >= dmfx.inductor.LARGE_LOGITS:
+        assert rec.fallback is None and rec.compiler == "inductor", rec.summary()
+        assert rec.fired.get("cross_entropy") == 1 and rec.fired.get("fold_logits_grad") == 1, rec.fired
+        assert not set(rec.fired) & {"rms_norm", "rope", "glu", "attention", "lower_sdpa_calls"}, rec.fired
+        assert any("rewritten for its loss only" in m and "[32, 33000]" in m for m in rec.missed), rec.missed
+    else:
+        assert rec.fallback.startswith("left to Inductor: no dropout in this graph") and not rec.fired
+
+
 def test_a_graph_with_dropout_is_fused_under_inductor_and_reproducible():
     m = dmfx.models.bert_layer(hidden=64, heads=4, ffn=128, dropout=0.1).train()
     x = torch.randn(2, 16, 64, requires_grad=True)
