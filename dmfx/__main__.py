@@ -1,5 +1,6 @@
-"""The command line: ``python -m dmfx demo [...]`` (dmfx/demo.py) and ``python -m dmfx explain [...]``
-(dmfx.explain on a HuggingFace model built by dmfx.models)."""
+"""The command line: ``python -m dmfx demo [...]`` (dmfx/demo.py), ``python -m dmfx explain [...]``
+(dmfx.explain on a HuggingFace model built by dmfx.models) and ``python -m dmfx build`` (dmfx's CPU
+kernels built and self-checked now, rather than by the first graph that needs them)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ USAGE = """usage:
   python -m dmfx demo [--layers N --hidden H --batch B --seq L --steps S]
   python -m dmfx explain [--model bert-base|gpt2|llama|vit|minilm|bert-tiny] [--batch 8] [--seq 128] [--train]
                          [--layers N] [--json out.json] [--measure] [--plot out.png] [--skip PASS,...]
-                         [--attention FORM]"""
+                         [--attention FORM]
+  python -m dmfx build   (build and self-check the CPU kernels now: once per machine and version)"""
 
 
 def explain_main(argv: Sequence[str] | None = None) -> Any:
@@ -70,8 +72,23 @@ def main() -> None:
         demo(argv[1:])
     elif argv[0] == "explain":
         explain_main(argv[1:])
+    elif argv[0] == "build":
+        build_main()
     else:
-        sys.exit(f"python -m dmfx: unknown command {argv[0]!r} (commands: demo, explain)")
+        sys.exit(f"python -m dmfx: unknown command {argv[0]!r} (commands: demo, explain, build)")
+
+
+def build_main() -> None:
+    """``python -m dmfx build``: the CPU kernel module built (or found in the cache) and self-checked,
+    its verdict stored next to it, so that no later compile waits for either. (On a new machine the
+    backend leaves a graph it would rewrite only for its loss to Inductor whole until they exist:
+    dmfx/inductor.py WHY_LEFT_UNBUILT.)"""
+    from .cuda_ops import build, selfcheck
+
+    module = build.load("cpu")
+    off = sorted(selfcheck.disabled_families("cpu"))
+    print(f"dmfx: CPU kernels {module.__name__} ready in {build.cache_root()}; "
+          + (f"switched off by the self-check: {', '.join(off)}" if off else "every family passed the self-check"))
 
 
 if __name__ == "__main__":

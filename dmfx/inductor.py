@@ -87,6 +87,15 @@ def loss_only(aten_gm: GraphModule, devices: tuple[str, ...]) -> tuple[int, int]
     return loss_pays(aten_gm)
 
 
+#: Why a graph loss_pays keeps for dmfx is left to Inductor whole after all: its kernels are not built on
+#: this machine yet, and their one-time build (about a minute on 2 cores) would cost the first compile more
+#: than the fused loss saves. The decision is kept in the compile cache like any whole-graph one, and
+#: dropped once the kernels are built (backend._compile_graph).
+WHY_LEFT_UNBUILT = ("no dropout in this graph, and dmfx's kernels are not built on this machine yet: only its loss "
+                    "over [{rows}, {vocab}] logits would be dmfx's, which does not pay for their one-time build "
+                    "here (run `python -m dmfx build` once, or let a graph that needs them build them)")
+
+
 def _hint(v: Any) -> int | None:
     """`v` as an int without adding a guard: its hint where it is symbolic, None where it has none."""
     if isinstance(v, int):

@@ -31,6 +31,15 @@ def test_warm_load_is_fast_and_does_not_compile():
     assert "building" not in err
 
 
+def test_the_build_command_builds_checks_and_says_so():
+    """``python -m dmfx build`` (README): the CPU kernels built or found, self-checked, and one line saying
+    where they are and what the check switched off."""
+    build.load("cpu")  # (the default cache warm: the command then only loads and checks)
+    p = subprocess.run([sys.executable, "-m", "dmfx", "build"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert re.search(r"dmfx: CPU kernels dmfx_cpu_\w+ ready in .+; (every family passed|switched off)", p.stdout), p.stdout
+
+
 FIRST_USE = {
     # the first call of an op loads the kernels (its stand-in at the CPU key, or at the Autograd key
     # when an input requires grad), then runs them

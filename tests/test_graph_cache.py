@@ -561,3 +561,39 @@ def test_a_float_input_no_compile_reads_is_cached_once_seen_so(fresh_cache, opti
     # AOTAutograd's entry and Inductor's forward and backward, which the second finds
     assert hits == [0, 1, 1], hits
     assert fx_hits == [0, 2, 2], fx_hits
+
+
+def test_a_graph_left_whole_for_unbuilt_kernels_is_rewritten_once_they_are_built(fresh_cache, monkeypatch):
+    """fuse="auto" keeps a graph without dropout for dmfx only for a large loss (dmfx.inductor.loss_pays).
+    On a machine where dmfx's kernels are not built (their self-check verdict unknown), that does not
+    pay for their build: the graph is left to Inductor whole, and a later process finds that decision
+    kept. Once the kernels are built (the verdict known), the kept decision is dropped and the graph is
+    rewritten for its loss; the losses are the same."""
+    from dmfx.cuda_ops import selfcheck
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=33000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    base = transformers.LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, 33000, (2, 16))
+    real = selfcheck.known_passes_to_skip
+
+    def step(built: bool):
+        monkeypatch.setattr(selfcheck, "known_passes_to_skip", real if built else (lambda devices: None))
+        torch._dynamo.reset()
+        dmfx.reset()
+        m = copy.deepcopy(base)
+        loss = torch.compile(m, backend="dmfx", options={"compiler": "inductor", "fallback": False})(
+            input_ids=ids, labels=ids).loss
+        loss.backward()
+        (rec,) = dmfx.records()
+        return loss.item(), rec
+
+    unbuilt = [step(False) for _ in range(2)]
+    for _, rec in unbuilt:
+        assert rec.fallback.startswith("left to Inductor: no dropout in this graph, and dmfx's kernels are not built"), \
+            rec.summary()
+    assert [rec.lowered_from_cache for _, rec in unbuilt] == [False, True]
+    loss, rec = step(True)
+    assert rec.fallback is None and not rec.lowered_from_cache and rec.fired.get("cross_entropy") == 1, rec.summary()
+    assert abs(loss - unbuilt[0][0]) < 1e-5 * abs(loss)
