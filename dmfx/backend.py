@@ -617,8 +617,8 @@ def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Opt
     if opts.compiler == "inductor" and opts.fuse == "auto" and not opts.unpad:
         from .inductor import NOT_THE_LOSS, WHY_LEFT_UNBUILT, WHY_LOSS_ONLY, leave_to_inductor, loss_only
 
-        why = leave_to_inductor(aten_gm, record.devices)
-        loss = loss_only(aten_gm, record.devices) if why is None else None
+        why = leave_to_inductor(aten_gm, record.devices, record.training)
+        loss = loss_only(aten_gm, record.devices, record.training) if why is None else None
         if loss is not None and self_check_pending:  # (the kernels' verdict unknown: not built here)
             why, loss = WHY_LEFT_UNBUILT.format(rows=loss[0], vocab=loss[1]), None
         try:

@@ -52,14 +52,14 @@ def has_dropout(gm: GraphModule) -> bool:
     return False
 
 
-def leave_to_inductor(aten_gm: GraphModule, devices: tuple[str, ...]) -> str | None:
+def leave_to_inductor(aten_gm: GraphModule, devices: tuple[str, ...], training: bool = False) -> str | None:
     """Why a graph is better compiled by Inductor alone (None: dmfx rewrites it). On the CPU, dmfx's
     fusions pay under Inductor where a graph drops out (fused Philox dropout whose mask is
     regenerated in the backward, the norm backward with its folded gradients: BERT MLM training
     1.03-1.05x Inductor) and lose 3-9% where it does not (LLaMA causal-LM training; BERT inference at
-    parity), measured in bench/RESULTS.md; except the loss over a large vocabulary (loss_pays). On
-    CUDA no measurement exists yet: dmfx rewrites."""
-    if devices != ("cpu",) or has_dropout(aten_gm) or loss_pays(aten_gm):
+    parity), measured in bench/RESULTS.md; except a training graph's loss over a large vocabulary
+    (loss_only). On CUDA no measurement exists yet: dmfx rewrites."""
+    if devices != ("cpu",) or has_dropout(aten_gm) or loss_only(aten_gm, devices, training):
         return None
     return WHY_LEFT
 
@@ -79,10 +79,12 @@ WHY_LOSS_ONLY = ("fuse='auto': rewritten for its loss only (no dropout in this g
                  "bench/RESULTS.md, issue 16)")
 
 
-def loss_only(aten_gm: GraphModule, devices: tuple[str, ...]) -> tuple[int, int] | None:
+def loss_only(aten_gm: GraphModule, devices: tuple[str, ...], training: bool) -> tuple[int, int] | None:
     """Where leave_to_inductor keeps a graph for dmfx only because of its loss (loss_pays): the loss's
-    (rows, vocab), and the graph is rewritten with NOT_THE_LOSS skipped; None otherwise."""
-    if devices != ("cpu",) or has_dropout(aten_gm):
+    (rows, vocab), and the graph is rewritten with NOT_THE_LOSS skipped; None otherwise. Training
+    graphs only: the fused loss's gain is its backward's; its forward alone (an evaluation loss) is
+    Inductor's or a little slower ([1024, 32000] float32, 1 thread: 26 against 23 ms)."""
+    if not training or devices != ("cpu",) or has_dropout(aten_gm):
         return None
     return loss_pays(aten_gm)
 

@@ -173,6 +173,24 @@ def test_a_graph_without_dropout_keeps_dmfxs_loss_where_the_logits_are_large(voc
         assert rec.fallback.startswith("left to Inductor: no dropout in this graph") and not rec.fired
 
 
+def test_an_evaluation_loss_over_large_logits_is_left_to_inductor():
+    """The same large loss in an evaluation step (no gradient): the fused loss's gain is its backward's,
+    and its forward alone is no faster than Inductor's, so the graph stays Inductor's whole."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=33000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    m = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 33000, (2, 16))
+    with torch.no_grad():
+        loss = torch.compile(m, backend="dmfx", options={"compiler": "inductor"})(input_ids=ids, labels=ids).loss
+        expect = m(input_ids=ids, labels=ids).loss
+    assert abs(loss.item() - expect.item()) < 1e-5 * abs(expect.item())
+    (rec,) = dmfx.records()
+    assert rec.fallback.startswith("left to Inductor: no dropout in this graph") and not rec.fired, rec.summary()
+
+
 def test_a_graph_with_dropout_is_fused_under_inductor_and_reproducible():
     m = dmfx.models.bert_layer(hidden=64, heads=4, ffn=128, dropout=0.1).train()
     x = torch.randn(2, 16, 64, requires_grad=True)
