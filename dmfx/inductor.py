@@ -186,8 +186,13 @@ def decompose(gm: GraphModule, example_inputs: Sequence[Any], visible: Sequence[
 
     functional = torch.func.functionalize(run, remove="mutations")
     fake_mode = detect_fake_mode(example_inputs)
+    # Inductor's ``cat`` decomposition drops empty inputs and clones a lone remaining one with that one's
+    # layout, where eager's cat (the one `gm` was traced with) is contiguous: a ``view`` `gm` traced
+    # after it then fails (HF's rope with full rotary: ``cat([rotated, empty])``, under autocast). Inductor
+    # lowers ``cat`` itself, so the graph keeps it.
+    table = {op: fn for op, fn in select_decomp_table().items() if op is not torch.ops.aten.cat.default}
     with fake_mode if fake_mode is not None else torch._C._DisableTorchDispatch():  # (no fake mode: real inputs)
-        return make_fx(functional, decomposition_table=select_decomp_table())(*example_inputs)
+        return make_fx(functional, decomposition_table=table)(*example_inputs)
 
 
 def _output_node(gm: GraphModule) -> Node:

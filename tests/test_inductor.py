@@ -191,6 +191,33 @@ def test_an_evaluation_loss_over_large_logits_is_left_to_inductor():
     assert rec.fallback.startswith("left to Inductor: no dropout in this graph") and not rec.fired, rec.summary()
 
 
+def test_full_rotary_under_autocast_compiles_with_inductor():
+    """HF's rope with rotary over the whole head (Phi-3) concatenates the rotated half with an empty
+    tensor. Inductor's cat decomposition dropped the empty one and kept the other's layout, where the
+    graph's later view expected eager's contiguous cat: under bf16 autocast Inductor could not compile
+    the graph (it ran as FX, or raised with fallback=False). dmfx's re-trace keeps cat as cat."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Phi3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                                  intermediate_size=128, vocab_size=128, pad_token_id=0, use_cache=False,
+                                  attention_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    cfg._attn_implementation = "eager"
+    m = transformers.Phi3Model(cfg).train()
+    ref = copy.deepcopy(m)
+    ids = torch.randint(3, 128, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.compile(m, backend="dmfx", options=INDUCTOR)(input_ids=ids).last_hidden_state
+        expect = ref(input_ids=ids).last_hidden_state
+    R = torch.randn(expect.shape)
+    (out.float() * R).sum().backward()
+    (expect.float() * R).sum().backward()
+    assert rel_err(out.float(), expect.float()) < 2e-2
+    grads_match(m, ref, tol=2e-2)
+    (rec,) = dmfx.records()
+    assert rec.compiler == "inductor" and rec.fallback is None, rec.summary()
+
+
 def test_a_graph_with_dropout_is_fused_under_inductor_and_reproducible():
     m = dmfx.models.bert_layer(hidden=64, heads=4, ffn=128, dropout=0.1).train()
     x = torch.randn(2, 16, 64, requires_grad=True)
