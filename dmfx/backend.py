@@ -485,7 +485,7 @@ def _whole_graph_to_inductor(gm: GraphModule, example_inputs: Sequence[Any], why
                              opts: Options, start: float, cudagraphs: bool = False) -> Callable | None:
     """The Dynamo graph compiled by Inductor alone (its compile_fx: its decompositions, partitioner
     and passes), where dmfx's fusions would not pay under it (`why`: dmfx/inductor.py
-    leave_to_inductor); None when Inductor fails (then dmfx compiles the graph as usual)."""
+    auto_decision); None when Inductor fails (then dmfx compiles the graph as usual)."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     from .inductor import pin_contiguous_outputs
@@ -615,10 +615,9 @@ def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Opt
     record.aten_ops_before = _count_ops(aten_gm)
     hint = None if opts.unpad else _padding_hint(aten_gm, record, gm)
     if opts.compiler == "inductor" and opts.fuse == "auto" and not opts.unpad:
-        from .inductor import NOT_THE_LOSS, WHY_LEFT_UNBUILT, WHY_LOSS_ONLY, leave_to_inductor, loss_only
+        from .inductor import WHY_LEFT_UNBUILT, WHY_LOSS_ONLY, auto_decision, not_the_loss
 
-        why = leave_to_inductor(aten_gm, record.devices, record.training)
-        loss = loss_only(aten_gm, record.devices, record.training) if why is None else None
+        why, loss = auto_decision(aten_gm, record.devices, record.training)
         if loss is not None and self_check_pending:  # (the kernels' verdict unknown: not built here)
             why, loss = WHY_LEFT_UNBUILT.format(rows=loss[0], vocab=loss[1]), None
         try:
@@ -632,7 +631,7 @@ def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Opt
                 graph_cache.save_lowered(key or whole_key, record, None, hint, whole_graph=why)
             return _with_padding_hint(compiled, hint, record)
         if loss is not None:
-            opts = replace(opts, skip=tuple(dict.fromkeys((*opts.skip, *NOT_THE_LOSS))))
+            opts = replace(opts, skip=tuple(dict.fromkeys((*opts.skip, *not_the_loss()))))
             record.missed.append(WHY_LOSS_ONLY.format(rows=loss[0], vocab=loss[1]))
     if self_check_pending:
         _run_deferred_self_check(example_inputs, opts)
@@ -650,14 +649,6 @@ def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Opt
         record.bytes_saved = saved_bytes(rewritten)
         kept = graph_cache.save_lowered(key, record, rewritten, hint)
     return rewritten, hint, kept
-
-
-def _left_for_unbuilt_kernels(why: str | None) -> bool:
-    """Whether a kept decision to leave a graph to Inductor whole was made only because dmfx's kernels
-    were not built (inductor.WHY_LEFT_UNBUILT)."""
-    from .inductor import WHY_LEFT_UNBUILT
-
-    return why is not None and why.startswith(WHY_LEFT_UNBUILT.split("{")[0])
 
 
 def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict | None = None, mode: str | None = None,
@@ -760,8 +751,11 @@ def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options
     entry = graph_cache.load_lowered(key or whole_key) if key or whole_key else None
     if entry is not None and whole_key and entry["whole_graph"] is None:
         entry = None  # (under whole_key only the decision to leave the graph to Inductor is kept)
-    if entry is not None and not self_check_pending and _left_for_unbuilt_kernels(entry["whole_graph"]):
-        entry = None  # (left whole only because dmfx's kernels were not built then: they are now)
+    if entry is not None and not self_check_pending:
+        from .inductor import left_for_unbuilt_kernels
+
+        if left_for_unbuilt_kernels(entry["whole_graph"]):
+            entry = None  # (left whole only because dmfx's kernels were not built then: they are now)
     own = [m for m in record.missed if m.startswith("cache:")]  # (this compile's, not the entry's)
     if entry is not None:
         for f, value in entry["record"].items():

@@ -52,83 +52,80 @@ def has_dropout(gm: GraphModule) -> bool:
     return False
 
 
-def leave_to_inductor(aten_gm: GraphModule, devices: tuple[str, ...], training: bool = False) -> str | None:
-    """Why a graph is better compiled by Inductor alone (None: dmfx rewrites it). On the CPU, dmfx's
-    fusions pay under Inductor where a graph drops out (fused Philox dropout whose mask is
-    regenerated in the backward, the norm backward with its folded gradients: BERT MLM training
-    1.03-1.05x Inductor) and lose 3-9% where it does not (LLaMA causal-LM training; BERT inference at
-    parity), measured in bench/RESULTS.md; except a training graph's loss over a large vocabulary
-    (loss_only). On CUDA no measurement exists yet: dmfx rewrites."""
-    if devices != ("cpu",) or has_dropout(aten_gm) or loss_only(aten_gm, devices, training):
-        return None
-    return WHY_LEFT
+def auto_decision(aten_gm: GraphModule, devices: tuple[str, ...],
+                  training: bool) -> tuple[str | None, tuple[int, int] | None]:
+    """What fuse="auto" does with a graph under Inductor: ``(why, loss)``. `why`: the reason the graph is
+    better compiled by Inductor alone (None: dmfx rewrites it); `loss`: the (rows, vocab) of the loss
+    it is rewritten for alone (NOT_THE_LOSS skipped), else None. On the CPU, dmfx's fusions pay under
+    Inductor where a graph drops out (fused Philox dropout whose mask is regenerated in the backward,
+    the norm backward with its folded gradients: BERT MLM training 1.03-1.05x Inductor) and lose 3-9%
+    where it does not (LLaMA causal-LM training; BERT inference at parity), measured in
+    bench/RESULTS.md; except a training graph's loss over large logits (loss_pays). Training graphs
+    only: the fused loss's gain is its backward's; its forward alone (an evaluation loss) is Inductor's
+    or a little slower ([1024, 32000] float32, 1 thread: 26 against 23 ms). On CUDA no measurement
+    exists yet: dmfx rewrites."""
+    if devices != ("cpu",) or has_dropout(aten_gm):
+        return None, None
+    loss = loss_pays(aten_gm) if training else None
+    return (None, loss) if loss is not None else (WHY_LEFT, None)
 
 
 #: Logits of at least this many elements (4 MB of float32: past a core's L2 cache, so the loss is a pass
 #: over memory) make a loss worth fusing in a graph otherwise left to Inductor (loss_pays).
 LARGE_LOGITS = 1 << 20
 
-#: The fusions a graph that is rewritten only for its loss (loss_pays) skips: every fusion of the forward
-#: pipeline but the losses' (the backward passes run: they fold the loss's gradients and find nothing
-#: else of theirs without these).
-NOT_THE_LOSS = ("norm_idioms", "layer_norm", "bias_dropout_residual_norm", "activation_idioms", "attention_softmax",
-                "attention", "lower_sdpa_calls", "qkv_attention", "rope", "glu", "bias_act_dropout", "dropout")
+#: The forward pipeline's passes a graph rewritten only for its loss still runs: the losses' own and the
+#: passes that fuse nothing. Every other pass, a fusion added later included, is skipped (not_the_loss);
+#: the backward passes run (they fold the loss's gradients and find nothing else of theirs).
+LOSS_ONLY_PASSES = ("remove_metadata_asserts", "noop_clones", "cross_entropy", "linear_cross_entropy", "unpad", "layout")
+
+
+def not_the_loss() -> tuple[str, ...]:
+    """The forward passes a graph rewritten only for its loss skips (LOSS_ONLY_PASSES)."""
+    from .passes import PIPELINE
+
+    return tuple(name for name in PIPELINE if name not in LOSS_ONLY_PASSES)
+
 
 WHY_LOSS_ONLY = ("fuse='auto': rewritten for its loss only (no dropout in this graph, so its other fusions are "
                  "Inductor's; dmfx's loss over the [{rows}, {vocab}] logits is faster than Inductor's: "
                  "bench/RESULTS.md, issue 16)")
 
-
-def loss_only(aten_gm: GraphModule, devices: tuple[str, ...], training: bool) -> tuple[int, int] | None:
-    """Where leave_to_inductor keeps a graph for dmfx only because of its loss (loss_pays): the loss's
-    (rows, vocab), and the graph is rewritten with NOT_THE_LOSS skipped; None otherwise. Training
-    graphs only: the fused loss's gain is its backward's; its forward alone (an evaluation loss) is
-    Inductor's or a little slower ([1024, 32000] float32, 1 thread: 26 against 23 ms)."""
-    if not training or devices != ("cpu",) or has_dropout(aten_gm):
-        return None
-    return loss_pays(aten_gm)
-
-
-#: Why a graph loss_pays keeps for dmfx is left to Inductor whole after all: its kernels are not built on
-#: this machine yet, and their one-time build (about a minute on 2 cores) would cost the first compile more
-#: than the fused loss saves. The decision is kept in the compile cache like any whole-graph one, and
-#: dropped once the kernels are built (backend._compile_graph).
+#: Why a graph auto_decision keeps for its loss is left to Inductor whole after all: dmfx's kernels are not
+#: built on this machine yet, and their one-time build (about a minute on 2 cores) would cost the first
+#: compile more than the fused loss saves. The decision is kept in the compile cache like any whole-graph
+#: one, and dropped once the kernels are built (left_for_unbuilt_kernels, backend._compile_graph).
 WHY_LEFT_UNBUILT = ("no dropout in this graph, and dmfx's kernels are not built on this machine yet: only its loss "
                     "over [{rows}, {vocab}] logits would be dmfx's, which does not pay for their one-time build "
                     "here (run `python -m dmfx build` once, or let a graph that needs them build them)")
 
 
-def _hint(v: Any) -> int | None:
-    """`v` as an int without adding a guard: its hint where it is symbolic, None where it has none."""
-    if isinstance(v, int):
-        return v
-    try:
-        hint = v.node.hint
-    except AttributeError:
-        return None
-    return hint if isinstance(hint, int) else None
+def left_for_unbuilt_kernels(why: str | None) -> bool:
+    """Whether a kept decision to leave a graph to Inductor whole (its reason `why`) was made only
+    because dmfx's kernels were not built (WHY_LEFT_UNBUILT)."""
+    return why is not None and why.startswith(WHY_LEFT_UNBUILT[:WHY_LEFT_UNBUILT.index("{")])
 
 
 def loss_pays(aten_gm: GraphModule) -> tuple[int, int] | None:
     """The (rows, vocab) of a loss in `aten_gm` whose fusion pays on the CPU where the rest of
     the graph is left to Inductor: ``nll_loss_forward(_log_softmax(z, 1))``, ATen's
-    ``F.cross_entropy`` (an LM's loss), over logits of at least LARGE_LOGITS elements; None where
-    there is none. dmfx's loss reads the logits once forward (online log-sum-exp) and once backward,
-    and saves only each row's (max, log-sum): on [1024, 32000] float32, 1 thread, forward and
-    backward took 92 ms against 139 ms for Inductor's generated loss, and the LLaMA causal-LM training
-    step ran 1.04-1.05x Inductor with only the loss fused (bench/RESULTS.md, 2026-12-04). Whether the
-    fused op takes it (class weights, label smoothing, its other near-misses) is the pass's to say."""
-    from .passes.graph_utils import aten, is_op, tensor_meta
+    ``F.cross_entropy`` (an LM's loss), over logits of at least LARGE_LOGITS elements (symbolic sizes
+    read by their hints, without a guard); None where there is none. dmfx's loss reads the logits
+    once forward (online log-sum-exp) and once backward, and saves only each row's (max, log-sum): on
+    [1024, 32000] float32, 1 thread, forward and backward took 92 ms against 139 ms for Inductor's
+    generated loss, and the LLaMA causal-LM training step ran 1.04-1.05x Inductor with only the loss
+    fused (bench/RESULTS.md, 2026-12-04). Whether the fused op takes it (class weights, label
+    smoothing, its other near-misses) is the pass's to say."""
+    from .passes.graph_utils import aten, concrete_int, is_op, tensor_meta
 
     for n in aten_gm.graph.nodes:
         if not is_op(n, aten.nll_loss_forward) or not is_op(n.args[0], aten._log_softmax):
             continue
         meta = tensor_meta(n.args[0])
-        if meta is None or len(meta.shape) != 2:
-            continue
-        rows, vocab = (_hint(d) for d in meta.shape)
-        if rows is not None and vocab is not None and rows * vocab >= LARGE_LOGITS:
-            return rows, vocab
+        if meta is not None and len(meta.shape) == 2:
+            rows, vocab = (concrete_int(d) for d in meta.shape)
+            if rows * vocab >= LARGE_LOGITS:
+                return rows, vocab
     return None
 
 

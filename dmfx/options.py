@@ -48,7 +48,7 @@ class Options:
     compiler: str = field(default_factory=lambda: os.environ.get("DMFX_COMPILER", "").strip().lower() or "inductor")
     #: Which fusions to make: "auto" (where they pay under the compiler: with compiler="inductor" on
     #: the CPU, a graph without dropout is left to Inductor whole, see dmfx/inductor.py
-    #: leave_to_inductor) or "all" (every fusion whose pattern matches).
+    #: auto_decision) or "all" (every fusion whose pattern matches).
     fuse: str = "auto"
     #: Skip the padding of a batch (passes/unpad.py): where a graph's attentions read one HF padding
     #: mask (attention_mask [B, S] of 0/1), the real tokens are packed after the embeddings, every

@@ -394,7 +394,7 @@ def test_a_graph_rewritten_after_all_runs_the_self_check_first(monkeypatch):
     compiled_step_matches_eager(layer, ref, {"compiler": "inductor"})
     assert calls == [] and "left to Inductor" in dmfx.records()[-1].summary()
 
-    monkeypatch.setattr(dmfx.inductor, "leave_to_inductor", lambda *a: None)  # (rewritten after all)
+    monkeypatch.setattr(dmfx.inductor, "auto_decision", lambda *a: (None, None))  # (rewritten after all)
     torch._dynamo.reset()
     dmfx.reset()
     layer, ref = tiny_bert_layer()
@@ -413,7 +413,7 @@ def test_a_family_the_deferred_check_switches_off_recompiles_the_graph_without_i
     calls = []
     monkeypatch.setattr(selfcheck, "known_passes_to_skip", lambda devices: None)
     monkeypatch.setattr(selfcheck, "passes_to_skip", lambda devices: calls.append(1) or set(skip))
-    monkeypatch.setattr(dmfx.inductor, "leave_to_inductor", lambda *a: None)
+    monkeypatch.setattr(dmfx.inductor, "auto_decision", lambda *a: (None, None))
     torch._dynamo.reset()
     dmfx.reset()
     layer, ref = tiny_bert_layer()

@@ -49,11 +49,10 @@ acc_t lane_sum(const acc_t* z, int64_t n) {
   return total;
 }
 
-// z[j] = logits x[j] in acc_t for j < n; returns their (NaN-propagating) max.
+// z[j] = logits x[j] in acc_t for j < n.
 template <typename acc_t, typename scalar_t>
-acc_t load_chunk(const scalar_t* x, int64_t n, acc_t* z) {
-  return softmax_impl::load_logits<acc_t>(x, static_cast<const softmax_impl::NoMask*>(nullptr), n, acc_t(1), acc_t(0),
-                                          z);
+void load_chunk(const scalar_t* x, int64_t n, acc_t* z) {
+  softmax_impl::load_row<acc_t>(x, static_cast<const softmax_impl::NoMask*>(nullptr), n, acc_t(1), acc_t(0), z);
 }
 
 // The max m and ls = log sum exp(x - m) of row x (V logits) and, when want_sum, the sum of its logits.
@@ -63,7 +62,8 @@ void row_lse(const scalar_t* x, int64_t V, bool want_sum, acc_t* buf, acc_t& max
   acc_t m = kNegInf, s = 0, zs = 0;
   for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
     const int64_t n = std::min(kChunk, V - c0);
-    const acc_t cmax = load_chunk<acc_t>(x + c0, n, buf);
+    load_chunk<acc_t>(x + c0, n, buf);
+    const acc_t cmax = softmax_impl::row_max(buf, n);
     if (want_sum) zs += lane_sum(buf, n);
     if (cmax == kNegInf) continue;  // (exp_sum would take -inf - -inf)
     ce_merge(m, s, cmax, softmax_impl::exp_sum(buf, n, cmax));
@@ -158,8 +158,7 @@ void bwd_rows(const CeArgs& a, const scalar_t* x, const int64_t* t, const acc_t*
       const scalar_t* xr = x + r * a.row_stride;
       for (int64_t c0 = 0; c0 < a.V; c0 += kChunk) {
         const int64_t n = std::min(kChunk, a.V - c0);
-        softmax_impl::load_row<acc_t>(xr + c0, static_cast<const softmax_impl::NoMask*>(nullptr), n, acc_t(1), acc_t(0),
-                                      buf.data());  // (the forward's max is in lse)
+        load_chunk<acc_t>(xr + c0, n, buf.data());  // (no max: the forward's is in lse)
         if (glr) {
           bwd_chunk<true>(buf.data(), n, c0, tr, lse[2 * r], lse[2 * r + 1], g, g_eps, g_target, glr + c0, orow + c0);
         } else {
