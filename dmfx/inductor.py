@@ -185,11 +185,22 @@ def decompose(gm: GraphModule, example_inputs: Sequence[Any], visible: Sequence[
     fake_mode = detect_fake_mode(example_inputs)
     # Inductor's ``cat`` decomposition drops empty inputs and clones a lone remaining one with that one's
     # layout, where eager's cat (the one `gm` was traced with) is contiguous: a ``view`` `gm` traced
-    # after it then fails (HF's rope with full rotary: ``cat([rotated, empty])``, under autocast). Inductor
-    # lowers ``cat`` itself, so the graph keeps it.
-    table = {op: fn for op, fn in select_decomp_table().items() if op is not torch.ops.aten.cat.default}
+    # after it then fails (HF's rope with full rotary: ``cat([rotated, empty])``, under autocast). Only
+    # the legacy empty 1-D inputs, which Inductor's cat lowering cannot take (torch 2.11), are dropped.
+    table = {**select_decomp_table(), torch.ops.aten.cat.default: _cat_without_legacy_empties}
     with fake_mode if fake_mode is not None else torch._C._DisableTorchDispatch():  # (no fake mode: real inputs)
         return make_fx(functional, decomposition_table=table)(*example_inputs)
+
+
+def _cat_without_legacy_empties(tensors: Sequence[torch.Tensor], dim: int = 0) -> Any:
+    """``cat`` with its legacy empty inputs (1-D of size 0, which cat allows whatever the others' shape)
+    left out; the op itself (NotImplemented) where there are none."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    kept = [t for t in tensors if not (t.dim() == 1 and guard_or_false(t.shape[0] == 0))]
+    if not kept or len(kept) == len(tensors):
+        return NotImplemented
+    return torch.ops.aten.cat.default(kept, dim)
 
 
 def _output_node(gm: GraphModule) -> Node:
