@@ -17,7 +17,7 @@ with other work (these 2-core machines often run at a load of 4-8) the wall cloc
 queue, CPU time measures the work; use it with ``--threads 1``. Report which clock a number used.
 
 Usage: ``python -m bench.lm_step [--models llama-small,bert-mlm] [--layers 4] [--train/--infer]
-[--rounds 5] [--threads 2] [--clock wall|cpu] [--candidates eager,inductor,dmfx,dmfx-fx,dmfx-all,floor]``;
+[--rounds 5] [--threads 2] [--clock wall|cpu] [--autocast bf16|fp16] [--candidates eager,inductor,dmfx,dmfx-fx,dmfx-all,floor]``;
 ``dmfx-skip-<pass>`` is dmfx's default with that pass skipped (an ablation, e.g.
 ``dmfx-skip-accumulate_embedding_grad``); ``dmfx-all-skip-<pass>+<pass>...`` the same from ``fuse="all"``
 """
@@ -25,6 +25,7 @@ Usage: ``python -m bench.lm_step [--models llama-small,bert-mlm] [--layers 4] [-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import time
@@ -65,23 +66,29 @@ def build(name: str, layers: int, seed: int = 0, batch: int | None = None, seq: 
     return model, {"input_ids": ids, "labels": ids}
 
 
-def step_of(module, kwargs, train: bool):
+def step_of(module, kwargs, train: bool, autocast: torch.dtype | None = None):
+    """One training step (forward with labels, backward) or inference forward of `module`; under
+    ``torch.autocast("cpu", autocast)`` where `autocast` is a dtype (mixed precision, as a user of a
+    CPU with bf16 GEMMs, e.g. AMX, would train)."""
+    amp = (lambda: torch.autocast("cpu", dtype=autocast)) if autocast is not None else contextlib.nullcontext
     if train:
         def step():
             module.zero_grad(set_to_none=True)
-            loss = module(**kwargs).loss
+            with amp():
+                loss = module(**kwargs).loss
             loss.backward()
             return loss
     else:
         def step():
-            with torch.no_grad():
+            with torch.no_grad(), amp():
                 return module(**kwargs).logits
     return step
 
 
-def floor_step(model, kwargs, train: bool):
-    """The GEMMs of one eager step, recorded and replayed alone on random operands."""
-    step = step_of(model, kwargs, train)
+def floor_step(model, kwargs, train: bool, autocast: torch.dtype | None = None):
+    """The GEMMs of one eager step, recorded and replayed alone on random operands (in the dtypes the
+    step ran them in)."""
+    step = step_of(model, kwargs, train, autocast)
     with GemmRecorder() as rec:
         step()
     model.zero_grad(set_to_none=True)
@@ -89,12 +96,12 @@ def floor_step(model, kwargs, train: bool):
     return make_floor_step(rec.records)[0]
 
 
-def candidates(names, base, kwargs, train: bool) -> dict:
+def candidates(names, base, kwargs, train: bool, autocast: torch.dtype | None = None) -> dict:
     steps = {}
     for name in names:
         m = copy.deepcopy(base).train(train)
         if name == "floor":
-            steps[name] = floor_step(m, kwargs, train)
+            steps[name] = floor_step(m, kwargs, train, autocast)
             continue
         if name == "inductor":
             m = torch.compile(m)
@@ -110,14 +117,15 @@ def candidates(names, base, kwargs, train: bool) -> dict:
             m = torch.compile(m, backend="dmfx", options={"skip": [name[len("dmfx-skip-"):]]})
         elif name != "eager":
             raise ValueError(f"unknown candidate {name!r}")
-        steps[name] = step_of(m, kwargs, train)
+        steps[name] = step_of(m, kwargs, train, autocast)
     return steps
 
 
-def run(name: str, layers: int, train: bool, names: list[str], rounds: int, clock) -> dict:
+def run(name: str, layers: int, train: bool, names: list[str], rounds: int, clock,
+        autocast: torch.dtype | None = None) -> dict:
     torch._dynamo.reset()
     base, kwargs = build(name, layers)
-    steps = candidates(names, base, kwargs, train)
+    steps = candidates(names, base, kwargs, train, autocast)
     first = {}
 
     def timed(n, step):
@@ -132,7 +140,8 @@ def run(name: str, layers: int, train: bool, names: list[str], rounds: int, cloc
     times = interleaved({n: timed(n, s) for n, s in steps.items()}, rounds, 2,
                         lambda n, e: log(f"  {n} failed: {type(e).__name__}: {e}"))
     med = {n: median(t["total"]) for n, t in times.items()}
-    res = {"model": name, "layers": layers, "mode": "train" if train else "infer", "median_ms": med,
+    res = {"model": name, "layers": layers, "mode": "train" if train else "infer",
+           "autocast": str(autocast).replace("torch.", "") if autocast else None, "median_ms": med,
            "range_ms": {n: (min(t["total"]), max(t["total"])) for n, t in times.items()},
            "first_call_s": first}
     for ref in ("eager", "inductor", "floor"):
@@ -155,18 +164,22 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     p.add_argument("--candidates", default="eager,inductor,dmfx,dmfx-fx,floor")
+    p.add_argument("--autocast", choices=("bf16", "fp16"), default=None,
+                   help="run each step under torch.autocast('cpu') in this dtype (weights stay float32)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[a.autocast]
     torch.set_num_threads(a.threads)
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
     out = {"env": {**environment("cpu"), "clock": a.clock}, "results": []}
     for name in a.models.split(","):
-        r = run(name, a.layers, not a.infer, a.candidates.split(","), a.rounds, clock)
+        r = run(name, a.layers, not a.infer, a.candidates.split(","), a.rounds, clock, autocast)
         out["results"].append(r)
         for n, t in r["median_ms"].items():
             lo, hi = r["range_ms"][n]
             extra = "  ".join(f"{k} {v[n]:.3f}" for k, v in r.items() if k.startswith(("vs_", "paired_")) and n in v)
-            print(f"{name} x{a.layers} {r['mode']} {n:9s} {t:9.1f} ms [{lo:.0f}-{hi:.0f}]  {extra}  "
+            mode = f"{r['mode']} {a.autocast}" if a.autocast else r["mode"]
+            print(f"{name} x{a.layers} {mode} {n:9s} {t:9.1f} ms [{lo:.0f}-{hi:.0f}]  {extra}  "
                   f"first call {r['first_call_s'].get(n, float('nan')):.1f} s", flush=True)
     if a.json:
         with open(a.json, "w") as f:
