@@ -87,6 +87,44 @@ def _is_float_cast(n: object) -> bool:
     return True
 
 
+def _cast_back_down(sm: Node, probs_node: Node, mask: Node | None, m2: Node | None, low: torch.dtype,
+                    high: torch.dtype) -> tuple | str:
+    """Autocast with a float32 mask (HF builds its masks in the embeddings' dtype, float32 under
+    CPU autocast): bf16/fp16 scores + the mask promote to float32, the softmax runs in float32, and the
+    probabilities are cast back to the scores' dtype before the second GEMM, either right after the
+    softmax (GPT-2: ``softmax(...).type(v.dtype)``, dropout then in bf16) or after a float32 dropout
+    (BERT, LLaMA: autocast casts the dropped probabilities for the GEMM). That is one softmax in the
+    scores' dtype with float32 math inside, which dmfx::attention_softmax is; the fused op also takes
+    the scaled scores in float32 instead of rounding them to bf16 first (exact for power-of-two scales,
+    such as 1/sqrt(64); else within half a bf16 ulp of the scores). Returns ``("after_softmax", cast)``
+    or ``("after_dropout", dropout, getitem, cast)``, or why the chain is left alone."""
+    why = "the scores have another dtype than the softmax input"
+    if not (low in (torch.bfloat16, torch.float16) and high == torch.float32 and mask is not None and m2 is None
+            and probs_node is sm):
+        return why
+    mm = tensor_meta(mask)
+    if mm is None or mm.dtype != torch.float32:
+        return why
+
+    def cast_to_low(n: Node) -> bool:
+        dm = tensor_meta(n)
+        return _is_float_cast(n) and dm is not None and dm.dtype == low
+
+    if len(sm.users) != 1:
+        return why + " (the float32 probabilities are read elsewhere)"
+    (u,) = sm.users
+    if cast_to_low(u):
+        return ("after_softmax", u)
+    if is_op(u, aten.native_dropout) and u.args[2] is not False and float(u.args[1]) > 0:
+        items = getitem_users(u)
+        zero = items.get(0, [])
+        if set(items) == {0} and len(zero) == 1 and len(zero[0].users) == 1:
+            (cast,) = zero[0].users
+            if cast_to_low(cast):
+                return ("after_dropout", u, zero[0], cast)
+    return why + " (the float32 probabilities are not cast back to the scores' dtype)"
+
+
 def _scalar(x: object) -> float | None:
     return float(x) if is_scalar(x) else None
 
@@ -239,8 +277,13 @@ def match_attention_softmax(sm: Node, ctx: PassContext) -> Match | Miss | None:
         else:
             chain.append(scale_node)
     sm_meta = tensor_meta(s)
-    if sm_meta is None or sm_meta.shape != shape or sm_meta.dtype != zm.dtype:
-        return Miss(*notes, "the scores have another shape or dtype than the softmax input")
+    if sm_meta is None or sm_meta.shape != shape:
+        return Miss(*notes, "the scores have another shape than the softmax input")
+    down = None  # autocast: bf16/fp16 scores promoted to float32 by the mask, the probabilities cast back
+    if sm_meta.dtype != zm.dtype:
+        down = _cast_back_down(sm, probs_node, mask, m2, sm_meta.dtype, zm.dtype)
+        if isinstance(down, str):
+            return Miss(*notes, down)
 
     causal = False
     if mask is not None:
@@ -260,22 +303,32 @@ def match_attention_softmax(sm: Node, ctx: PassContext) -> Match | Miss | None:
 
     # dropout after the softmax
     p, drop, drop_out = 0.0, None, []
-    for u in list(probs_node.users):
-        if not is_op(u, aten.native_dropout):
-            continue
-        items = getitem_users(u)
-        if set(items) - {0}:
-            notes.append("the dropout mask is read in the graph; dropout left unfused")
-        elif u.args[2] is not False and float(u.args[1]) > 0:
-            p, drop, drop_out = float(u.args[1]), u, items.get(0, [])
-        break
+    if down is not None and down[0] == "after_dropout":  # dropout in float32, then the cast: both absorbed
+        _, drop, getitem0, cast = down
+        p, drop_out = float(drop.args[1]), [cast]
+        chain += [drop, getitem0, cast]
+        probs_node = None  # the float32 probabilities are read only by the dropout
+    else:
+        if down is not None:  # the cast right after the softmax: the probabilities are the cast's
+            probs_node = down[1]
+            chain.append(probs_node)
+        for u in list(probs_node.users):
+            if not is_op(u, aten.native_dropout):
+                continue
+            items = getitem_users(u)
+            if set(items) - {0}:
+                notes.append("the dropout mask is read in the graph; dropout left unfused")
+            elif u.args[2] is not False and float(u.args[1]) > 0:
+                p, drop, drop_out = float(u.args[1]), u, items.get(0, [])
+            break
+        if drop is not None:
+            chain += [drop, *drop_out]
 
-    folded, muls = _fold_qk_scales(s, zm.dtype)
-    if drop is not None:
-        chain += [drop, *drop_out]
+    folded, muls = _fold_qk_scales(s, sm_meta.dtype)
     nodes = {"scores": s, "mask": mask, "second_mask": m2, "scale": scale * folded, "causal": causal, "p": p,
              "softmax": sm, "dropout": drop, "dropout_out": drop_out, "probs": probs_node, "muls": muls}
-    return Match(nodes, chain + muls, returned=(*drop_out, probs_node, *muls), notes=tuple(notes))
+    probs_returned = () if probs_node is None else (probs_node,)
+    return Match(nodes, chain + muls, returned=(*drop_out, *probs_returned, *muls), notes=tuple(notes))
 
 
 def rewrite_attention_softmax(graph: Graph, m: Match, ctx: PassContext) -> Replacement:
@@ -292,7 +345,8 @@ def rewrite_attention_softmax(graph: Graph, m: Match, ctx: PassContext) -> Repla
     if m["dropout"] is not None:
         # other readers of the probabilities (returned attention weights) get the fused op's copy
         uses.update({g: out for g in m["dropout_out"]})
-        uses[m["probs"]] = probs
+        if m["probs"] is not None:  # (None: float32 probabilities only the absorbed dropout read)
+            uses[m["probs"]] = probs
     else:
         uses[m["probs"]] = out
     return Replacement(fused, uses)

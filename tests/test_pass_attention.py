@@ -182,8 +182,8 @@ def test_dropout_in_training_uses_the_fused_ops_mask():
 def test_cost_model_picks_per_case():
     """auto: dropout on the CPU -> dmfx's fused kernel; training without dropout -> the same (a tie
     with SDPA, and the bias gradients fold); fp32 inference -> the same (0.99-1.11x SDPA,
-    bench/RESULTS.md); bf16 inference -> PyTorch's SDPA; bf16 with dropout -> the GEMM form; a mask
-    that requires grad -> the GEMM form."""
+    bench/RESULTS.md); bf16 inference -> PyTorch's SDPA; bf16 training, with or without dropout -> the
+    GEMM form (SDPA's bf16 backward is slower on the CPU); a mask that requires grad -> the GEMM form."""
     torch.manual_seed(0)
     x, mask = torch.randn(B, L, E), _params()[-1]
     assert _forms(_SelfAttention(p=0.1).train(), x, mask) == ["flash"]
@@ -193,6 +193,9 @@ def test_cost_model_picks_per_case():
         assert _forms(_SelfAttention(p=0.1).eval(), x, mask) == ["flash"]
         assert _forms(_SelfAttention(p=0.1).eval().to(torch.bfloat16), x.bfloat16(), mask.bfloat16()) == ["sdpa"]
     assert _forms(_SelfAttention(p=0.1).train().to(torch.bfloat16), x.bfloat16(), mask.bfloat16()) == ["gemm"]
+    xb = x.bfloat16().requires_grad_()
+    assert _forms(_SelfAttention(p=0.0).train().to(torch.bfloat16), xb, mask.bfloat16()) == ["gemm"]
+    assert _forms(_SelfAttention(p=0.0).train().to(torch.float16), xb.detach().half().requires_grad_(), mask.half()) == ["gemm"]
     bias = torch.nn.Parameter(torch.randn(1, H, L, L))
     assert _forms(_SelfAttention(p=0.1).train(), x, bias) == ["gemm"]
     assert _forms(_SelfAttention(p=0.1).train(), x, mask, attention="sdpa") == ["sdpa"]

@@ -149,6 +149,76 @@ def test_softmax_autocast_style_casts_are_absorbed():
     check_same(fn, gm, q, k, v, tol=2e-2)
 
 
+def _promoted(where):
+    """HF's eager attention under CPU autocast: bf16 scores, a float32 mask (built in the embeddings'
+    dtype), so the add promotes and the softmax runs in float32; the probabilities go back to bf16
+    right after the softmax (GPT-2, dropout then in bf16) or after a float32 dropout (BERT, LLaMA:
+    autocast casts them for the second GEMM)."""
+    def fn(q, k, v, mask):
+        s = (q @ k.transpose(-1, -2)) * 0.25 + mask
+        p = torch.softmax(s, dim=-1)
+        if where == "after_softmax":
+            return F.dropout(p.to(q.dtype), 0.1, training=True) @ v
+        if where == "after_dropout":
+            return F.dropout(p, 0.1, training=True).to(q.dtype) @ v
+        return p.to(q.dtype) @ v  # no dropout
+    return fn
+
+
+def _bf16_masked(S=6):
+    q, k, v = (t.to(torch.bfloat16) for t in _qk(S=S))
+    mask = torch.zeros(2, 1, 1, S)
+    mask[1, ..., S - 2:] = torch.finfo(torch.float32).min
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("where", ["after_softmax", "after_dropout", "no_dropout"])
+def test_bf16_scores_promoted_by_a_float32_mask_fuse(where):
+    args = _bf16_masked()
+    fn = _promoted(where)
+    gm, ctx = rewrite(fn, *args, passes=SOFTMAX_PASSES)
+    assert ctx.fired.get("attention_softmax") == 1, ctx.missed
+    t = targets(gm)
+    assert aten._softmax.default not in t and aten.native_dropout.default not in t and aten._to_copy.default not in t
+    (sm,) = [n for n in gm.graph.nodes if n.target is dmfx_ops.attention_softmax.default]
+    assert sm.meta["val"][0].dtype == torch.bfloat16  # probabilities in the scores' dtype, read by the bf16 GEMM
+    assert sm.args[5] == pytest.approx(0.0 if where == "no_dropout" else 0.1)
+    if where == "no_dropout":
+        check_same(fn, gm, *args, tol=1e-2)  # (the scale is a power of two: the same math; bf16 GEMM rounding)
+    else:  # dropout: another mask than eager's; the kept entries carry the probabilities scaled by 1/(1-p)
+        q, k, v, mask = args
+        out = gm(q, k, torch.eye(6, 8).to(torch.bfloat16).expand(2, 3, 6, 8), mask)
+        out = (out[0] if isinstance(out, tuple) else out)[..., :6]  # P_dropped @ [I | 0]: P_dropped
+        probs = torch.softmax((q @ k.transpose(-1, -2)).float() * 0.25 + mask, -1)
+        kept = out.float() != 0
+        assert 0 < kept.float().mean() < 1
+        torch.testing.assert_close(out.float()[kept], (probs / 0.9)[kept], rtol=2e-2, atol=1e-3)
+
+
+def test_bf16_promoted_near_misses_are_left_alone():
+    args = _bf16_masked()
+
+    def probs_read_in_float32(q, k, v, mask):  # the float32 probabilities are returned too
+        p = torch.softmax((q @ k.transpose(-1, -2)) * 0.25 + mask, dim=-1)
+        return p.to(q.dtype) @ v, p
+
+    def never_cast_back(q, k, v, mask):  # the second GEMM reads float32 probabilities (v upcast)
+        p = torch.softmax((q @ k.transpose(-1, -2)) * 0.25 + mask, dim=-1)
+        return p @ v.float()
+
+    def dropout_mask_read(q, k, v, mask):  # the float32 dropout's mask is read: not absorbed
+        p = torch.softmax((q @ k.transpose(-1, -2)) * 0.25 + mask, dim=-1)
+        out, keep = aten.native_dropout(p, 0.1, True)
+        return out.to(q.dtype) @ v, keep
+
+    for fn in (probs_read_in_float32, never_cast_back, dropout_mask_read):
+        gm, ctx = rewrite(fn, *args, passes=SOFTMAX_PASSES)
+        assert "attention_softmax" not in ctx.fired, fn.__name__
+        assert any("another dtype than the softmax input" in m for m in ctx.missed), (fn.__name__, ctx.missed)
+        if fn is not dropout_mask_read:
+            check_same(fn, gm, *args)
+
+
 def test_softmax_near_misses():
     q, k, v = _qk()
     # softmax over a non-last dim
