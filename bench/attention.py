@@ -21,6 +21,7 @@ Candidates run interleaved in one process (round r: all candidates, round r+1: .
 ``--rounds``; outputs are compared with eager's in eval mode first.
 
 Usage: ``python -m bench.attention [--seq 128,512] [--dropout 0.0,0.1] [--mode train|infer|both]
+[--mask padding,none,causal] [--dtype float32|bfloat16|float16]
 [--batch 8 --heads 12 --head-dim 64 --rounds 10 --threads 2] [--json PATH]``
 """
 
@@ -52,7 +53,10 @@ def parse_args(argv=None):
     p.add_argument("--seq", default="128,512")
     p.add_argument("--dropout", default="0.0,0.1")
     p.add_argument("--mode", choices=["train", "infer", "both"], default="both")
-    p.add_argument("--mask", default="padding", help="comma list of: padding (last quarter of half the batch), none")
+    p.add_argument("--mask", default="padding",
+                   help="comma list of: padding (last quarter of half the batch), none, causal")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="q, k, v (the padding mask stays float32, as HF builds it under autocast)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--head-dim", type=int, default=64)
@@ -64,9 +68,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _inputs(B, L, H, D, device, train, mask_kind="padding"):
-    qkv = torch.randn(B, L, 3 * H * D, device=device, requires_grad=train)
-    if mask_kind == "none":
+def _inputs(B, L, H, D, device, train, mask_kind="padding", dtype=torch.float32):
+    qkv = torch.randn(B, L, 3 * H * D, device=device, dtype=dtype, requires_grad=train)
+    if mask_kind in ("none", "causal"):
         return qkv, None
     mask = torch.zeros(B, 1, 1, L, device=device)
     mask[: B // 2, ..., L - L // 4 :] = torch.finfo(torch.float32).min
@@ -78,26 +82,30 @@ def _split(qkv, H, D):
     return [t.transpose(1, 2) for t in qkv.view(B, L, 3, H, D).unbind(2)]
 
 
-def candidates(H, D, p):
+def candidates(H, D, p, causal=False):
     scale = D**-0.5
 
-    def eager(qkv, mask):
+    def eager(qkv, mask):  # (a float32 mask promotes bf16 scores, as under autocast: cast back for the GEMM)
         q, k, v = _split(qkv, H, D)
         s = q @ k.transpose(-1, -2) * scale
+        if causal:
+            L = s.shape[-1]
+            s = s.masked_fill(torch.ones(L, L, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
         probs = torch.softmax(s if mask is None else s + mask, -1)
-        return F.dropout(probs, p, training=p > 0) @ v
+        return F.dropout(probs, p, training=p > 0).to(v.dtype) @ v
 
     def sdpa(qkv, mask):
         q, k, v = _split(qkv, H, D)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=scale)
+        mask = None if mask is None else mask.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=scale, is_causal=causal)
 
     def dmfx_gemm(qkv, mask):
         q, k, v = _split(qkv, H, D)
-        return torch.ops.dmfx.attention(q, k, v, mask, scale, False, new_seed() if p else None, p)[0]
+        return torch.ops.dmfx.attention(q, k, v, mask, scale, causal, new_seed() if p else None, p)[0]
 
     def dmfx_flash(qkv, mask):
         q, k, v = _split(qkv, H, D)
-        return torch.ops.dmfx.flash_attention(q, k, v, mask, scale, False, new_seed() if p else None, p)[0]
+        return torch.ops.dmfx.flash_attention(q, k, v, mask, scale, causal, new_seed() if p else None, p)[0]
 
     return {"eager": eager, "sdpa": sdpa, "dmfx_gemm": dmfx_gemm, "dmfx_flash": dmfx_flash}
 
@@ -109,11 +117,13 @@ def _sync(device):
 
 def run_case(args, L, p, train, mask_kind="padding"):
     B, H, D = args.batch, args.heads, args.head_dim
-    qkv, mask = _inputs(B, L, H, D, args.device, train, mask_kind)
-    cands = candidates(H, D, p)
+    qkv, mask = _inputs(B, L, H, D, args.device, train, mask_kind, getattr(torch, args.dtype))
+    causal = mask_kind == "causal"
+    cands = candidates(H, D, p, causal)
     with torch.no_grad():  # same values first (no dropout)
-        ref = candidates(H, D, 0.0)["eager"](qkv, mask)
-        errs = {n: ((f(qkv, mask) - ref).norm() / ref.norm()).item() for n, f in candidates(H, D, 0.0).items()}
+        ref = candidates(H, D, 0.0, causal)["eager"](qkv, mask).float()
+        errs = {n: ((f(qkv, mask).float() - ref).norm() / ref.norm()).item()
+                for n, f in candidates(H, D, 0.0, causal).items()}
 
     def step(f):
         if train:
@@ -170,7 +180,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     raw = run(args)
-    head = (f"attention alone | torch {torch.__version__} | {args.device} | threads {args.threads} | fp32 | "
+    head = (f"attention alone | torch {torch.__version__} | {args.device} | threads {args.threads} | {args.dtype} | "
             f"B={args.batch} heads={args.heads} head_dim={args.head_dim} | mask {args.mask} | "
             f"{datetime.datetime.now():%Y-%m-%d %H:%M}")
     print(head)

@@ -159,6 +159,12 @@ def _bmm_of(s: Node) -> Node | None:
 
 
 
+#: bf16/fp16 attention in training on the CPU takes dmfx's GEMM form up to this many keys, PyTorch's SDPA
+#: beyond (bench/attention.py --dtype bfloat16, B=8 H=12 D=64, 1 thread, forward + backward: the GEMM form
+#: 2.8x SDPA at L=128, 1.6x at 256, 0.88x at 384, 0.79x at 512, where its [B, H, L, L] scores leave the cache).
+GEMM_FORM_MAX_KEYS = 256
+
+
 def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | None, causal: bool, p: float,
                 scale: float, probs_read: bool) -> tuple[str, str]:
     """The cost model, checked against bench/attention.py (numbers in bench/RESULTS.md). Returns
@@ -167,8 +173,8 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | Non
     * "gemm": dmfx::attention, the paper's two batched GEMMs around the fused softmax. The only form
       that hands out the probabilities (returned attention weights) and a mask gradient (T5's
       learned position bias), so it runs wherever those are needed, where nothing fused exists
-      (dropout in bf16/fp16 on the CPU), and in bf16/fp16 training on the CPU without dropout, where
-      its forward + backward beats SDPA's (1.1x at L=512 to 3.2x at L=128, causal 2.2x at L=256).
+      (dropout in bf16/fp16 on the CPU), and in bf16/fp16 training on the CPU without dropout over at
+      most GEMM_FORM_MAX_KEYS keys, where its forward + backward beats SDPA's.
     * "flash": dmfx::flash_attention, the scores kept in cache per block of query rows and recomputed
       in the backward. With dropout on the CPU it is 1.7x (L=128) to 2.7x (L=512) faster than SDPA,
       which falls back to its unfused math path for dropout on the CPU, and 1.2-1.6x faster than
@@ -181,8 +187,8 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | Non
     * "sdpa": PyTorch's own scaled_dot_product_attention, for one query row in inference (a decode
       step: dmfx's kernel, built for blocks of query rows, is about 3x slower there), for causal
       attention without dropout (a tie at best for dmfx's kernel, which gains nothing there: no bias
-      to fold in the models that use it), for bf16/fp16 inference on the CPU (1.4-1.6x faster than
-      the "gemm" form), and on CUDA (its flash / efficient / cuDNN kernels run on tensor cores;
+      to fold in the models that use it), for bf16/fp16 on the CPU in inference (about 2x faster than
+      the "gemm" form) or over longer keys, and on CUDA (its flash / efficient / cuDNN kernels run on tensor cores;
       dmfx's CUDA flash kernel, csrc/attention_cuda.cu, on CUDA cores, and it has not run on a GPU
       yet: only attention="flash" picks it). Not with a causal mask over different query and
       key lengths (SDPA aligns it top-left, dmfx and HF bottom-right).
@@ -225,11 +231,13 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | Non
     if qm.device.type == "cpu" and isinstance(qm.shape[2], int) and qm.shape[2] == 1 and not ctx.needs_grad(q4) and sdpa_ok:
         return "sdpa", ("one query row (a decode step): PyTorch's SDPA kernel is about 3x faster than dmfx's "
                         "here (0.10 vs 0.28 ms per call, LLaMA hidden 512 with a 64-row static cache: bench/generate.py)")
-    if qm.device.type == "cpu" and qm.dtype in (torch.bfloat16, torch.float16) and ctx.needs_grad(q4):
-        return "gemm", (f"training in {qm.dtype} on the CPU: dmfx's GEMM form (fused softmax between two batched "
-                        "GEMMs) runs forward + backward 1.1-3.2x faster than PyTorch's SDPA (bf16, 1 thread: "
-                        "9.5 vs 30.3 ms at B=8 H=12 L=128, 6.9 vs 14.9 ms causal at L=256, 60 vs 65 ms at L=512; "
-                        "bench/RESULTS.md, 2026-12-04)")
+    keys = tensor_meta(k4).shape[2]
+    if (qm.device.type == "cpu" and qm.dtype in (torch.bfloat16, torch.float16) and ctx.needs_grad(q4)
+            and isinstance(keys, int) and keys <= GEMM_FORM_MAX_KEYS):
+        return "gemm", (f"training in {qm.dtype} on the CPU over at most {GEMM_FORM_MAX_KEYS} keys: dmfx's GEMM form "
+                        "(the fused softmax between two batched GEMMs) runs forward + backward faster than PyTorch's "
+                        "SDPA (bf16, 1 thread, B=8 H=12: 2.8x at L=128, 1.6x at L=256; causal L=256 1.1x; "
+                        "bench/attention.py --dtype bfloat16, bench/RESULTS.md)")
     if qm.device.type == "cpu" and qm.dtype == torch.float32 and not causal and flash_auto:
         if ctx.needs_grad(q4):
             return "flash", ("training without dropout on the CPU: dmfx's fused kernel ties SDPA's forward+backward "
@@ -249,8 +257,9 @@ def _why_sdpa(qm: torch.Tensor, causal: bool) -> str:
     if qm.device.type != "cpu":
         return f"on {qm.device.type}, PyTorch's SDPA (its tensor-core kernels) is the fastest"
     if qm.dtype != torch.float32:
-        return (f"inference in {qm.dtype} on the CPU: PyTorch's SDPA kernel is faster than dmfx's GEMM form "
-                "(bf16, 1 thread: 1.8 vs 2.9 ms at B=8 H=12 L=128; dmfx's fused kernel runs float32 only)")
+        return (f"{qm.dtype} on the CPU, inference or over more than {GEMM_FORM_MAX_KEYS} keys: PyTorch's SDPA "
+                "kernel is faster than dmfx's GEMM form (bf16, 1 thread, B=8 H=12: inference 2.1 vs 4.0 ms at "
+                "L=128; training 145 vs 184 ms at L=512; dmfx's fused kernel runs float32 only)")
     if causal:
         return "causal attention without dropout: PyTorch's SDPA skips the masked half as dmfx's kernel would"
     return "PyTorch's SDPA kernel is the fastest here"

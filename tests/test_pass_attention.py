@@ -179,6 +179,18 @@ def test_dropout_in_training_uses_the_fused_ops_mask():
         assert rel_err(torch.compile(model, backend="dmfx")(x, mask), ref(x, mask)) < 1e-5
 
 
+def test_cost_model_bf16_training_over_long_keys_is_sdpas(monkeypatch):
+    """Past GEMM_FORM_MAX_KEYS keys the GEMM form's [B, H, L, L] scores leave the cache and SDPA's
+    bf16 backward is faster (bench/RESULTS.md): there bf16 training without dropout is SDPA's."""
+    from dmfx.passes import attention as attention_pass
+
+    x, mask = _params()[0].bfloat16().requires_grad_(), _params()[-1].bfloat16()
+    assert _forms(_SelfAttention(p=0.0).train().to(torch.bfloat16), x, mask) == ["gemm"]
+    monkeypatch.setattr(attention_pass, "GEMM_FORM_MAX_KEYS", L - 1)
+    assert _forms(_SelfAttention(p=0.0).train().to(torch.bfloat16), x, mask) == ["sdpa"]
+    assert _forms(_SelfAttention(p=0.1).train().to(torch.bfloat16), x, mask) == ["gemm"]  # dropout: no fused kernel
+
+
 def test_cost_model_picks_per_case():
     """auto: dropout on the CPU -> dmfx's fused kernel; training without dropout -> the same (a tie
     with SDPA, and the bias gradients fold); fp32 inference -> the same (0.99-1.11x SDPA,
