@@ -128,6 +128,38 @@ def test_autocast_bf16_fuses_bias_dropout_residual_norm():
     assert fired().get("bias_dropout_residual_norm", 0) >= 2, fired()
 
 
+def gpt2():
+    cfg = transformers.GPT2Config(vocab_size=500, n_positions=64, n_embd=64, n_layer=2, n_head=2, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg._attn_implementation = "eager"
+    return transformers.GPT2Model(cfg)
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
+def test_autocast_bf16_attention_behind_hf_float32_masks_fuses(name):
+    """HF builds its masks in the embeddings' dtype, float32 under CPU autocast: the bf16 scores + the
+    mask promote to float32, the softmax runs in float32 and its probabilities are cast back for the
+    second GEMM. The attention still fuses (every layer), in training as dmfx's GEMM form (faster than
+    SDPA in bf16 at these lengths: bench/RESULTS.md), and matches eager, forward and backward."""
+    m = {"bert": bert, "gpt2": gpt2, "llama": llama}[name]().train()
+    ref = copy.deepcopy(m)
+    ids = torch.randint(0, 500, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 12:] = 0  # a padded batch
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        opts = {"fallback": False, "fuse": "all"}
+        out = torch.compile(m, backend="dmfx", options=opts)(input_ids=ids, attention_mask=mask).last_hidden_state
+        exp = ref(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert rel_err(out.float(), exp.float()) < BF16_TOL
+    R = cotangent(exp.shape)
+    (out.float() * R).sum().backward()
+    (exp.float() * R).sum().backward()
+    grads_close(m, ref, BF16_TOL)
+    assert fired().get("attention", 0) == 2, (fired(), [r.missed for r in dmfx.records()])
+    forms = [f for r in dmfx.records() for f, _ in r.attention_forms.values()]
+    assert forms == ["gemm", "gemm"], forms
+
+
 # ----------------------------------------------------------------------------------------- dynamic shapes
 
 LENGTHS = (5, 7, 9, 12, 16, 23, 31, 40)
