@@ -21,7 +21,7 @@ Two workloads, each candidate timed interleaved (A B C A B C ...), medians:
 
 ``--candidates`` also takes ``dmfx-skip-<pass>`` and ``dmfx-unpad-skip-<pass>`` (that pass switched off).
 
-    python -m bench.padded [--workload embed|finetune|mlm] [--batch 32] [--rounds 15] [--threads 2]
+    python -m bench.padded [--workload embed|finetune|mlm] [--batch 32] [--rounds 15] [--threads 2] [--autocast bf16]
 
 Page faults: PyTorch's CPU tensors come from glibc's malloc, which returns large freed blocks to the
 OS, so every step faults its activations in again (the kernel zeroes each fresh page); ONNX Runtime
@@ -34,6 +34,7 @@ without it; bench/RESULTS.md reports both.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import tempfile
@@ -238,9 +239,13 @@ def finetune(args) -> None:
     check.load_state_dict(base.state_dict())
     check.train()
 
+    amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if args.autocast == "bf16" else contextlib.nullcontext
+
     def grads(model):
         check.zero_grad(set_to_none=True)
-        model(**batch).loss.backward()
+        with amp():
+            loss = model(**batch).loss
+        loss.backward()
         return {n: p.grad.clone() for n, p in check.named_parameters()}
     g_ref = grads(check)
     g_unpad = grads(torch.compile(check, backend="dmfx", options={"unpad": True}))
@@ -257,7 +262,9 @@ def finetune(args) -> None:
         def run():
             t = time.perf_counter()
             model.zero_grad(set_to_none=True)
-            model(**batch).loss.backward()
+            with amp():
+                loss = model(**batch).loss
+            loss.backward()
             return {"step": time.perf_counter() - t}
         return run
 
@@ -290,6 +297,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--candidates", default=None)
+    p.add_argument("--autocast", choices=("bf16",), default=None,
+                   help="finetune, mlm: each step under torch.autocast('cpu', torch.bfloat16)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.workload == "embed":
