@@ -3,7 +3,7 @@
 default, compiler="inductor") vs dmfx with compiler="fx", and the step's GEMMs replayed alone (the
 floor), interleaved in one process, medians; first-call (compile) time of each.
 
-Models (random weights from HF configs, eager attention, dropout as the config has it):
+Models (random weights from HF configs, eager attention unless ``--attn sdpa``, dropout as the config has it):
 
 * ``bert-mlm``: ``BertForMaskedLM``, BERT-base sizes (``--layers`` of them), B=8 L=128;
 * ``gpt2-lm``: ``GPT2LMHeadModel`` (768 hidden, vocab 50257), B=4 L=256;
@@ -47,9 +47,10 @@ MODELS = {
 LAYER_KEY = {"GPT2Config": "n_layer"}
 
 
-def build(name: str, layers: int, seed: int = 0, batch: int | None = None, seq: int | None = None):
+def build(name: str, layers: int, seed: int = 0, batch: int | None = None, seq: int | None = None, attn: str = "eager"):
     """The model `name` (MODELS) with `layers` layers and its keyword inputs (token ids, labels); its
-    own batch size and sequence length unless `batch` / `seq` are given."""
+    own batch size and sequence length unless `batch` / `seq` are given; HF's attention implementation
+    `attn` ("eager", or "sdpa": the model calls scaled_dot_product_attention, HF's default)."""
     import transformers
 
     cfg_name, cls_name, extra, model_batch, model_seq = MODELS[name]
@@ -57,7 +58,7 @@ def build(name: str, layers: int, seed: int = 0, batch: int | None = None, seq: 
     seq = model_seq and (seq or model_seq)  # (an image model has no sequence length)
     torch.manual_seed(seed)
     cfg = getattr(transformers, cfg_name)(**{**extra, LAYER_KEY.get(cfg_name, "num_hidden_layers"): layers})
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = attn
     model = getattr(transformers, cls_name)(cfg)
     if seq is None:  # an image model: pixels in, one class label per image
         pixels = torch.randn(batch, cfg.num_channels, cfg.image_size, cfg.image_size)
@@ -122,9 +123,9 @@ def candidates(names, base, kwargs, train: bool, autocast: torch.dtype | None = 
 
 
 def run(name: str, layers: int, train: bool, names: list[str], rounds: int, clock,
-        autocast: torch.dtype | None = None) -> dict:
+        autocast: torch.dtype | None = None, attn: str = "eager") -> dict:
     torch._dynamo.reset()
-    base, kwargs = build(name, layers)
+    base, kwargs = build(name, layers, attn=attn)
     steps = candidates(names, base, kwargs, train, autocast)
     first = {}
 
@@ -141,7 +142,7 @@ def run(name: str, layers: int, train: bool, names: list[str], rounds: int, cloc
                         lambda n, e: log(f"  {n} failed: {type(e).__name__}: {e}"))
     med = {n: median(t["total"]) for n, t in times.items()}
     res = {"model": name, "layers": layers, "mode": "train" if train else "infer",
-           "autocast": str(autocast).replace("torch.", "") if autocast else None, "median_ms": med,
+           "autocast": str(autocast).replace("torch.", "") if autocast else None, "attn": attn, "median_ms": med,
            "range_ms": {n: (min(t["total"]), max(t["total"])) for n, t in times.items()},
            "first_call_s": first}
     for ref in ("eager", "inductor", "floor"):
@@ -166,6 +167,7 @@ def main() -> None:
     p.add_argument("--candidates", default="eager,inductor,dmfx,dmfx-fx,floor")
     p.add_argument("--autocast", choices=("bf16", "fp16"), default=None,
                    help="run each step under torch.autocast('cpu') in this dtype (weights stay float32)")
+    p.add_argument("--attn", choices=("eager", "sdpa"), default="eager", help="HF's attention implementation")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[a.autocast]
@@ -173,7 +175,7 @@ def main() -> None:
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
     out = {"env": {**environment("cpu"), "clock": a.clock}, "results": []}
     for name in a.models.split(","):
-        r = run(name, a.layers, not a.infer, a.candidates.split(","), a.rounds, clock, autocast)
+        r = run(name, a.layers, not a.infer, a.candidates.split(","), a.rounds, clock, autocast, a.attn)
         out["results"].append(r)
         for n, t in r["median_ms"].items():
             lo, hi = r["range_ms"][n]

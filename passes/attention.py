@@ -405,7 +405,9 @@ def match_sdpa_call(n: Node, ctx: PassContext) -> Match | Miss | None:
     the same cost model as the eager pattern: where it picks dmfx's fused kernel (training without
     dropout on the CPU, so that the projections stack and the bias gradients fold), the call becomes
     ``dmfx::flash_attention`` with the same q, k, v, mask (bool: True = attend, as in SDPA) and scale
-    (SDPA's default 1/sqrt(D) made explicit); elsewhere it stays PyTorch's. With dropout on the CPU
+    (SDPA's default 1/sqrt(D) made explicit); where it picks the GEMM form for its speed (bf16/fp16
+    training on the CPU over short keys, where PyTorch's CPU kernel is slow backward), ``dmfx::attention``
+    with the same arguments; elsewhere it stays PyTorch's. With dropout on the CPU
     the call never reaches the graph as one op: SDPA runs its math path, whose ops the softmax and
     attention fusions take. A causal call (a decoder's prefill) over equal query and key lengths goes
     to the cost model as causal attention (which leaves it to SDPA unless ``attention="flash"`` or
@@ -437,11 +439,13 @@ def match_sdpa_call(n: Node, ctx: PassContext) -> Match | Miss | None:
             return None  # a symbolic head size: the scale is not a float at compile time
         scale = d**-0.5
     form, why = choose_form(ctx, q4, k4, v4, mask, bool(causal), 0.0, float(scale), probs_read=False)
-    if form != "flash":
+    # The GEMM form where the cost model picks it for speed (bf16/fp16 training on the CPU, or the option);
+    # not where it picks it for a mask that requires grad: SDPA's call differentiates that mask already.
+    if not (form == "flash" or (form == "gemm" and not ctx.needs_grad(mask))):
         return Miss(f"left to PyTorch's scaled_dot_product_attention: {why}")
     outs = tuple(n.users) if call["extra_outputs"] else (n,)  # (its getitems of the output, or itself)
     nodes = {"call": n, "q4": q4, "k4": k4, "v4": v4, "mask": mask, "scale": float(scale), "causal": bool(causal),
-             "why": why}
+             "form": form, "why": why}
     return Match(nodes, list(dict.fromkeys([n, *outs])), returned=outs)
 
 
@@ -453,20 +457,20 @@ def _equal_sizes(a: object, b: object) -> bool:
 
 
 def rewrite_sdpa_call(graph: Graph, m: Match, ctx: PassContext) -> Replacement:
-    n = m["call"]
+    n, form = m["call"], m["form"]
+    op = torch.ops.dmfx.flash_attention.default if form == "flash" else torch.ops.dmfx.attention.default
     with graph.inserting_before(n):
-        fused = insert_call(graph, ctx, torch.ops.dmfx.flash_attention.default,
-                            (m["q4"], m["k4"], m["v4"], m["mask"], m["scale"], m["causal"], None, 0.0))
-        out, _ = insert_getitems(graph, fused, 2)
-    ctx.forms[fused.name] = ("flash", m["why"])
-    log.debug("dmfx: scaled_dot_product_attention %s runs in the flash form: %s", n.name, m["why"])
+        fused = insert_call(graph, ctx, op, (m["q4"], m["k4"], m["v4"], m["mask"], m["scale"], m["causal"], None, 0.0))
+        out = insert_getitems(graph, fused, 2 if form == "flash" else 3)[0]
+    ctx.forms[fused.name] = (form, m["why"])
+    log.debug("dmfx: scaled_dot_product_attention %s runs in the %s form: %s", n.name, form, m["why"])
     # later views may have relied on PyTorch's output strides
     return Replacement(fused, {u: out for u in m.returned}, strides_unknown=(out,))
 
 
 _SDPA_OPS = tuple(op for op in (getattr(aten, name, None) for name in _SDPA_CALLS) if op is not None)
 
-#: scaled_dot_product_attention calls -> dmfx::flash_attention, where the cost model picks it.
+#: scaled_dot_product_attention calls -> dmfx::flash_attention or dmfx::attention, where the cost model picks it.
 LOWER_SDPA_CALLS = Fusion("lower_sdpa_calls", _SDPA_OPS, match_sdpa_call, rewrite_sdpa_call, gemm="inside")
 
 

@@ -1,7 +1,8 @@
 """The lower_sdpa_calls fusion (passes/attention.py): a model's own scaled_dot_product_attention calls
 go through the attention cost model and become dmfx::flash_attention where it picks dmfx's fused
-kernel (gradients equal eager's, the bias gradients fold); causal calls over different lengths and
-bf16 calls stay PyTorch's, and one query row in inference (a decode step) too."""
+kernel (gradients equal eager's, the bias gradients fold), or dmfx::attention where it picks the GEMM
+form (bf16 training on the CPU); causal calls over different lengths, bf16 inference and a learned mask
+stay PyTorch's, and one query row in inference (a decode step) too."""
 
 import pytest
 import torch
@@ -99,6 +100,54 @@ def test_sdpa_call_grouped_query_cross_attention_and_2d_masks(gqa, mask_kind):
     for a, b in zip(got, want):
         assert rel_err(a, b) < 1e-5
     assert [f for r in dmfx.records() for f, _ in r.attention_forms.values()] == ["flash"]
+
+
+@pytest.mark.parametrize("case", ["self-float-mask", "self-bool-mask", "gqa-cross", "repeated-kv-cross"])
+def test_bf16_training_sdpa_call_becomes_the_gemm_form(case):
+    """bf16 training on the CPU over short keys: PyTorch's CPU SDPA kernel is slow backward there
+    (bench/RESULTS.md), so the cost model picks dmfx's GEMM form and the call becomes dmfx::attention
+    (grouped-query k/v and cross-attention included); outputs and gradients match eager's."""
+    torch.manual_seed(0)
+    if case.startswith("self"):
+        model = _SdpaAttention().to(torch.bfloat16)
+        mask = _params()[-1].bfloat16() if case == "self-float-mask" else _bool_mask()
+        inputs = (torch.randn(B, L, E, dtype=torch.bfloat16, requires_grad=True), mask)
+    else:
+        model = _SdpaCross(gqa=case == "gqa-cross").to(torch.bfloat16)
+        inputs = (torch.randn(2, 6, 32, dtype=torch.bfloat16, requires_grad=True),
+                  torch.randn(2, 9, 32, dtype=torch.bfloat16, requires_grad=True), torch.rand(6, 9) > 0.3)
+    torch._dynamo.reset()
+    dmfx.reset()
+    out = torch.compile(model, backend="dmfx", options={"fallback": False, "stack_qkv": False})(*inputs)
+    ref = model(*inputs)
+    assert rel_err(out.float(), ref.float()) < 2e-2
+    g = torch.randn(ref.shape)
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    got, want = (torch.autograd.grad((o.float() * g).sum(), leaves) for o in (out, ref))
+    for a, b in zip(got, want):
+        assert rel_err(a.float(), b.float()) < 2e-2
+    assert [f for r in dmfx.records() for f, _ in r.attention_forms.values()] == ["gemm"]
+    for rec in dmfx.records():
+        assert not any("scaled_dot_product" in str(n.target) for n in rec.forward_graph.graph.nodes)
+
+
+def test_bf16_training_sdpa_call_with_a_learned_mask_differentiates_it():
+    """A mask that requires grad (T5's position bias): the call is not lowered here (SDPA's own op
+    differentiates that mask; restore_sdpa hands it back to AOTAutograd, whose math path the eager
+    fusions take in the GEMM form, the one that computes a mask gradient). The bias's gradient is eager's."""
+    torch.manual_seed(0)
+    model = _SdpaAttention().to(torch.bfloat16)
+    bias = torch.randn(1, 3, L, L, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(B, L, E, dtype=torch.bfloat16, requires_grad=True)
+    torch._dynamo.reset()
+    dmfx.reset()
+    out = torch.compile(model, backend="dmfx", options={"fallback": False})(x, bias)
+    ref = model(x, bias)
+    g = torch.randn(ref.shape)
+    got, want = (torch.autograd.grad((o.float() * g).sum(), (x, bias)) for o in (out, ref))
+    for a, b in zip(got, want):
+        assert rel_err(a.float(), b.float()) < 2e-2
+    assert [f for r in dmfx.records() for f, _ in r.attention_forms.values()] == ["gemm"]
 
 
 def test_sdpa_call_near_misses_stay_pytorchs():
