@@ -96,8 +96,9 @@ def _cast_back_down(sm: Node, probs_node: Node, mask: Node | None, m2: Node | No
     (BERT, LLaMA: autocast casts the dropped probabilities for the GEMM). That is one softmax in the
     scores' dtype with float32 math inside, which dmfx::attention_softmax is; the fused op also takes
     the scaled scores in float32 instead of rounding them to bf16 first (exact for power-of-two scales,
-    such as 1/sqrt(64); else within half a bf16 ulp of the scores). Returns ``("after_softmax", cast)``
-    or ``("after_dropout", dropout, getitem, cast)``, or why the chain is left alone."""
+    such as 1/sqrt(64); else within half a bf16 ulp of the scores). Returns ``("after_softmax", cast,
+    [a clone between them])`` or ``("after_dropout", dropout, getitem, cast)``, or why the chain is left
+    alone."""
     why = "the scores have another dtype than the softmax input"
     if not (low in (torch.bfloat16, torch.float16) and high == torch.float32 and mask is not None and m2 is None
             and probs_node is sm):
@@ -114,7 +115,12 @@ def _cast_back_down(sm: Node, probs_node: Node, mask: Node | None, m2: Node | No
         return why + " (the float32 probabilities are read elsewhere)"
     (u,) = sm.users
     if cast_to_low(u):
-        return ("after_softmax", u)
+        return ("after_softmax", u, [])
+    # torch 2.11 traces a training dropout of p = 0 as a clone: softmax -> clone -> cast
+    if is_op(u, aten.clone) and not u.kwargs and len(u.users) == 1:
+        (cast,) = u.users
+        if cast_to_low(cast):
+            return ("after_softmax", cast, [u])
     if is_op(u, aten.native_dropout) and u.args[2] is not False and float(u.args[1]) > 0:
         items = getitem_users(u)
         zero = items.get(0, [])
@@ -311,7 +317,7 @@ def match_attention_softmax(sm: Node, ctx: PassContext) -> Match | Miss | None:
     else:
         if down is not None:  # the cast right after the softmax: the probabilities are the cast's
             probs_node = down[1]
-            chain.append(probs_node)
+            chain += [*down[2], probs_node]
         for u in list(probs_node.users):
             if not is_op(u, aten.native_dropout):
                 continue
