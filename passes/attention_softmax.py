@@ -25,12 +25,14 @@ scores (mask added before the scale).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch.fx import Graph, Node
 
 from .fusion import Fusion, Match, Miss, Replacement
 from .graph_utils import (
+    FLOATS,
     PassContext,
     aten,
     broadcasts_to,
@@ -38,13 +40,13 @@ from .graph_utils import (
     insert_call,
     insert_getitems,
     insert_seed,
+    is_dtype_cast,
     is_op,
     is_scalar,
     kernel_friendly,
     tensor_meta,
 )
 
-FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _VIEWS = (aten.view, aten.reshape, aten._unsafe_view, aten.expand, aten.clone)
 
 
@@ -59,36 +61,29 @@ def _softmax_core(n: Node) -> tuple[Node, Node, list[Node]] | None:
         return None
     absorbed = [n]
     # autocast / HF: softmax(x.float()).to(x.dtype)  ->  one softmax in x's dtype (fp32 inside)
-    if _is_float_cast(x) and len(x.users) == 1:
+    if is_dtype_cast(x) and len(x.users) == 1:
         inner = x.args[0]
         im = tensor_meta(inner)
         if im is not None and im.dtype in FLOATS and len(n.users) == 1:
             (down,) = n.users
             dm = tensor_meta(down)
-            if _is_float_cast(down) and dm is not None and dm.dtype == im.dtype:
+            if is_dtype_cast(down) and dm is not None and dm.dtype == im.dtype:
                 return inner, down, [x, n, down]
     if om.dtype != xm.dtype:  # _softmax(half_to_float=True) / dtype=: keep it, the kernel writes x's dtype
         return None
     return x, n, absorbed
 
 
-def _is_float_cast(n: object) -> bool:
-    if not is_op(n, aten._to_copy, torch.ops.prims.convert_element_type):
-        return False
-    m, im = tensor_meta(n), tensor_meta(n.args[0])
-    if m is None or im is None or m.dtype not in FLOATS:
-        return False
-    if is_op(n, aten._to_copy):  # a pure dtype change: same device, strided, no memory format change
-        kw = dict(n.kwargs)
-        if set(kw) - {"dtype", "layout", "device"} or kw.get("layout", torch.strided) != torch.strided:
-            return False
-        if "device" in kw and torch.device(kw["device"]) != im.device:
-            return False
-    return True
+class _CastBack(NamedTuple):
+    """Where autocast's float32 probabilities go back to the scores' dtype (_cast_back_down)."""
+
+    cast: Node  # the cast down: its readers read the fused op's output
+    between: list[Node]  # the nodes from the softmax to the cast (a clone; or the dropout and its getitem)
+    dropout: Node | None  # the float32 dropout among them
 
 
 def _cast_back_down(sm: Node, probs_node: Node, mask: Node | None, m2: Node | None, low: torch.dtype,
-                    high: torch.dtype) -> tuple | str:
+                    high: torch.dtype) -> _CastBack | str:
     """Autocast with a float32 mask (HF builds its masks in the embeddings' dtype, float32 under
     CPU autocast): bf16/fp16 scores + the mask promote to float32, the softmax runs in float32, and the
     probabilities are cast back to the scores' dtype before the second GEMM, either right after the
@@ -96,9 +91,8 @@ def _cast_back_down(sm: Node, probs_node: Node, mask: Node | None, m2: Node | No
     (BERT, LLaMA: autocast casts the dropped probabilities for the GEMM). That is one softmax in the
     scores' dtype with float32 math inside, which dmfx::attention_softmax is; the fused op also takes
     the scaled scores in float32 instead of rounding them to bf16 first (exact for power-of-two scales,
-    such as 1/sqrt(64); else within half a bf16 ulp of the scores). Returns ``("after_softmax", cast,
-    [a clone between them])`` or ``("after_dropout", dropout, getitem, cast)``, or why the chain is left
-    alone."""
+    such as 1/sqrt(64); else within half a bf16 ulp of the scores). Returns where the cast is, or why
+    the chain is left alone."""
     why = "the scores have another dtype than the softmax input"
     if not (low in (torch.bfloat16, torch.float16) and high == torch.float32 and mask is not None and m2 is None
             and probs_node is sm):
@@ -109,25 +103,25 @@ def _cast_back_down(sm: Node, probs_node: Node, mask: Node | None, m2: Node | No
 
     def cast_to_low(n: Node) -> bool:
         dm = tensor_meta(n)
-        return _is_float_cast(n) and dm is not None and dm.dtype == low
+        return is_dtype_cast(n) and dm is not None and dm.dtype == low
 
     if len(sm.users) != 1:
         return why + " (the float32 probabilities are read elsewhere)"
     (u,) = sm.users
     if cast_to_low(u):
-        return ("after_softmax", u, [])
+        return _CastBack(u, [], None)
     # torch 2.11 traces a training dropout of p = 0 as a clone: softmax -> clone -> cast
     if is_op(u, aten.clone) and not u.kwargs and len(u.users) == 1:
         (cast,) = u.users
         if cast_to_low(cast):
-            return ("after_softmax", cast, [u])
+            return _CastBack(cast, [u], None)
     if is_op(u, aten.native_dropout) and u.args[2] is not False and float(u.args[1]) > 0:
         items = getitem_users(u)
         zero = items.get(0, [])
         if set(items) == {0} and len(zero) == 1 and len(zero[0].users) == 1:
             (cast,) = zero[0].users
             if cast_to_low(cast):
-                return ("after_dropout", u, zero[0], cast)
+                return _CastBack(cast, [u, zero[0]], u)
     return why + " (the float32 probabilities are not cast back to the scores' dtype)"
 
 
@@ -309,15 +303,14 @@ def match_attention_softmax(sm: Node, ctx: PassContext) -> Match | Miss | None:
 
     # dropout after the softmax
     p, drop, drop_out = 0.0, None, []
-    if down is not None and down[0] == "after_dropout":  # dropout in float32, then the cast: both absorbed
-        _, drop, getitem0, cast = down
-        p, drop_out = float(drop.args[1]), [cast]
-        chain += [drop, getitem0, cast]
+    if down is not None and down.dropout is not None:  # dropout in float32, then the cast: both absorbed
+        drop, p, drop_out = down.dropout, float(down.dropout.args[1]), [down.cast]
+        chain += [*down.between, down.cast]
         probs_node = None  # the float32 probabilities are read only by the dropout
     else:
         if down is not None:  # the cast right after the softmax: the probabilities are the cast's
-            probs_node = down[1]
-            chain += [*down[2], probs_node]
+            probs_node = down.cast
+            chain += [*down.between, probs_node]
         for u in list(probs_node.users):
             if not is_op(u, aten.native_dropout):
                 continue

@@ -190,6 +190,28 @@ def commuted(n: Node, *targets: Any) -> list[tuple[Any, Any]]:
     return [(a, b), (b, a)]
 
 
+#: The float dtypes the passes' fused ops take.
+FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def is_dtype_cast(n: Any) -> bool:
+    """`n` converts a float tensor to another float dtype and changes nothing else: ``convert_element_type``,
+    or ``_to_copy`` whose other keywords (AOTAutograd writes ``layout`` and ``device``) keep a strided tensor on
+    its device, with no memory format."""
+    if not is_op(n, aten._to_copy, torch.ops.prims.convert_element_type):
+        return False
+    m, im = tensor_meta(n), tensor_meta(n.args[0])
+    if m is None or im is None or m.dtype not in FLOATS:
+        return False
+    if is_op(n, aten._to_copy):
+        kw = dict(n.kwargs)
+        if set(kw) - {"dtype", "layout", "device"} or kw.get("layout", torch.strided) != torch.strided:
+            return False
+        if "device" in kw and torch.device(kw["device"]) != im.device:
+            return False
+    return True
+
+
 def strip_casts(n: Any) -> Any:
     """The node under float conversions (`_to_copy` / `convert_element_type` changing only dtype)."""
     while is_op(n, aten._to_copy, torch.ops.prims.convert_element_type):

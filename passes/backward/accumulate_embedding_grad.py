@@ -37,7 +37,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..fusion import record
-from ..graph_utils import PassContext, aten, insert_call, is_op, plain_add, val
+from ..graph_utils import PassContext, aten, insert_call, is_dtype_cast, is_op, plain_add, val
 from .accumulate_into_gemm import _root, _writable_at
 
 
@@ -46,11 +46,8 @@ def _produced_by_gemm(n: Node) -> bool:
     graphs for ``F.linear``'s weight gradient), or a dtype conversion of one: under autocast the head's
     GEMM runs in bf16/fp16 and its weight gradient is upcast (``_to_copy(t(t(mm)), dtype=float32)``)
     before the add. The conversion's result is then the fresh buffer the rows go into."""
-    if is_op(n, aten._to_copy.default) and set(n.kwargs) <= {"dtype", "layout", "device"} and len(n.args) == 1:
-        src, v_src, v_n = n.args[0], val(n.args[0]), val(n)
-        if (isinstance(src, Node) and isinstance(v_src, torch.Tensor) and isinstance(v_n, torch.Tensor)
-                and v_src.device == v_n.device and v_src.layout == v_n.layout):
-            n = src
+    if is_dtype_cast(n):
+        n = n.args[0]
     return is_op(_root(n), aten.mm.default, aten.addmm.default)
 
 
