@@ -32,6 +32,12 @@ while dmfx rounds a pre-activation differently: a ReLU's mask flips where the tw
 bias and a GEMM output fall on opposite sides of 0 (seen: 0.01 against eager, 0.014 against float32,
 eager itself 0.011 off at other sizes), and gradients that are 0 in exact arithmetic (a key bias).
 
+Mixed precision as users train in it: N_AUTOCAST_PROGRAMS programs keep float32 modules, inputs and
+masks and run under ``torch.autocast("cpu", bfloat16)`` (dmfx and eager alike), so a graph mixes bf16
+GEMMs with float32 norms and residuals, and bf16 attention scores + HF's float32 mask are promoted to
+float32 for the softmax and cast back for the second GEMM. Their tolerance is the bf16 one, measured
+against the same module run in float32 without autocast.
+
 Dropout with p > 0 draws dmfx's own masks (Philox), not eager's: those programs are not compared by
 value. They check shapes and dtypes against eager, finite values, and that one torch seed gives the
 same outputs and the same gradients twice, bit for bit, another seed other outputs
@@ -61,6 +67,7 @@ import dmfx
 SEED = int(os.environ.get("DMFX_GRAPH_FUZZ_SEED", "1515"))
 ONLY = os.environ.get("DMFX_GRAPH_FUZZ_ONLY")  # run one program index (reproducing a failure)
 N_PROGRAMS = {torch.float32: 26, torch.bfloat16: 8}
+N_AUTOCAST_PROGRAMS = 16  # float32 modules run under torch.autocast("cpu", bfloat16), float32 masks (as HF's)
 CASES = {"small": 19, "wide": 4}  # 26 small and 8 wide programs: 526 compared cases
 WIDE_EVERY = 4  # programs 3, 7, 11, ... are BERT-wide (their cases cost the most: few cases each)
 N_DROPOUT_PROGRAMS = 6
@@ -537,12 +544,16 @@ class RecipeBuilder:
         return outs
 
 
-def make_recipe(index: int, dtype, dropout: bool = False) -> dict:
+def make_recipe(index: int, dtype, dropout: bool = False, autocast=None) -> dict:
     """Program `index`'s recipe and its cases, from the seed alone. One program in WIDE_EVERY is BERT-wide
-    (hidden 256-768, up to 1024 tokens: the aliasing bug's error showed at some widths only)."""
-    rng = random.Random(f"{SEED}/{dtype}/{dropout}/{index}")
+    (hidden 256-768, up to 1024 tokens: the aliasing bug's error showed at some widths only).
+    `autocast` (a dtype): the module, its inputs and its masks are float32 (`dtype` must be) and it runs
+    under ``torch.autocast("cpu", autocast)``, as a user trains in mixed precision: GEMMs in bf16, norms
+    and softmax in float32, and bf16 scores + HF's float32 mask promoted to float32 before the softmax."""
+    assert autocast is None or dtype == torch.float32, "autocast programs are float32 modules"
+    rng = random.Random(f"{SEED}/{dtype}/{dropout}/{index}" + (f"/autocast-{autocast}" if autocast else ""))
     origin = (f"program {index} (DMFX_GRAPH_FUZZ_SEED={SEED} DMFX_GRAPH_FUZZ_ONLY={index}"
-              f"{', dropout' if dropout else ''})")
+              f"{', dropout' if dropout else ''}{f', autocast {autocast}' if autocast else ''})")
     wide = index % WIDE_EVERY == WIDE_EVERY - 1
     if wide:
         H = rng.choice((256, 384, 768))
@@ -555,7 +566,7 @@ def make_recipe(index: int, dtype, dropout: bool = False) -> dict:
     b.build(rng.randint(2, 3) if wide else rng.randint(2, 5), inputs=(0, 1) if rng.random() < 0.3 else (0,),
             embed=embed, steps=b.BLOCKS if wide else b.STEPS)
     recipe = {
-        "origin": origin, "seed": rng.randrange(2**31), "dtype": dtype, "H": H, "heads": heads,
+        "origin": origin, "seed": rng.randrange(2**31), "dtype": dtype, "autocast": autocast, "H": H, "heads": heads,
         "I": 2 * H + int(not wide and rng.random() < 0.5), "vocab": rng.choice((11, 40)), "embed": embed,
         "layout": rng.choice(("contiguous", "contiguous", "transposed", "sliced")),
         "x_grad": rng.random() < 0.8 and not embed, "x2_grad": rng.random() < 0.5 and _reads(b.nodes, 1),
@@ -564,7 +575,7 @@ def make_recipe(index: int, dtype, dropout: bool = False) -> dict:
     for kind, spec in recipe["modules"].values():  # the vocab is known only now
         if kind in ("embedding", "lm_head"):
             spec["vocab"] = recipe["vocab"]
-    recipe["cases"] = make_cases(rng, wide, dtype)
+    recipe["cases"] = make_cases(rng, wide, autocast or dtype)
     return recipe
 
 
@@ -574,7 +585,8 @@ def _reads(nodes, value: int) -> bool:
 
 def make_cases(rng: random.Random, wide: bool, dtype) -> list[tuple[int, int]]:
     """(B, L) per case. A BERT-wide program has 64-1024 tokens, one case of 1024 in float32 (256 in
-    bfloat16: each bf16 case also runs a float32 reference, and CPU bf16 GEMMs are slow); a small one
+    bfloat16 or under autocast: each such case also runs a float32 reference, and CPU bf16 GEMMs are
+    slow); a small one
     has 4-155.
     One program in four has a case with B or L = 1 (Dynamo specializes sizes 0 and 1: a recompile)."""
     if wide:
@@ -591,7 +603,8 @@ def make_cases(rng: random.Random, wide: bool, dtype) -> list[tuple[int, int]]:
 
 def describe(recipe: dict) -> str:
     """The program as readable lines: widths, inputs, modules, the DAG, outputs."""
-    lines = [f"{recipe['origin']}: {recipe['dtype']} H={recipe['H']} I={recipe['I']} heads={recipe['heads']} "
+    amp = f" under autocast({recipe['autocast']})" if recipe.get("autocast") else ""
+    lines = [f"{recipe['origin']}: {recipe['dtype']}{amp} H={recipe['H']} I={recipe['I']} heads={recipe['heads']} "
              f"x: {recipe['layout']} requires_grad={recipe['x_grad']}; x2 requires_grad={recipe['x2_grad']}"]
     for name, (kind, spec) in recipe["modules"].items():
         lines.append(f"  {name} = {kind}({', '.join(f'{k}={v}' for k, v in spec.items())})")
@@ -653,7 +666,9 @@ def forward_backward(recipe, module, inputs, cotangents=None, gen=None):
     inputs = {k: (v.detach().requires_grad_(recipe[f"{k}_grad"]) if k in ("x", "x2") else v)
               for k, v in inputs.items()}  # (detach keeps a sliced x's strides; clone would not)
     mark_batch_and_length_dynamic(inputs)
-    outs = module(inputs["x"], inputs["x2"], inputs["mask"], inputs["ids"])
+    amp = recipe.get("autocast")
+    with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
+        outs = module(inputs["x"], inputs["x2"], inputs["mask"], inputs["ids"])
     if cotangents is None:
         cotangents = [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs]
     leaves = _leaves(recipe, inputs, module)
@@ -691,14 +706,15 @@ def compare(names, got, exp, tols) -> tuple[list[str], float]:
 
 
 def tolerances(recipe, module_ref, inputs, ref, cotangents) -> dict:
-    """float32: FP32_TOL everywhere. bfloat16: per output and gradient, eager's own bf16 error against
-    a float32 run of the same module times BF16_FACTOR, at least BF16_FLOOR (see the docstring)."""
+    """float32: FP32_TOL everywhere. bfloat16 (or float32 under a bf16 autocast): per output and
+    gradient, eager's own bf16 error against a float32 run of the same module (without autocast) times
+    BF16_FACTOR, at least BF16_FLOOR (see the docstring)."""
     n_out, n_grad = len(ref[0]), len(ref[1])
-    if recipe["dtype"] == torch.float32:
+    if recipe["dtype"] == torch.float32 and not recipe.get("autocast"):
         return {"outputs": [FP32_TOL] * n_out, "grads": [FP32_TOL] * n_grad}
     module32 = copy.deepcopy(module_ref).float()
     inputs32 = {k: (v.float() if v.is_floating_point() else v) for k, v in inputs.items()}
-    outs32, grads32, _ = forward_backward(recipe, module32, inputs32, [R.float() for R in cotangents])
+    outs32, grads32, _ = forward_backward({**recipe, "autocast": None}, module32, inputs32, [R.float() for R in cotangents])
     scale = max(grads32, key=lambda g: g.norm().item())
     tol = lambda e: max(BF16_FLOOR, BF16_FACTOR * e)  # noqa: E731
     return {"outputs": [tol(rel_err(o, r)) for o, r in zip(ref[0], outs32)],
@@ -792,21 +808,27 @@ def test_graph_fuzz_is_at_least_as_large_as_the_chain_fuzz():
     assert len(wide) >= 4 and max(B * L for r in wide for B, L in r["cases"]) >= 1024
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_graph_fuzz_matches_eager(dtype, record_property):
-    """Every program's outputs, input gradients and parameter gradients equal eager's, in `dtype`;
-    and most programs fuse something."""
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.bfloat16)],
+                         ids=["fp32", "bf16", "bf16-autocast"])
+def test_graph_fuzz_matches_eager(dtype, autocast, record_property):
+    """Every program's outputs, input gradients and parameter gradients equal eager's, in `dtype`
+    (under autocast: float32 modules and masks, eager under the same autocast); and most programs fuse
+    something. Under autocast, attention over bf16 scores and a float32 mask (promoted to float32 for
+    the softmax, cast back for the second GEMM) must fuse in some program."""
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     start = time.perf_counter()
+    n = N_AUTOCAST_PROGRAMS if autocast else N_PROGRAMS[dtype]
     with torch._dynamo.config.patch({limit: 32}):
-        results = [run_program(make_recipe(i, dtype)) for i in program_indices(N_PROGRAMS[dtype])]
+        results = [run_program(make_recipe(i, dtype, autocast=autocast)) for i in program_indices(n)]
     summary = fuzz_summary(results, time.perf_counter() - start)
-    print(f"\ndmfx graph fuzz ({dtype}):", summary)
+    print(f"\ndmfx graph fuzz ({dtype}{f', autocast {autocast}' if autocast else ''}):", summary)
     record_property("graph_fuzz", summary)
     failed = [r for r in results if r.failures]
     assert not failed, (f"{len(failed)} of {len(results)} programs differ from eager:\n"
                         + "\n".join(r.report() for r in failed[:4]))
     assert sum(bool(r.fired) for r in results) >= MIN_FUSED_FRACTION * len(results), summary
+    if autocast and ONLY is None:
+        assert any(r.fired.get("attention_softmax") or r.fired.get("attention") for r in results), summary
 
 
 INDUCTOR_PROGRAMS, INDUCTOR_CASES = 16, 4
