@@ -77,7 +77,7 @@ LARGE_LOGITS = 1 << 20
 #: The forward pipeline's passes a graph rewritten only for its loss still runs: the losses' own and the
 #: passes that fuse nothing. Every other pass, a fusion added later included, is skipped (not_the_loss);
 #: the backward passes run (they fold the loss's gradients and find nothing else of theirs).
-LOSS_ONLY_PASSES = ("remove_metadata_asserts", "noop_clones", "cross_entropy", "linear_cross_entropy", "unpad", "layout")
+LOSS_ONLY_PASSES = ("remove_metadata_asserts", "identity_clones", "noop_clones", "cross_entropy", "linear_cross_entropy", "unpad", "layout")
 
 
 def not_the_loss() -> tuple[str, ...]:

@@ -24,7 +24,7 @@ from .backward import BACKWARD_PIPELINE
 from .bias_act_dropout import BIAS_ACT_DROPOUT
 from .bias_dropout_residual_norm import BIAS_DROPOUT_RESIDUAL_NORM
 from .cross_entropy import CROSS_ENTROPY
-from .dropout import DROPOUT
+from .dropout import DROPOUT, identity_clones
 from .glu import GLU
 from .graph_utils import PassContext, finish, remove_metadata_asserts, reshape_fused_views, run_passes
 from .layer_norm import LAYER_NORM, NORM_IDIOMS
@@ -49,6 +49,7 @@ LOWERING: dict[str, Pass] = {
 # the fused graph last (in training: on the joint forward+backward graph, see run_joint_layout).
 PIPELINE: dict[str, Pass] = {
     "remove_metadata_asserts": remove_metadata_asserts,
+    "identity_clones": identity_clones,
     "norm_idioms": NORM_IDIOMS,
     "layer_norm": LAYER_NORM,
     "bias_dropout_residual_norm": BIAS_DROPOUT_RESIDUAL_NORM,

@@ -100,21 +100,17 @@ def _repeat_kv_source(t: Node) -> Node | None:
 
 
 def _second_gemm(outs: list[Node]) -> tuple[Node, list[Node], Node] | None:
-    """The softmax output `o` (one of `outs`) feeds ``bmm(view(expand(o)), v)``, perhaps through a
-    ``clone`` (a dropout with p=0 in training, as some torch versions trace it): (o, the nodes from o
-    to that bmm: o's reader on the way, the clones, the expand and the view; the bmm)."""
+    """The softmax output `o` (one of `outs`) feeds ``bmm(view(expand(o)), v)``: (o, the nodes from o
+    to that bmm: the expand and the view; the bmm). (torch 2.11's p=0 training dropout, a clone
+    between the softmax and the expand, is gone before this pass: identity_clones.)"""
     for o in outs:
         for u in o.users:
-            n, path = u, [u]
-            while is_op(n, aten.clone) and len(n.users) == 1:
-                (n,) = n.users
-                path.append(n)
-            if is_op(n, aten.expand) and len(n.users) == 1:
-                (r,) = n.users
+            if is_op(u, aten.expand) and len(u.users) == 1:
+                (r,) = u.users
                 if is_op(r, *RESHAPES) and len(r.users) == 1:
                     (bmm2,) = r.users
                     if is_op(bmm2, aten.bmm) and bmm2.args[0] is r and len(bmm2.users) == 1:
-                        return o, path + [r], bmm2
+                        return o, [u, r], bmm2
     return None
 
 

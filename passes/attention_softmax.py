@@ -78,7 +78,7 @@ class _CastBack(NamedTuple):
     """Where autocast's float32 probabilities go back to the scores' dtype (_cast_back_down)."""
 
     cast: Node  # the cast down: its readers read the fused op's output
-    between: list[Node]  # the nodes from the softmax to the cast (a clone; or the dropout and its getitem)
+    between: list[Node]  # the nodes from the softmax to the cast (the dropout and its getitem)
     dropout: Node | None  # the float32 dropout among them
 
 
@@ -110,11 +110,6 @@ def _cast_back_down(sm: Node, probs_node: Node, mask: Node | None, m2: Node | No
     (u,) = sm.users
     if cast_to_low(u):
         return _CastBack(u, [], None)
-    # torch 2.11 traces a training dropout of p = 0 as a clone: softmax -> clone -> cast
-    if is_op(u, aten.clone) and not u.kwargs and len(u.users) == 1:
-        (cast,) = u.users
-        if cast_to_low(cast):
-            return _CastBack(cast, [u], None)
     if is_op(u, aten.native_dropout) and u.args[2] is not False and float(u.args[1]) > 0:
         items = getitem_users(u)
         zero = items.get(0, [])

@@ -43,10 +43,8 @@ NORMS = (torch.ops.dmfx.layer_norm.default, torch.ops.dmfx.rms_norm.default)
 
 
 def _dropout_of(d: Node) -> tuple[Node, float, Node] | None:
-    """`d` is native_dropout(h, p, True)[0] with the mask unread: (h, p, dropout node). torch 2.11
-    traces a p=0 training dropout as ``clone(h)``: that is (h, 0.0, the clone)."""
-    if is_op(d, aten.clone.default) and d.kwargs.get("memory_format") in (None, torch.preserve_format):
-        return d.args[0], 0.0, d
+    """`d` is native_dropout(h, p, True)[0] with the mask unread: (h, p, dropout node). (torch 2.11's
+    p=0 training dropout, ``clone(h)``, is gone before this pass: identity_clones.)"""
     if not (isinstance(d, Node) and d.op == "call_function" and d.target is operator.getitem and d.args[1] == 0):
         return None
     drop = d.args[0]

@@ -5,10 +5,10 @@ backward, so the bool mask eager saves for the backward is never written."""
 from __future__ import annotations
 
 import torch
-from torch.fx import Graph, Node
+from torch.fx import Graph, GraphModule, Node
 
-from .fusion import Fusion, Match, Miss, Replacement
-from .graph_utils import PassContext, aten, getitem_users, insert_call, insert_seed, tensor_meta
+from .fusion import Fusion, Match, Miss, Replacement, record
+from .graph_utils import PassContext, aten, getitem_users, insert_call, insert_seed, is_op, tensor_meta
 
 
 def match_dropout(n: Node, ctx: PassContext) -> Match | Miss | None:
@@ -35,3 +35,38 @@ def rewrite_dropout(graph: Graph, m: Match, ctx: PassContext) -> Replacement:
 
 #: Any remaining aten.native_dropout -> dmfx::dropout.
 DROPOUT = Fusion("dropout", (aten.native_dropout,), match_dropout, rewrite_dropout)
+
+
+def _mutates(n: Node) -> bool:
+    schema = getattr(n.target, "_schema", None)
+    return n.op == "call_function" and schema is not None and schema.is_mutable
+
+
+def identity_clones(gm: GraphModule, ctx: PassContext) -> None:
+    """Drop ``clone(x)`` (no memory format, or ``preserve_format``) of a contiguous ``x``: a copy of a
+    value nobody mutates, so the clone's readers may read ``x`` itself. torch 2.11 traces a training
+    dropout of p = 0 as such a clone (``softmax -> clone -> cast``, ``linear -> clone -> + residual``),
+    and as an extra node between two ops it would hide the chain from every fusion after this pass;
+    this runs first, so the fusions meet the graph torch 2.14 traces.
+
+    Kept: a clone of a graph input (it may protect the input from an in-place update applied after
+    the graph, or from being returned as an alias of it), a clone that is a graph output (it keeps the
+    output from aliasing ``x``), a clone where ``x`` or the clone is read by a mutating op, and a
+    clone whose layout differs from ``x``'s (the copy makes a dense tensor)."""
+    graph = gm.graph
+    for c in list(graph.nodes):
+        if not is_op(c, aten.clone.default) or set(c.kwargs) - {"memory_format"}:
+            continue
+        if c.kwargs.get("memory_format", torch.preserve_format) is not torch.preserve_format:
+            continue
+        x = c.args[0]
+        if not isinstance(x, Node) or x.op == "placeholder":
+            continue
+        xm, cm = tensor_meta(x), tensor_meta(c)
+        if xm is None or cm is None or not xm.is_contiguous() or not cm.is_contiguous():
+            continue
+        if any(u.op == "output" or _mutates(u) for u in c.users) or any(_mutates(u) for u in x.users):
+            continue
+        c.replace_all_uses_with(x)
+        record(ctx, "identity_clones", [c])
+        graph.erase_node(c)

@@ -93,6 +93,7 @@ _HOSTED = {
     "norm_idioms": ("layer_norm", "layer_norm"),
     "lower_sdpa_calls": ("attention", "lower_sdpa_calls"),
     "noop_clones": ("attention", "attention"),
+    "identity_clones": ("dropout", "dropout"),
     "restore_sdpa": ("attention", "lower_sdpa_calls"),
     "layout": ("layout", None),  # tests/test_layout_search.py
     "backward_layout": ("layout", None),
