@@ -33,10 +33,11 @@ bias and a GEMM output fall on opposite sides of 0 (seen: 0.01 against eager, 0.
 eager itself 0.011 off at other sizes), and gradients that are 0 in exact arithmetic (a key bias).
 
 Mixed precision as users train in it: N_AUTOCAST_PROGRAMS programs keep float32 modules, inputs and
-masks and run under ``torch.autocast("cpu", bfloat16)`` (dmfx and eager alike), so a graph mixes bf16
-GEMMs with float32 norms and residuals, and bf16 attention scores + HF's float32 mask are promoted to
-float32 for the softmax and cast back for the second GEMM. Their tolerance is the bf16 one, measured
-against the same module run in float32 without autocast.
+masks and run under ``torch.autocast("cpu", bfloat16 or float16)`` (dmfx and eager alike), so a graph
+mixes bf16/fp16 GEMMs with float32 norms and residuals, and bf16/fp16 attention scores + HF's float32
+mask are promoted to float32 for the softmax and cast back for the second GEMM. Their tolerance is
+the bf16 one (eager's own error times BF16_FACTOR, at least BF16_FLOOR, or FP16_FLOOR under a float16
+autocast), measured against the same module run in float32 without autocast.
 
 Dropout with p > 0 draws dmfx's own masks (Philox), not eager's: those programs are not compared by
 value. They check shapes and dtypes against eager, finite values, and that one torch seed gives the
@@ -67,12 +68,14 @@ import dmfx
 SEED = int(os.environ.get("DMFX_GRAPH_FUZZ_SEED", "1515"))
 ONLY = os.environ.get("DMFX_GRAPH_FUZZ_ONLY")  # run one program index (reproducing a failure)
 N_PROGRAMS = {torch.float32: 26, torch.bfloat16: 8}
-N_AUTOCAST_PROGRAMS = 16  # float32 modules run under torch.autocast("cpu", bfloat16), float32 masks (as HF's)
+# float32 modules run under torch.autocast("cpu", dtype), float32 masks (as HF's); CPU fp16 GEMMs are slow
+N_AUTOCAST_PROGRAMS = {torch.bfloat16: 16, torch.float16: 8}
 CASES = {"small": 19, "wide": 4}  # 26 small and 8 wide programs: 526 compared cases
 WIDE_EVERY = 4  # programs 3, 7, 11, ... are BERT-wide (their cases cost the most: few cases each)
 N_DROPOUT_PROGRAMS = 6
 FP32_TOL = 1e-4
 BF16_FACTOR, BF16_FLOOR = 4.0, 2e-2
+FP16_FLOOR = BF16_FLOOR / 8  # float16 has 3 more significant bits
 MIN_FUSED_FRACTION = 0.75
 
 # --------------------------------------------------------------------------------------- modules
@@ -716,7 +719,8 @@ def tolerances(recipe, module_ref, inputs, ref, cotangents) -> dict:
     inputs32 = {k: (v.float() if v.is_floating_point() else v) for k, v in inputs.items()}
     outs32, grads32, _ = forward_backward({**recipe, "autocast": None}, module32, inputs32, [R.float() for R in cotangents])
     scale = max(grads32, key=lambda g: g.norm().item())
-    tol = lambda e: max(BF16_FLOOR, BF16_FACTOR * e)  # noqa: E731
+    floor = FP16_FLOOR if recipe.get("autocast") == torch.float16 else BF16_FLOOR
+    tol = lambda e: max(floor, BF16_FACTOR * e)  # noqa: E731
     return {"outputs": [tol(rel_err(o, r)) for o, r in zip(ref[0], outs32)],
             "grads": [tol(rel_err(g, r, scale)) for g, r in zip(ref[1], grads32)]}
 
@@ -808,16 +812,16 @@ def test_graph_fuzz_is_at_least_as_large_as_the_chain_fuzz():
     assert len(wide) >= 4 and max(B * L for r in wide for B, L in r["cases"]) >= 1024
 
 
-@pytest.mark.parametrize("dtype,autocast", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.bfloat16)],
-                         ids=["fp32", "bf16", "bf16-autocast"])
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.bfloat16),
+                                           (torch.float32, torch.float16)], ids=["fp32", "bf16", "bf16-autocast", "fp16-autocast"])
 def test_graph_fuzz_matches_eager(dtype, autocast, record_property):
     """Every program's outputs, input gradients and parameter gradients equal eager's, in `dtype`
     (under autocast: float32 modules and masks, eager under the same autocast); and most programs fuse
-    something. Under autocast, attention over bf16 scores and a float32 mask (promoted to float32 for
+    something. Under autocast, attention over bf16/fp16 scores and a float32 mask (promoted to float32 for
     the softmax, cast back for the second GEMM) must fuse in some program."""
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     start = time.perf_counter()
-    n = N_AUTOCAST_PROGRAMS if autocast else N_PROGRAMS[dtype]
+    n = N_AUTOCAST_PROGRAMS[autocast] if autocast else N_PROGRAMS[dtype]
     with torch._dynamo.config.patch({limit: 32}):
         results = [run_program(make_recipe(i, dtype, autocast=autocast)) for i in program_indices(n)]
     summary = fuzz_summary(results, time.perf_counter() - start)
