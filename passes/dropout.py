@@ -1,8 +1,12 @@
 """Dropout on its own: any ``aten.native_dropout`` the chain fusions (bias_dropout_residual_norm,
 attention_softmax, bias_act_dropout) left becomes ``dmfx::dropout``: a Philox mask regenerated in the
-backward, so the bool mask eager saves for the backward is never written."""
+backward, so the bool mask eager saves for the backward is never written. And the dropout that is no
+dropout: ``identity_clones`` removes the copy torch 2.11 traces for a training dropout of p = 0 before
+the fusions run."""
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -42,6 +46,35 @@ def _mutates(n: Node) -> bool:
     return n.op == "call_function" and schema is not None and schema.is_mutable
 
 
+def _is_view(n: Node) -> bool:
+    """`n` shares its input's storage: a view op (``_unsafe_view`` included, whose schema does not say
+    so), or an element of a list of views (``split``, ``chunk``, ``unbind``)."""
+    if n.op != "call_function":
+        return False
+    if n.target is operator.getitem:
+        return isinstance(n.args[0], Node) and _is_view(n.args[0])
+    t = n.target
+    return isinstance(t, torch._ops.OpOverload) and (t.is_view or t is aten._unsafe_view.default)
+
+
+def _storage_root(n: Node) -> Node:
+    while _is_view(n) and isinstance(n.args[0], Node):
+        n = n.args[0]
+    return n
+
+
+def _reaches_output_through_views(n: Node) -> bool:
+    stack, seen = [n], set()
+    while stack:
+        for u in stack.pop().users:
+            if u.op == "output":
+                return True
+            if u not in seen and _is_view(u):
+                seen.add(u)
+                stack.append(u)
+    return False
+
+
 def identity_clones(gm: GraphModule, ctx: PassContext) -> None:
     """Drop ``clone(x)`` (no memory format, or ``preserve_format``) of a contiguous ``x``: a copy of a
     value nobody mutates, so the clone's readers may read ``x`` itself. torch 2.11 traces a training
@@ -49,23 +82,24 @@ def identity_clones(gm: GraphModule, ctx: PassContext) -> None:
     and as an extra node between two ops it would hide the chain from every fusion after this pass;
     this runs first, so the fusions meet the graph torch 2.14 traces.
 
-    Kept: a clone of a graph input (it may protect the input from an in-place update applied after
-    the graph, or from being returned as an alias of it), a clone that is a graph output (it keeps the
-    output from aliasing ``x``), a clone where ``x`` or the clone is read by a mutating op, and a
-    clone whose layout differs from ``x``'s (the copy makes a dense tensor)."""
+    Kept where the copy is what makes the result right: a clone of a graph input or of a view of one
+    (the input may be updated in place after the graph: dmfx's epilogue, or the user), a clone that
+    is a graph output or is viewed by one (the output must not alias ``x``, nor an input through it),
+    a clone where ``x`` or the clone is read by a mutating op, and a clone whose layout differs from
+    ``x``'s (the copy makes a dense tensor)."""
     graph = gm.graph
     for c in list(graph.nodes):
         if not is_op(c, aten.clone.default) or set(c.kwargs) - {"memory_format"}:
             continue
-        if c.kwargs.get("memory_format", torch.preserve_format) is not torch.preserve_format:
+        if c.kwargs.get("memory_format") not in (None, torch.preserve_format):
             continue
         x = c.args[0]
-        if not isinstance(x, Node) or x.op == "placeholder":
+        if not isinstance(x, Node) or _storage_root(x).op == "placeholder":
             continue
         xm, cm = tensor_meta(x), tensor_meta(c)
         if xm is None or cm is None or not xm.is_contiguous() or not cm.is_contiguous():
             continue
-        if any(u.op == "output" or _mutates(u) for u in c.users) or any(_mutates(u) for u in x.users):
+        if _reaches_output_through_views(c) or any(_mutates(u) for u in (*c.users, *x.users)):
             continue
         c.replace_all_uses_with(x)
         record(ctx, "identity_clones", [c])

@@ -56,15 +56,23 @@ def test_identity_clones_kept_where_the_copy_matters():
     def contiguous_format(x):  # a clone to another layout is a real copy (layout's business)
         return (x * 2).t().clone(memory_format=torch.contiguous_format) + 1
 
-    for fn in (of_an_input, returned, transposed, contiguous_format):
+    def of_a_view_of_an_input(x):  # the input's storage, seen through a view
+        return x.view(4, 3).clone() * 2
+
+    def viewed_by_an_output(x):  # an output is a view of the clone: it must not become a view of x
+        y = x * 2
+        return y, y.clone().view(4, 3)
+
+    for fn in (of_an_input, returned, transposed, contiguous_format, of_a_view_of_an_input, viewed_by_an_output):
         gm, ctx = rewrite(fn, x, passes=["identity_clones"])
         assert "identity_clones" not in ctx.fired, fn.__name__
         assert _clones(gm) == 1, fn.__name__
         out, exp = gm(x), fn(x)
         for o, e in zip(out if isinstance(out, tuple) else (out,), exp if isinstance(exp, tuple) else (exp,)):
             torch.testing.assert_close(o, e)
-    y, y2 = rewrite(returned, x, passes=["identity_clones"])[0](x)
-    assert y.data_ptr() != y2.data_ptr()
+    for fn in (returned, viewed_by_an_output):
+        y, y2 = rewrite(fn, x, passes=["identity_clones"])[0](x)
+        assert y.data_ptr() != y2.data_ptr(), fn.__name__
 
 
 def test_identity_clones_in_a_graph_that_updates_an_input():
