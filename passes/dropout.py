@@ -6,13 +6,16 @@ the fusions run."""
 
 from __future__ import annotations
 
+import logging
 import operator
 
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from .fusion import Fusion, Match, Miss, Replacement, record
+from .fusion import Fusion, Match, Miss, Replacement
 from .graph_utils import PassContext, aten, getitem_users, insert_call, insert_seed, is_op, tensor_meta
+
+log = logging.getLogger("dmfx")
 
 
 def match_dropout(n: Node, ctx: PassContext) -> Match | Miss | None:
@@ -86,8 +89,11 @@ def identity_clones(gm: GraphModule, ctx: PassContext) -> None:
     (the input may be updated in place after the graph: dmfx's epilogue, or the user), a clone that
     is a graph output or is viewed by one (the output must not alias ``x``, nor an input through it),
     a clone where ``x`` or the clone is read by a mutating op, and a clone whose layout differs from
-    ``x``'s (the copy makes a dense tensor)."""
-    graph = gm.graph
+    ``x``'s (the copy makes a dense tensor).
+
+    Not recorded as a fusion (like remove_metadata_asserts): it normalizes one torch version's trace,
+    and a model's list of fused patterns should not change with the torch version."""
+    graph, dropped = gm.graph, 0
     for c in list(graph.nodes):
         if not is_op(c, aten.clone.default) or set(c.kwargs) - {"memory_format"}:
             continue
@@ -102,5 +108,7 @@ def identity_clones(gm: GraphModule, ctx: PassContext) -> None:
         if _reaches_output_through_views(c) or any(_mutates(u) for u in (*c.users, *x.users)):
             continue
         c.replace_all_uses_with(x)
-        record(ctx, "identity_clones", [c])
         graph.erase_node(c)
+        dropped += 1
+    if dropped:
+        log.debug("dmfx: identity_clones dropped %d copies of values nobody mutates", dropped)

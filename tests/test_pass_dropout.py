@@ -32,7 +32,7 @@ def test_identity_clone_mid_chain_is_dropped_and_the_chain_fuses():
 
     args = (torch.randn(2, 5, 16), torch.randn(2, 5, 16), torch.randn(16, 16), torch.randn(16), torch.randn(16), torch.randn(16))
     gm, ctx = rewrite(fn, *args)
-    assert ctx.fired.get("identity_clones") == 1 and ctx.fired.get("bias_dropout_residual_norm") == 1, ctx.fired
+    assert ctx.fired.get("bias_dropout_residual_norm") == 1 and "identity_clones" not in ctx.fired, ctx.fired
     assert _clones(gm) == 0 and count(gm, aten.addmm) == 0  # the bias is the fused op's
     check_same(fn, gm, *args)
     # without the pass the copy stays and hides the GEMM from the fusion: its bias is not taken
@@ -65,7 +65,6 @@ def test_identity_clones_kept_where_the_copy_matters():
 
     for fn in (of_an_input, returned, transposed, contiguous_format, of_a_view_of_an_input, viewed_by_an_output):
         gm, ctx = rewrite(fn, x, passes=["identity_clones"])
-        assert "identity_clones" not in ctx.fired, fn.__name__
         assert _clones(gm) == 1, fn.__name__
         out, exp = gm(x), fn(x)
         for o, e in zip(out if isinstance(out, tuple) else (out,), exp if isinstance(exp, tuple) else (exp,)):
@@ -103,5 +102,6 @@ def test_identity_clones_in_a_graph_that_updates_an_input():
         for o, e in zip(out if isinstance(out, tuple) else (out,), exp if isinstance(exp, tuple) else (exp,)):
             torch.testing.assert_close(o, e)
             assert o.data_ptr() != buf.data_ptr()
-        fired = {k for r in dmfx.records() for k in r.fired}
-        assert ("identity_clones" in fired) == dropped, (fn.__name__, fired)
+        assert all(r.fallback is None for r in dmfx.records())
+        gm, _ = rewrite(fn, torch.zeros(3, 4), x, passes=["identity_clones"])  # the body the backend rewrote
+        assert _clones(gm) == (0 if dropped else 1), fn.__name__
