@@ -7,13 +7,12 @@ the fusions run."""
 from __future__ import annotations
 
 import logging
-import operator
 
 import torch
 from torch.fx import Graph, GraphModule, Node
 
 from .fusion import Fusion, Match, Miss, Replacement
-from .graph_utils import PassContext, aten, getitem_users, insert_call, insert_seed, is_op, tensor_meta
+from .graph_utils import PassContext, alias_of, aten, getitem_users, insert_call, insert_seed, is_op, storage_root, tensor_meta
 
 log = logging.getLogger("dmfx")
 
@@ -49,30 +48,13 @@ def _mutates(n: Node) -> bool:
     return n.op == "call_function" and schema is not None and schema.is_mutable
 
 
-def _is_view(n: Node) -> bool:
-    """`n` shares its input's storage: a view op (``_unsafe_view`` included, whose schema does not say
-    so), or an element of a list of views (``split``, ``chunk``, ``unbind``)."""
-    if n.op != "call_function":
-        return False
-    if n.target is operator.getitem:
-        return isinstance(n.args[0], Node) and _is_view(n.args[0])
-    t = n.target
-    return isinstance(t, torch._ops.OpOverload) and (t.is_view or t is aten._unsafe_view.default)
-
-
-def _storage_root(n: Node) -> Node:
-    while _is_view(n) and isinstance(n.args[0], Node):
-        n = n.args[0]
-    return n
-
-
 def _reaches_output_through_views(n: Node) -> bool:
     stack, seen = [n], set()
     while stack:
         for u in stack.pop().users:
             if u.op == "output":
                 return True
-            if u not in seen and _is_view(u):
+            if u not in seen and alias_of(u) is not None:
                 seen.add(u)
                 stack.append(u)
     return False
@@ -100,7 +82,7 @@ def identity_clones(gm: GraphModule, ctx: PassContext) -> None:
         if c.kwargs.get("memory_format") not in (None, torch.preserve_format):
             continue
         x = c.args[0]
-        if not isinstance(x, Node) or _storage_root(x).op == "placeholder":
+        if not isinstance(x, Node) or storage_root(x).op == "placeholder":
             continue
         xm, cm = tensor_meta(x), tensor_meta(c)
         if xm is None or cm is None or not xm.is_contiguous() or not cm.is_contiguous():

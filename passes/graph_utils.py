@@ -75,6 +75,30 @@ def is_getitem(n: Any, source: Node, index: int) -> bool:
     return isinstance(n, Node) and n.op == "call_function" and n.target is operator.getitem and n.args[0] is source and n.args[1] == index
 
 
+def alias_of(n: Node) -> Node | None:
+    """The tensor `n` shares storage with when `n` is a view (an op whose schema says its result
+    aliases its first argument, or ``_unsafe_view``, which aliases without saying so) or an in-place
+    accumulation; None otherwise."""
+    if n.op != "call_function" or not n.args or not isinstance(n.args[0], Node):
+        return None
+    if n.target is operator.getitem:  # an element of a view op's list (split, unbind, chunk): a view
+        src = n.args[0]
+        return src if src.op == "call_function" and alias_of(src) is not None else None
+    if n.target in (aten._unsafe_view.default, aten.addmm_.default):
+        return n.args[0]
+    schema = getattr(n.target, "_schema", None)
+    if schema is None or schema.is_mutable or not schema.returns:
+        return None
+    return n.args[0] if all(r.alias_info is not None for r in schema.returns) else None
+
+
+def storage_root(n: Node) -> Node:
+    """The node whose storage `n` shares (through views and in-place accumulations): `n` if none."""
+    while (src := alias_of(n)) is not None:
+        n = src
+    return n
+
+
 def getitem_users(n: Node) -> dict[int, list[Node]]:
     """Users of a tuple-returning node grouped by the index they read."""
     out: dict[int, list[Node]] = {}

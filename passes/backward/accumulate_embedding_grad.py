@@ -37,8 +37,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..fusion import record
-from ..graph_utils import PassContext, aten, insert_call, is_dtype_cast, is_op, plain_add, val
-from .accumulate_into_gemm import _root, _writable_at
+from ..graph_utils import PassContext, aten, insert_call, is_dtype_cast, is_op, plain_add, storage_root, val
+from .accumulate_into_gemm import _writable_at
 
 
 def _produced_by_gemm(n: Node) -> bool:
@@ -48,7 +48,7 @@ def _produced_by_gemm(n: Node) -> bool:
     before the add. The conversion's result is then the fresh buffer the rows go into."""
     if is_dtype_cast(n):
         n = n.args[0]
-    return is_op(_root(n), aten.mm.default, aten.addmm.default)
+    return is_op(storage_root(n), aten.mm.default, aten.addmm.default)
 
 
 def accumulate_embedding_grad(gm: GraphModule, ctx: PassContext) -> None:
@@ -73,7 +73,7 @@ def accumulate_embedding_grad(gm: GraphModule, ctx: PassContext) -> None:
             if not all(isinstance(v, torch.Tensor) for v in (v_acc, v_grad, v_idx)) or v_acc.dtype != v_grad.dtype:
                 ctx.miss("accumulate_embedding_grad", n, "the two gradients differ in dtype")
                 break
-            if _root(acc) in {_root(x) for x in (grad, indices) if isinstance(x, Node)}:
+            if storage_root(acc) in {storage_root(x) for x in (grad, indices) if isinstance(x, Node)}:
                 ctx.miss("accumulate_embedding_grad", n, "the rows it would add are a view of the buffer they go into")
                 break
             if not _writable_at(acc, n, order):

@@ -15,7 +15,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..fusion import record
-from ..graph_utils import PassContext, aten, dead_code_elimination, is_op, plain_add, val
+from ..graph_utils import PassContext, alias_of, aten, dead_code_elimination, is_op, plain_add, storage_root, val
 
 
 def _fresh_buffer(n: Node) -> bool:
@@ -35,34 +35,11 @@ def _fresh_buffer(n: Node) -> bool:
     return all(r.alias_info is None for r in schema.returns)
 
 
-def _alias_of(n: Node) -> Node | None:
-    """The tensor `n` shares storage with when `n` is a view (an op whose schema says its result
-    aliases its first argument, or ``_unsafe_view``, which aliases without saying so) or an in-place
-    accumulation; None otherwise."""
-    if n.op != "call_function" or not n.args or not isinstance(n.args[0], Node):
-        return None
-    if n.target is operator.getitem:  # an element of a view op's list (split, unbind, chunk): a view
-        src = n.args[0]
-        return src if src.op == "call_function" and _alias_of(src) is not None else None
-    if n.target in (aten._unsafe_view.default, aten.addmm_.default):
-        return n.args[0]
-    schema = getattr(n.target, "_schema", None)
-    if schema is None or schema.is_mutable or not schema.returns:
-        return None
-    return n.args[0] if all(r.alias_info is not None for r in schema.returns) else None
-
-
-def _root(n: Node) -> Node:
-    while (src := _alias_of(n)) is not None:
-        n = src
-    return n
-
-
 def _writable_at(acc: Node, at: Node, order: dict[Node, int]) -> bool:
     """Writing into `acc` in place at node `at` changes no value anyone reads: its storage is a fresh
     buffer of this graph (not a graph input, not an op's view of one), and every other reader of that
     storage (through any of its views) runs before `at`, and no view of it is a graph output."""
-    root = _root(acc)
+    root = storage_root(acc)
     if not _fresh_buffer(root):
         return False
     stack, seen = [root], {root}
@@ -73,7 +50,7 @@ def _writable_at(acc: Node, at: Node, order: dict[Node, int]) -> bool:
                 continue
             if u.op == "output":
                 return False
-            if _alias_of(u) is a:
+            if alias_of(u) is a:
                 if u not in seen:
                     seen.add(u)
                     stack.append(u)
@@ -108,7 +85,7 @@ def accumulate_into_gemm(gm: GraphModule, ctx: PassContext) -> None:
             if not _writable_at(acc, n, order):
                 ctx.miss("accumulate_into_gemm", n, "the other gradient's buffer is read later, or is not this graph's own")
                 continue
-            if _root(acc) in {_root(x) for x in mm.args[:2] if isinstance(x, Node)}:
+            if storage_root(acc) in {storage_root(x) for x in mm.args[:2] if isinstance(x, Node)}:
                 # addmm_(g, g, w): BLAS with its output aliasing an operand is undefined (a residual
                 # around one linear, LN(Linear(x) + x), gives the norm's dresidual as the GEMM's dY)
                 ctx.miss("accumulate_into_gemm", n, "the GEMM reads the buffer it would accumulate into")
