@@ -192,6 +192,30 @@ def decompose(gm: GraphModule, example_inputs: Sequence[Any], visible: Sequence[
         return make_fx(functional, decomposition_table=table)(*example_inputs)
 
 
+def replace_random(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
+    """ATen's random ops in `gm` (``aten.rand`` / ``randn``: what Inductor's decomposition makes of a
+    ``native_dropout`` that no dmfx pass absorbed, e.g. attention dropout where attention stays
+    unfused) as Inductor's own random ops, as its ``compile_fx`` does in its joint-graph passes
+    before the inner compiler; the inner compiler's lowerings refuse ATen's ("should have been handled
+    in replace_random.py") unless ``config.fallback_random`` is set, and then take them as they are."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor import config
+    from torch._inductor.fx_passes.replace_random import replace_random_passes
+    from torch._inductor.virtualized import V
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if config.fallback_random or not any(n.op == "call_function" and n.target in _ATEN_RANDOM for n in gm.graph.nodes):
+        return
+    with V.set_fake_mode(detect_fake_mode(example_inputs) or FakeTensorMode()):
+        replace_random_passes(gm)
+    gm.graph.lint()
+    gm.recompile()
+
+
+_ATEN_RANDOM = (torch.ops.aten.rand.default, torch.ops.aten.randn.default, torch.ops.aten.rand_like.default,
+                torch.ops.aten.randn_like.default)
+
+
 def _cat_without_legacy_empties(tensors: Sequence[torch.Tensor], dim: int = 0) -> Any:
     """``cat`` with its legacy empty inputs (1-D of size 0, which cat allows whatever the others' shape)
     left out; the op itself (NotImplemented) where there are none."""
@@ -241,6 +265,7 @@ def compile_graph(gm: GraphModule, example_inputs: Sequence[Any], kind: str, gra
 
     visible = user_visible_outputs(gm, kind, user_outputs)
     decomposed = decompose(gm, example_inputs, visible)
+    replace_random(decomposed, example_inputs)
     mark_user_visible_outputs(decomposed, visible)
     capture = cudagraphs is not None and bool(cudagraphs.enabled)
     static = cudagraphs.static_input_idxs(kind, gm, decomposed, example_inputs) if capture else []

@@ -239,6 +239,38 @@ def test_a_graph_with_dropout_is_fused_under_inductor_and_reproducible():
         assert rel_err(c_eval(x)[0], m(x)[0]) < 1e-5
 
 
+def test_a_dropout_no_pass_absorbs_compiles_under_inductor():
+    """A native_dropout left in the graph (here: every dropout pass skipped; on CUDA, attention dropout
+    where attention stays PyTorch's) decomposes to aten.rand, which Inductor's inner compiler takes only
+    after its replace_random pass (found on the first GPU run: a LoweringException). About p of the
+    elements are dropped, the kept ones scaled by 1/(1-p), and the backward uses the forward's mask."""
+    from dmfx.passes import PIPELINE
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.drop = torch.nn.Linear(64, 64), torch.nn.Dropout(0.5)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return self.drop(h) * 3 + 1, h
+
+    m = Block().train()
+    x = torch.randn(8, 32, 64, requires_grad=True)
+    c = torch.compile(m, backend="dmfx", options={**INDUCTOR, "skip": [p for p in PIPELINE if "dropout" in p]})
+    out, h = c(x)
+    R = torch.randn_like(out)
+    (out * R).sum().backward()
+    rec = dmfx.records()[-1]
+    assert rec.fallback is None and rec.compiler == "inductor", rec.summary()
+    kept = out != 1
+    assert 0.45 < kept.float().mean().item() < 0.55
+    assert rel_err(out, torch.where(kept, h * 6 + 1, torch.ones_like(h))) < 1e-6
+    g = R * kept * 6  # d out / d h
+    assert rel_err(x.grad, g @ m.lin.weight) < 1e-5
+    assert rel_err(m.lin.weight.grad, g.reshape(-1, 64).T @ x.detach().reshape(-1, 64)) < 1e-5
+
+
 def test_compiler_option_and_env_are_checked(monkeypatch):
     with pytest.raises(ValueError, match="option 'compiler' must be 'inductor' or 'fx'"):
         dmfx.Options.from_user({"compiler": "tvm"})
