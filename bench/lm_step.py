@@ -17,7 +17,8 @@ with other work (these 2-core machines often run at a load of 4-8) the wall cloc
 queue, CPU time measures the work; use it with ``--threads 1``. Report which clock a number used.
 
 Usage: ``python -m bench.lm_step [--models llama-small,bert-mlm] [--layers 4] [--train/--infer]
-[--rounds 5] [--threads 2] [--clock wall|cpu] [--autocast bf16|fp16] [--candidates eager,inductor,dmfx,dmfx-fx,dmfx-all,floor]``;
+[--rounds 5] [--threads 2] [--clock wall|cpu] [--autocast bf16|fp16] [--device cpu|cuda]
+[--candidates eager,inductor,dmfx,dmfx-fx,dmfx-all,floor]``;
 ``dmfx-skip-<pass>[+<pass>...]`` is dmfx's default with those passes skipped (an ablation, e.g.
 ``dmfx-skip-accumulate_embedding_grad``); ``dmfx-all-skip-<pass>+<pass>...`` the same from ``fuse="all"``
 """
@@ -33,7 +34,7 @@ import time
 import torch
 
 from .bert_layer import GemmRecorder, gemm_flops, make_floor_step
-from .common import environment, interleaved, log, median
+from .common import environment, interleaved, log, median, timer
 
 MODELS = {
     "bert-mlm": ("BertConfig", "BertForMaskedLM", dict(), 8, 128),
@@ -67,11 +68,11 @@ def build(name: str, layers: int, seed: int = 0, batch: int | None = None, seq: 
     return model, {"input_ids": ids, "labels": ids}
 
 
-def step_of(module, kwargs, train: bool, autocast: torch.dtype | None = None):
+def step_of(module, kwargs, train: bool, autocast: torch.dtype | None = None, device: str = "cpu"):
     """One training step (forward with labels, backward) or inference forward of `module`; under
-    ``torch.autocast("cpu", autocast)`` where `autocast` is a dtype (mixed precision, as a user of a
-    CPU with bf16 GEMMs, e.g. AMX, would train)."""
-    amp = (lambda: torch.autocast("cpu", dtype=autocast)) if autocast is not None else contextlib.nullcontext
+    ``torch.autocast(device, autocast)`` where `autocast` is a dtype (mixed precision, as a user of a
+    CPU with bf16 GEMMs, e.g. AMX, or of a GPU would train)."""
+    amp = (lambda: torch.autocast(device, dtype=autocast)) if autocast is not None else contextlib.nullcontext
     if train:
         def step():
             module.zero_grad(set_to_none=True)
@@ -86,10 +87,10 @@ def step_of(module, kwargs, train: bool, autocast: torch.dtype | None = None):
     return step
 
 
-def floor_step(model, kwargs, train: bool, autocast: torch.dtype | None = None):
+def floor_step(model, kwargs, train: bool, autocast: torch.dtype | None = None, device: str = "cpu"):
     """The GEMMs of one eager step, recorded and replayed alone on random operands (in the dtypes the
     step ran them in)."""
-    step = step_of(model, kwargs, train, autocast)
+    step = step_of(model, kwargs, train, autocast, device)
     with GemmRecorder() as rec:
         step()
     model.zero_grad(set_to_none=True)
@@ -97,12 +98,12 @@ def floor_step(model, kwargs, train: bool, autocast: torch.dtype | None = None):
     return make_floor_step(rec.records)[0]
 
 
-def candidates(names, base, kwargs, train: bool, autocast: torch.dtype | None = None) -> dict:
+def candidates(names, base, kwargs, train: bool, autocast: torch.dtype | None = None, device: str = "cpu") -> dict:
     steps = {}
     for name in names:
         m = copy.deepcopy(base).train(train)
         if name == "floor":
-            steps[name] = floor_step(m, kwargs, train, autocast)
+            steps[name] = floor_step(m, kwargs, train, autocast, device)
             continue
         if name == "inductor":
             m = torch.compile(m)
@@ -118,15 +119,16 @@ def candidates(names, base, kwargs, train: bool, autocast: torch.dtype | None = 
             m = torch.compile(m, backend="dmfx", options={"skip": name[len("dmfx-skip-"):].split("+")})
         elif name != "eager":
             raise ValueError(f"unknown candidate {name!r}")
-        steps[name] = step_of(m, kwargs, train, autocast)
+        steps[name] = step_of(m, kwargs, train, autocast, device)
     return steps
 
 
 def run(name: str, layers: int, train: bool, names: list[str], rounds: int, clock,
-        autocast: torch.dtype | None = None, attn: str = "eager") -> dict:
+        autocast: torch.dtype | None = None, attn: str = "eager", device: str = "cpu") -> dict:
     torch._dynamo.reset()
     base, kwargs = build(name, layers, attn=attn)
-    steps = candidates(names, base, kwargs, train, autocast)
+    base, kwargs = base.to(device), {k: v.to(device) for k, v in kwargs.items()}
+    steps = candidates(names, base, kwargs, train, autocast, device)
     first = {}
 
     def timed(n, step):
@@ -141,7 +143,7 @@ def run(name: str, layers: int, train: bool, names: list[str], rounds: int, cloc
     times = interleaved({n: timed(n, s) for n, s in steps.items()}, rounds, 2,
                         lambda n, e: log(f"  {n} failed: {type(e).__name__}: {e}"))
     med = {n: median(t["total"]) for n, t in times.items()}
-    res = {"model": name, "layers": layers, "mode": "train" if train else "infer",
+    res = {"model": name, "layers": layers, "device": device, "mode": "train" if train else "infer",
            "autocast": str(autocast).replace("torch.", "") if autocast else None, "attn": attn, "median_ms": med,
            "range_ms": {n: (min(t["total"]), max(t["total"])) for n, t in times.items()},
            "first_call_s": first}
@@ -166,16 +168,20 @@ def main() -> None:
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     p.add_argument("--candidates", default="eager,inductor,dmfx,dmfx-fx,floor")
     p.add_argument("--autocast", choices=("bf16", "fp16"), default=None,
-                   help="run each step under torch.autocast('cpu') in this dtype (weights stay float32)")
+                   help="run each step under torch.autocast(device) in this dtype (weights stay float32)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the model on the GPU, timed by the wall clock after a device synchronize")
     p.add_argument("--attn", choices=("eager", "sdpa"), default="eager", help="HF's attention implementation")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[a.autocast]
     torch.set_num_threads(a.threads)
-    clock = time.process_time if a.clock == "cpu" else time.perf_counter
-    out = {"env": {**environment("cpu"), "clock": a.clock}, "results": []}
+    if a.device == "cuda" and a.clock == "cpu":
+        p.error("--clock cpu measures host work only; a GPU step is timed by the wall clock")
+    clock = time.process_time if a.clock == "cpu" else timer(a.device)
+    out = {"env": {**environment(a.device), "clock": a.clock}, "results": []}
     for name in a.models.split(","):
-        r = run(name, a.layers, not a.infer, a.candidates.split(","), a.rounds, clock, autocast, a.attn)
+        r = run(name, a.layers, not a.infer, a.candidates.split(","), a.rounds, clock, autocast, a.attn, a.device)
         out["results"].append(r)
         for n, t in r["median_ms"].items():
             lo, hi = r["range_ms"][n]

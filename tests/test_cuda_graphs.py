@@ -210,7 +210,7 @@ def test_cuda_training_without_dropout_is_captured_with_eagers_gradients():
         scale = max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             if q.grad is not None:
-                assert rel_err(p.grad, q.grad, scale) < 1e-3, (step, n)
+                assert (p.grad - q.grad).abs().max().item() / scale < 1e-3, (step, n)  # (relative to the largest)
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
     assert dmfx.records()[-1].cudagraphs == "captured", dmfx.records()[-1].summary()

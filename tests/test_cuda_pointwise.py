@@ -268,8 +268,8 @@ def test_ops_autograd_on_gpu_match_cpu():
     seed = torch.tensor([SEED, OFFSET], dtype=torch.int64)
     grads = {}
     for device in ("cpu", DEVICE):
-        xd = x.to(device).requires_grad_()
-        bd = b.to(device).requires_grad_()
+        xd = x.detach().to(device).requires_grad_()
+        bd = b.detach().to(device).requires_grad_()
         out = torch.ops.dmfx.bias_act_dropout(xd, bd, "gelu", seed, 0.2)
         gate, up = out[..., :48], out[..., 48:]
         y = P.glu(gate, up, "silu")

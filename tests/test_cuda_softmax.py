@@ -166,13 +166,13 @@ def test_ops_and_autograd_on_cuda():
     go = torch.randn(2, 3, 16, 16, dtype=torch.float64)
     grads = {}
     for dev in ("cpu", DEV):
-        sd, md = s.to(dev).requires_grad_(), m.to(dev).requires_grad_()
+        sd, md = s.detach().to(dev).requires_grad_(), m.detach().to(dev).requires_grad_()
         out, probs = torch.ops.dmfx.attention_softmax(sd, md, 0.5, True, seed, 0.2)
         (out * go.to(dev)).sum().backward()
         grads[dev] = (out.detach().cpu(), sd.grad.cpu(), md.grad.cpu())
     for a, b in zip(grads["cpu"], grads[DEV]):
         assert rel_err(b, a) < 1e-12
-    sg = s.to(DEV).requires_grad_()
+    sg = s.detach().to(DEV).requires_grad_()
     small = sg[:1, :1, :4, :6].detach().requires_grad_()
     assert torch.autograd.gradcheck(lambda a: torch.ops.dmfx.attention_softmax(a, None, 0.5, False, seed, 0.2)[0], (small,))
 
