@@ -604,11 +604,19 @@ def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Opt
     except Exception as e:  # metadata mutations, grad-mode regions in training, list inputs, ...
         if not opts.fallback or _dynamo_signal(e) or isinstance(e, GraphVerificationError) and e.strict:
             raise
-        record.fallback = f"could not lower to a functional ATen graph: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-        if capture:
-            record.cudagraphs = "not applied: the graph runs as Dynamo gave it"
+        why = f"could not lower to a functional ATen graph: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         from .cuda_ops.build import warn
 
+        # under compiler="inductor", what dmfx cannot rewrite is still Inductor's to compile (the user
+        # chose a compiler: the graph must not run slower than under Inductor because dmfx met it)
+        compiled = _whole_graph_to_inductor(gm, example_inputs, why, record, opts, start, capture) \
+            if opts.compiler == "inductor" else None
+        if compiled is not None:
+            warn("dmfx: %s", record.summary())
+            return compiled
+        record.fallback = why
+        if capture:
+            record.cudagraphs = "not applied: the graph runs as Dynamo gave it"
         warn("dmfx: %s", record.summary())
         _finish(record, opts)
         return gm.forward
@@ -667,9 +675,9 @@ def dmfx_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict |
         return gm.forward
 
     start = time.perf_counter()
-    # A CPU graph dmfx may leave to Inductor whole needs none of dmfx's kernels: their self-check (and
+    # A CPU or CUDA graph dmfx may leave to Inductor whole needs none of dmfx's kernels: their self-check (and
     # so their build, on a new machine) waits until the graph turns out to be rewritten after all.
-    defer = opts.compiler == "inductor" and opts.fuse == "auto" and not opts.unpad and record.devices == ("cpu",)
+    defer = opts.compiler == "inductor" and opts.fuse == "auto" and not opts.unpad and record.devices in (("cpu",), ("cuda",))
     try:
         return _compile_graph(gm, example_inputs, opts, record, start, defer_self_check=defer)
     except _KernelsNeeded:

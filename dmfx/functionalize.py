@@ -89,7 +89,7 @@ def functional_body(gm: Callable, example_inputs: Sequence[Any], training: bool)
     if isinstance(gm, GraphModule):
         names = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
         if training:
-            _refuse_grad_mode_changes(gm)
+            gm = _without_no_grad_regions(gm)
     else:  # a function (the pass tests lower plain functions)
         names = tuple(f"input {i}" for i in range(len(example_inputs)))
     with torch.no_grad():
@@ -113,13 +113,87 @@ def functional_body(gm: Callable, example_inputs: Sequence[Any], training: bool)
     return body, epilogue
 
 
-def _refuse_grad_mode_changes(gm: GraphModule) -> None:
+def _refuse_grad_mode_changes(gm: GraphModule, why: str = "") -> None:
     """The functional body is traced under no_grad and loses ``torch.no_grad()`` / ``enable_grad()``
     regions; in training that would give gradients where eager gives none."""
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
             raise UnsupportedGraph(f"the graph changes grad mode inside it ({n.name}: a torch.no_grad() or "
-                                   "enable_grad() region) and trains; dmfx's lowering would lose the region")
+                                   f"enable_grad() region{why}) and trains; dmfx's lowering would lose the region")
+
+
+def _is_grad_mode(n: Any, enabled: bool) -> bool:
+    return n.op == "call_function" and n.target is torch._C._set_grad_enabled and n.args == (enabled,)
+
+
+def _requires_grad(n: Any) -> bool | None:
+    """Whether the Dynamo graph's value `n` requires grad (its example value says); None: unknown."""
+    if not isinstance(n, torch.fx.Node):
+        return False
+    v = n.meta.get("example_value")
+    if isinstance(v, torch.Tensor):
+        return v.requires_grad
+    if isinstance(v, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool, torch.Size)):
+        return False
+    return None
+
+
+_INPLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor", "ilshift",
+                      "irshift", "imatmul", "setitem"}
+
+
+def _without_no_grad_regions(gm: GraphModule) -> GraphModule:
+    """`gm` with each ``torch.no_grad()`` region of a training graph made explicit: the values from
+    outside the region that require grad are ``detach``ed where the region reads them, and the
+    ``_set_grad_enabled`` calls are dropped. Nothing inside then records a gradient, as under no_grad
+    (HF's rotary embeddings of transformers 4.x and early 5.x compute cos/sin under ``@torch.no_grad()``:
+    without this, a LLaMA training graph could not be rewritten at all). A copy; `gm` itself unchanged.
+    Raises UnsupportedGraph (the graph is left to PyTorch) for regions whose meaning this would not
+    keep: an ``enable_grad()`` region, a module call or an in-place op inside the region, a region not
+    closed in the graph, or a value whose grad requirement is unknown."""
+    nodes = list(gm.graph.nodes)
+    if not any(n.op == "call_function" and n.target is torch._C._set_grad_enabled for n in nodes):
+        return gm
+    inside, regions, start = False, [], None
+    for i, n in enumerate(nodes):
+        if _is_grad_mode(n, False) and not inside:
+            inside, start = True, i
+        elif _is_grad_mode(n, True) and inside:
+            inside = False
+            regions.append((start, i))
+        elif n.op == "call_function" and n.target is torch._C._set_grad_enabled:
+            _refuse_grad_mode_changes(gm, ": not a no_grad() region this graph closes")
+    if inside:
+        _refuse_grad_mode_changes(gm, ": not closed in the graph")
+    import copy
+
+    gm = copy.deepcopy(gm)
+    nodes = list(gm.graph.nodes)
+    for start, end in regions:
+        body = nodes[start + 1:end]
+        members = set(body)
+        for n in body:
+            name = str(getattr(n.target, "__name__", n.target))
+            in_place = (name.endswith("_") and not name.startswith("_") or name in _INPLACE_OPERATORS or "out" in n.kwargs
+                        or isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable)
+            if n.op == "call_module" or n.op in ("call_method", "call_function") and in_place:
+                _refuse_grad_mode_changes(gm, f": it calls {n.name}, a module or an in-place op")
+            for a in n.all_input_nodes:
+                if a in members:
+                    continue
+                rg = _requires_grad(a)
+                if rg is None:
+                    _refuse_grad_mode_changes(gm, f": whether {a.name} requires grad is unknown")
+                if rg:
+                    with gm.graph.inserting_before(n):
+                        d = gm.graph.call_method("detach", (a,))
+                    d.meta = {**a.meta, "example_value": a.meta["example_value"].detach()}
+                    n.replace_input_with(a, d)
+        gm.graph.erase_node(nodes[end])
+        gm.graph.erase_node(nodes[start])
+    gm.graph.lint()
+    gm.recompile()
+    return gm
 
 
 def _check_flat(in_spec: Any, out_spec: Any) -> None:

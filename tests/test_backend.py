@@ -271,11 +271,12 @@ def test_the_compile_line_says_what_was_left_to_pytorch(caplog):
         def __init__(self):
             super().__init__()
             self.lin = torch.nn.Linear(32, 32)
+            self.scale = torch.nn.Parameter(torch.ones(32))
 
         def forward(self, x):
-            with torch.no_grad():  # a grad-mode region in a training graph: dmfx's lowering does not take it
-                t = self.lin(x)
-            return torch.nn.functional.layer_norm(self.lin(x) * t, (32,))
+            with torch.no_grad():  # an in-place update in a no_grad region of a training graph: not lowered
+                self.scale.mul_(0.5)
+            return torch.nn.functional.layer_norm(self.lin(x) * self.scale, (32,))
 
     with caplog.at_level(logging.INFO, logger="dmfx"):
         torch.compile(NoGradRegion(), backend="dmfx")(torch.randn(2, 32))

@@ -136,6 +136,23 @@ def test_a_graph_without_dropout_is_left_to_inductor_on_the_cpu():
     assert "fuse='all'" in rec.summary()
 
 
+def test_a_cuda_graph_is_left_to_inductor_under_fuse_auto():
+    """fuse="auto" on CUDA: the one whole model measured on a GPU ran slower rewritten than under
+    Inductor alone (bench/RESULTS.md), so every CUDA graph, dropout or not, is Inductor's; the CPU's
+    decisions are unchanged. (The decision alone: this machine has no GPU.)"""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dmfx.inductor import WHY_LEFT, WHY_LEFT_CUDA, auto_decision
+
+    gm = make_fx(lambda x: torch.ops.aten.native_dropout(x, 0.1, True)[0] * 2)(torch.randn(4, 8))
+    assert auto_decision(gm, ("cuda",), True) == (WHY_LEFT_CUDA, None)
+    assert auto_decision(gm, ("cpu",), True) == (None, None)  # (dropout: rewritten on the CPU)
+    plain = make_fx(lambda x: x.relu() * 2)(torch.randn(4, 8))
+    assert auto_decision(plain, ("cuda",), False) == (WHY_LEFT_CUDA, None)
+    assert auto_decision(plain, ("cpu",), False) == (WHY_LEFT, None)
+    assert "fuse='all'" in WHY_LEFT_CUDA
+
+
 @pytest.mark.parametrize("vocab", [33000, 32000], ids=["large-logits", "just-below"])
 def test_a_graph_without_dropout_keeps_dmfxs_loss_where_the_logits_are_large(vocab):
     """fuse="auto" on the CPU: a training graph without dropout whose loss runs over logits of at least
@@ -269,6 +286,27 @@ def test_a_dropout_no_pass_absorbs_compiles_under_inductor():
     g = R * kept * 6  # d out / d h
     assert rel_err(x.grad, g @ m.lin.weight) < 1e-5
     assert rel_err(m.lin.weight.grad, g.reshape(-1, 64).T @ x.detach().reshape(-1, 64)) < 1e-5
+
+
+def test_a_graph_dmfx_cannot_lower_is_compiled_by_inductor():
+    """Under compiler="inductor", a graph dmfx cannot lower (here a no_grad region that updates a
+    parameter in place, in training) is still compiled by Inductor, not run op by op: the first GPU
+    run had a LLaMA step at 0.47x Inductor because its graph ran eagerly."""
+    w = torch.nn.Parameter(torch.randn(16))
+
+    def f(x):
+        with torch.no_grad():
+            w.mul_(0.5)
+        return torch.nn.functional.gelu(x * w) * 2
+
+    x = torch.randn(4, 16)
+    w0 = w.detach().clone()
+    got = torch.compile(f, backend="dmfx", options={"compiler": "inductor"})(x)
+    got.sum().backward()
+    w1 = w0 * 0.5
+    assert torch.equal(w.detach(), w1) and rel_err(got, torch.nn.functional.gelu(x * w1) * 2) < 1e-6
+    rec = dmfx.records()[-1]
+    assert rec.fallback.startswith("left to Inductor: could not lower") and rec.compiler == "inductor", rec.fallback
 
 
 def test_compiler_option_and_env_are_checked(monkeypatch):

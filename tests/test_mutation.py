@@ -220,9 +220,10 @@ def test_an_input_that_requires_grad_written_in_place():
     assert any("l_h_" in line for line in record.epilogue), record.epilogue
 
 
-def test_a_grad_mode_region_in_a_training_graph_is_left_to_pytorch():
-    """The functional body loses torch.no_grad() regions; in training the graph is left to PyTorch
-    (with the reason), where it used to fail to compile."""
+def test_a_no_grad_region_in_a_training_graph_is_rewritten_with_eagers_gradients():
+    """The functional body is traced under no_grad and would lose a torch.no_grad() region; dmfx makes
+    it explicit (the region's reads of values that require grad are detached) and rewrites the graph:
+    here the region reads the weight, and the weight's gradient must come only from outside it."""
     lin = torch.nn.Linear(16, 16)
 
     def f(x):
@@ -232,13 +233,60 @@ def test_a_grad_mode_region_in_a_training_graph_is_left_to_pytorch():
 
     x = torch.randn(4, 16)
     want = f(x)
-    want.sum().backward()
+    (want * torch.arange(16.0)).sum().backward()
     ref_grad, lin.weight.grad = lin.weight.grad.clone(), None
     got = torch.compile(f, backend="dmfx")(x)
-    got.sum().backward()
+    (got * torch.arange(16.0)).sum().backward()
     assert torch.equal(got, want) and torch.equal(lin.weight.grad, ref_grad)
     (record,) = dmfx.records()
-    assert "grad mode" in record.fallback and "no_grad" in record.fallback, record.fallback
+    assert record.fallback is None and record.training, record.fallback
+
+
+def test_an_in_place_op_in_a_no_grad_region_of_a_training_graph_is_left_to_pytorch():
+    """A no_grad region that writes a tensor in place (an update of a parameter, say) keeps its meaning
+    only under no_grad: the graph is left to PyTorch, with the reason."""
+    w = torch.nn.Parameter(torch.randn(16))
+
+    def f(x):
+        with torch.no_grad():
+            w.mul_(0.5)
+        return x * w
+
+    x = torch.randn(4, 16)
+    w0 = w.detach().clone()
+    got = torch.compile(f, backend="dmfx")(x)
+    got.sum().backward()
+    assert torch.equal(w.detach(), w0 * 0.5) and torch.equal(got, x * w.detach())
+    assert torch.equal(w.grad, x.sum(0))
+    (record,) = dmfx.records()
+    assert "grad mode" in record.fallback and "in-place" in record.fallback, record.fallback
+
+
+def test_a_llama_whose_rotary_embedding_runs_under_no_grad_is_rewritten():
+    """transformers 4.x (and 5.x up to about 5.20) compute LLaMA's rotary cos/sin under
+    ``@torch.no_grad()``: every training graph of those models has a no_grad region (found on the first
+    GPU run, whose transformers is 5.17: the whole graph ran eagerly). It is rewritten, with eager's
+    loss and gradients."""
+    transformers, model = _tiny_llama()
+    rotary = type(model.model.rotary_emb)
+    model.train()
+    ids = torch.randint(0, 256, (2, 12))
+    plain = rotary.forward
+    rotary.forward = torch.no_grad()(plain)
+    try:
+        ref = copy.deepcopy(model)
+        want = ref(input_ids=ids, labels=ids).loss
+        want.backward()
+        got = torch.compile(model, backend="dmfx")(input_ids=ids, labels=ids).loss
+        got.backward()
+    finally:
+        rotary.forward = plain
+    assert rel_err(got, want) < 1e-5
+    scale = max(p.grad.abs().max().item() for p in ref.parameters())
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad - q.grad).abs().max().item() / scale < 1e-4, name
+    recs = [r for r in dmfx.records() if r.training]
+    assert recs and all(r.fallback is None for r in recs), [r.fallback for r in recs]
 
 
 def _tiny_llama():
