@@ -37,6 +37,12 @@ WHY_LEFT = ("no dropout in this graph: on the CPU, Inductor fuses its norms, ele
             "fusion barrier for it, so the graph is Inductor's (option fuse='all' fuses it anyway)")
 
 
+WHY_LEFT_CUDA = ("on CUDA, dmfx's kernels inside Inductor's code were slower than Inductor alone on the one whole "
+                 "model measured (BERT MLM training step, 4 layers, bf16 autocast, H200: 0.87x; bench/RESULTS.md, "
+                 "issue 16), so the graph is Inductor's until a GPU measurement says otherwise (option "
+                 "fuse='all' fuses it anyway)")
+
+
 def has_dropout(gm: GraphModule) -> bool:
     """Whether the ATen graph `gm` drops out anywhere: a training ``native_dropout`` with p > 0, or a
     scaled_dot_product_attention call with dropout_p > 0."""
@@ -62,8 +68,11 @@ def auto_decision(aten_gm: GraphModule, devices: tuple[str, ...],
     where it does not (LLaMA causal-LM training; BERT inference at parity), measured in
     bench/RESULTS.md; except a training graph's loss over large logits (loss_pays). Training graphs
     only: the fused loss's gain is its backward's; its forward alone (an evaluation loss) is Inductor's
-    or a little slower ([1024, 32000] float32, 1 thread: 26 against 23 ms). On CUDA no measurement
-    exists yet: dmfx rewrites."""
+    or a little slower ([1024, 32000] float32, 1 thread: 26 against 23 ms). On CUDA, the one whole
+    model measured (the first GPU run) was slower rewritten than under Inductor alone, dropout and all
+    (WHY_LEFT_CUDA): every CUDA graph is Inductor's until a measurement says otherwise."""
+    if devices == ("cuda",):
+        return WHY_LEFT_CUDA, None
     if devices != ("cpu",) or has_dropout(aten_gm):
         return None, None
     loss = loss_pays(aten_gm) if training else None

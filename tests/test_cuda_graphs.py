@@ -184,7 +184,7 @@ def test_cuda_inference_is_captured_and_replays_eagers_answers():
 
     model = _bert(0.0).eval()
     counters.clear()
-    c = torch.compile(model, backend=dmfx.with_options(compiler="inductor", fallback=False), mode="reduce-overhead")
+    c = torch.compile(model, backend=dmfx.with_options(compiler="inductor", fuse="all", fallback=False), mode="reduce-overhead")
     with torch.no_grad():
         for step in range(4):  # (recorded at the second call, replayed after)
             ids = torch.randint(0, 128, (2, 16), device="cuda")
@@ -199,7 +199,7 @@ def test_cuda_inference_is_captured_and_replays_eagers_answers():
 def test_cuda_training_without_dropout_is_captured_with_eagers_gradients():
     model = _bert(0.0).train()
     ref = copy.deepcopy(model)
-    c = torch.compile(model, backend=dmfx.with_options(compiler="inductor", fallback=False), mode="reduce-overhead")
+    c = torch.compile(model, backend=dmfx.with_options(compiler="inductor", fuse="all", fallback=False), mode="reduce-overhead")
     for step in range(3):
         ids = torch.randint(0, 128, (2, 16), device="cuda")
         out = c(input_ids=ids, labels=ids)
@@ -219,7 +219,7 @@ def test_cuda_training_without_dropout_is_captured_with_eagers_gradients():
 @needs_cuda
 def test_cuda_training_with_dropout_is_not_captured_and_draws_fresh_masks():
     model = _bert(0.3).train()
-    c = torch.compile(model, backend=dmfx.with_options(compiler="inductor", fallback=False), mode="reduce-overhead")
+    c = torch.compile(model, backend=dmfx.with_options(compiler="inductor", fuse="all", fallback=False), mode="reduce-overhead")
     ids = torch.randint(0, 128, (2, 16), device="cuda")
     a, b = c(input_ids=ids).logits.detach().clone(), c(input_ids=ids).logits.detach().clone()
     assert not torch.equal(a, b)
@@ -243,6 +243,6 @@ def test_cuda_static_cache_generate_with_hfs_default_compile_config():
                               cache_implementation="static", **kwargs)
 
     want = generate()
-    got = generate(compile_config=transformers.CompileConfig(backend=dmfx.with_options(compiler="inductor", fallback=False)))
+    got = generate(compile_config=transformers.CompileConfig(backend=dmfx.with_options(compiler="inductor", fuse="all", fallback=False)))
     assert torch.equal(got, want)
     assert any(r.cudagraphs == "captured" for r in dmfx.records()), [r.summary() for r in dmfx.records()]
