@@ -47,7 +47,8 @@ for f in ('cpu', 'cuda'):
     t = time.time(); build.load(f); print(f'{f} kernels built/loaded in {time.time() - t:.1f} s')"
 # one thread per worker (8 workers x 16 threads oversubscribed the 16 cores); failures logged as they happen
 want tests && DMFX_FAILURE_LOG="$out/gpu_failures.txt" OMP_NUM_THREADS=1 section tests 240 gpu_tests.log \
-  python3 -m pytest -q -n 14 -rfE -p no:cacheprovider --timeout 90 tests/test_cuda_*.py
+  python3 -m pytest -q -n 14 -rfE -p no:cacheprovider --timeout 90 tests/test_cuda_*.py \
+  --deselect tests/test_cuda_build.py::test_cuda_extension_compiles  # (the build section built them; a rebuild outlasts --timeout)
 want models && section models 240 gpu_models.txt python3 -m bench.lm_step --device cuda --autocast bf16 \
   --models bert-mlm,llama-lm --layers 4 --rounds 10 --threads 16 --candidates eager,inductor,dmfx,dmfx-all --json "$out/gpu_models.json"
 want generate && section generate 150 gpu_generate.txt python3 -m bench.generate --device cuda --rounds 5 --threads 16 \
