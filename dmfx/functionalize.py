@@ -27,6 +27,7 @@ mutation; the backend then leaves the graph to PyTorch with that reason in its r
 
 from __future__ import annotations
 
+import copy
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -128,7 +129,7 @@ def _is_grad_mode(n: Any, enabled: bool) -> bool:
 
 def _requires_grad(n: Any) -> bool | None:
     """Whether the Dynamo graph's value `n` requires grad (its example value says); None: unknown."""
-    if not isinstance(n, torch.fx.Node):
+    if not isinstance(n, Node):
         return False
     v = n.meta.get("example_value")
     if isinstance(v, torch.Tensor):
@@ -165,8 +166,6 @@ def _without_no_grad_regions(gm: GraphModule) -> GraphModule:
             _refuse_grad_mode_changes(gm, ": not a no_grad() region this graph closes")
     if inside:
         _refuse_grad_mode_changes(gm, ": not closed in the graph")
-    import copy
-
     gm = copy.deepcopy(gm)
     nodes = list(gm.graph.nodes)
     for start, end in regions:
