@@ -39,6 +39,10 @@ mask are promoted to float32 for the softmax and cast back for the second GEMM. 
 the bf16 one (eager's own error times BF16_FACTOR, at least BF16_FLOOR, or FP16_FLOOR under a float16
 autocast), measured against the same module run in float32 without autocast.
 
+torch.no_grad() regions inside a training graph (HF's rotary embeddings of transformers 4.x have one in
+every LLaMA step): NO_GRAD_PROGRAMS programs add a stop-gradient gate or a module run under no_grad,
+whose weights may be trained at another call site (test_graph_fuzz_with_no_grad_regions).
+
 Dropout with p > 0 draws dmfx's own masks (Philox), not eager's: those programs are not compared by
 value. They check shapes and dtypes against eager, finite values, and that one torch seed gives the
 same outputs and the same gradients twice, bit for bit, another seed other outputs
@@ -362,6 +366,14 @@ class Program(nn.Module):
             return F.dropout(args[0], 0.5, False)
         if op == "dropout_p":
             return F.dropout(args[0], 0.25, self.training)
+        if op == "stop_gate":  # v * sigmoid(v) with the gate under no_grad: the gradient flows through v only
+            with torch.no_grad():
+                g = torch.sigmoid(args[0])
+            return args[0] * g
+        if op == "no_grad_module":  # a module (its weights also trained elsewhere, now and then) under no_grad
+            with torch.no_grad():
+                m = self.mods[mod]
+                return m(args[0], mask) if isinstance(m, Attention) else m(args[0])
         if op == "transposed_act":  # work on a [L, B, H] view of a value, come back: a view
             t = args[0].transpose(0, 1)
             return (t * torch.sigmoid(t)).transpose(0, 1)
@@ -374,8 +386,9 @@ class Program(nn.Module):
 class RecipeBuilder:
     """Builds a random recipe step by step; `rng` makes it deterministic."""
 
-    def __init__(self, rng: random.Random, dtype, H, heads, dropout_p: float):
+    def __init__(self, rng: random.Random, dtype, H, heads, dropout_p: float, no_grad: bool = False):
         self.rng, self.dtype, self.H, self.heads, self.dropout_p = rng, dtype, H, heads, dropout_p
+        self.no_grad = no_grad  # add torch.no_grad() regions (step_no_grad) after the other steps
         self.modules: dict[str, tuple[str, dict]] = {}
         self.ties: list[tuple[str, str]] = []
         self.nodes: list[tuple[tuple[int, ...], str, str | None, tuple[int, ...]]] = []
@@ -509,6 +522,14 @@ class RecipeBuilder:
         a, b = self.pick(), self.rng.choice(self.pool)
         self.emit(self.rng.choice(("add", "add", "mul", "add_scaled")), (a, b))
 
+    def step_no_grad(self):  # a torch.no_grad() region whose result a trained path reads
+        v = self.pick()
+        if self.rng.random() < 0.5:
+            self.emit("stop_gate", (v,))
+            return
+        t = self.emit("no_grad_module", (v,), self.module(self.rng.choice(("linear", "mlp", "attn") + NORM_KINDS)))[0]
+        self.emit(self.rng.choice(("add", "mul", "add_scaled")), (self.pick(), t))
+
     STEPS = ("gemm_residual", "post_norm", "pre_norm", "fork", "twice", "chunk", "unary", "binary")
     BLOCKS = ("gemm_residual", "post_norm", "pre_norm", "fork", "twice", "chunk")  # a wide program's: layer-like
 
@@ -520,6 +541,9 @@ class RecipeBuilder:
             self.pool = list(inputs)
         for _ in range(n_steps):
             getattr(self, "step_" + self.rng.choice(steps))()
+        if self.no_grad:
+            for _ in range(self.rng.randint(1, 2)):
+                self.step_no_grad()
         if not self.modules:  # (nothing to differentiate but the inputs)
             self.step_post_norm()
         if self.dropout_p and not self.has_dropout():
@@ -547,16 +571,18 @@ class RecipeBuilder:
         return outs
 
 
-def make_recipe(index: int, dtype, dropout: bool = False, autocast=None) -> dict:
+def make_recipe(index: int, dtype, dropout: bool = False, autocast=None, no_grad: bool = False) -> dict:
     """Program `index`'s recipe and its cases, from the seed alone. One program in WIDE_EVERY is BERT-wide
     (hidden 256-768, up to 1024 tokens: the aliasing bug's error showed at some widths only).
     `autocast` (a dtype): the module, its inputs and its masks are float32 (`dtype` must be) and it runs
     under ``torch.autocast("cpu", autocast)``, as a user trains in mixed precision: GEMMs in bf16, norms
-    and softmax in float32, and bf16 scores + HF's float32 mask promoted to float32 before the softmax."""
+    and softmax in float32, and bf16 scores + HF's float32 mask promoted to float32 before the softmax.
+    `no_grad`: one or two torch.no_grad() regions are added (RecipeBuilder.step_no_grad)."""
     assert autocast is None or dtype == torch.float32, "autocast programs are float32 modules"
-    rng = random.Random(f"{SEED}/{dtype}/{dropout}/{index}" + (f"/autocast-{autocast}" if autocast else ""))
+    rng = random.Random(f"{SEED}/{dtype}/{dropout}/{index}" + (f"/autocast-{autocast}" if autocast else "")
+                        + ("/no-grad" if no_grad else ""))
     origin = (f"program {index} (DMFX_GRAPH_FUZZ_SEED={SEED} DMFX_GRAPH_FUZZ_ONLY={index}"
-              f"{', dropout' if dropout else ''}{f', autocast {autocast}' if autocast else ''})")
+              f"{', dropout' if dropout else ''}{f', autocast {autocast}' if autocast else ''}{', no_grad' if no_grad else ''})")
     wide = index % WIDE_EVERY == WIDE_EVERY - 1
     if wide:
         H = rng.choice((256, 384, 768))
@@ -565,7 +591,7 @@ def make_recipe(index: int, dtype, dropout: bool = False, autocast=None) -> dict
         heads = rng.choice((1, 2, 4))
         H = heads * rng.choice((3, 4, 6, 8, 16) if heads > 1 else (7, 8, 12, 24, 33))
     embed = rng.random() < 0.12
-    b = RecipeBuilder(rng, dtype, H, heads, 0.25 if dropout else 0.0)
+    b = RecipeBuilder(rng, dtype, H, heads, 0.25 if dropout else 0.0, no_grad)
     b.build(rng.randint(2, 3) if wide else rng.randint(2, 5), inputs=(0, 1) if rng.random() < 0.3 else (0,),
             embed=embed, steps=b.BLOCKS if wide else b.STEPS)
     recipe = {
@@ -833,6 +859,30 @@ def test_graph_fuzz_matches_eager(dtype, autocast, record_property):
     assert sum(bool(r.fired) for r in results) >= MIN_FUSED_FRACTION * len(results), summary
     if autocast and ONLY is None:
         assert any(r.fired.get("attention_softmax") or r.fired.get("attention") for r in results), summary
+
+
+NO_GRAD_PROGRAMS, NO_GRAD_CASES = 12, 4
+
+
+def test_graph_fuzz_with_no_grad_regions():
+    """Programs with torch.no_grad() regions in their training graphs (a stop-gradient gate; a module,
+    whose weights may also be trained at another call site, run under no_grad), as HF's rotary
+    embeddings of transformers 4.x put one in every LLaMA step: lowered (none left to PyTorch), with
+    eager's outputs and gradients, the region's reads of trained values contributing no gradient."""
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    start = time.perf_counter()
+    results = []
+    with torch._dynamo.config.patch({limit: 32}):
+        for i in program_indices(NO_GRAD_PROGRAMS):
+            recipe = make_recipe(i, torch.float32, no_grad=True)
+            recipe["cases"] = recipe["cases"][:NO_GRAD_CASES]
+            results.append(run_program(recipe))
+    summary = fuzz_summary(results, time.perf_counter() - start)
+    print("\ndmfx graph fuzz with no_grad regions:", summary)
+    failed = [r for r in results if r.failures]
+    assert not failed, (f"{len(failed)} of {len(results)} programs differ from eager:\n"
+                        + "\n".join(r.report() for r in failed[:4]))
+    assert sum(bool(r.fired) for r in results) >= MIN_FUSED_FRACTION * len(results), summary
 
 
 INDUCTOR_PROGRAMS, INDUCTOR_CASES = 16, 4
