@@ -50,7 +50,7 @@ want tests && DMFX_FAILURE_LOG="$out/gpu_failures.txt" OMP_NUM_THREADS=1 section
   python3 -m pytest -q -n 14 -rfE -p no:cacheprovider --timeout 90 tests/test_cuda_*.py \
   --deselect tests/test_cuda_build.py::test_cuda_extension_compiles  # (the build section built them; a rebuild outlasts --timeout)
 want models && section models 240 gpu_models.txt python3 -m bench.lm_step --device cuda --autocast bf16 \
-  --models bert-mlm,llama-lm --layers 4 --rounds 10 --threads 16 --candidates eager,inductor,dmfx,dmfx-all --json "$out/gpu_models.json"
+  --models bert-mlm,llama-lm --layers 4 --rounds 10 --threads 16 --candidates eager,inductor,dmfx,dmfx-all,floor --json "$out/gpu_models.json"
 want generate && section generate 150 gpu_generate.txt python3 -m bench.generate --device cuda --rounds 5 --threads 16 \
   --json "$out/gpu_generate.json"
 want attention && section attention 120 gpu_attention.txt python3 -m bench.attention --device cuda --dtype bfloat16 \
