@@ -3,6 +3,8 @@
 # A session is lent about 15 minutes of GPU time, the machine's start included, so every section is
 # time-boxed (a hang costs its box, not the session) and they run in order of what they decide:
 #   build     the CUDA (and this CPU's) kernels, timed
+#   crashes   bench/gpu_pinpoint.py: each bad-input call of the attention kernels that crashed its process
+#             on the first GPU run, in a process of its own, with a native stack where one crashes
 #   tests     every CUDA test (tests/test_cuda_*.py: the kernels against their CPU twins, CUDA graphs,
 #             whole HF models with their losses against eager), 8 pytest workers
 #   models    whole LMs with their losses, training steps under a bf16 autocast: eager / Inductor / dmfx
@@ -11,7 +13,7 @@
 #   loss      the fused cross-entropy and the chunked LM head + loss against eager / Inductor
 #   layer     one BertLayer at BERT-large sizes (the paper's benchmark), bf16
 # Run from the repository root on the lent GPU machine:
-#   bash bench/gpu_check.sh [build,tests,models,...]   (default: build,tests,models; "all": every section)
+#   bash bench/gpu_check.sh [build,crashes,tests,...]   (default: build,crashes,tests,models; "all": every section)
 # Logs go under ${OUT:-bench/results}; each section prints "-- <name>: rc R in S s" when it ends.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,11 +21,11 @@ out="${OUT:-bench/results}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export DMFX_CACHE_DIR="${DMFX_CACHE_DIR:-/tmp/dmfx-gpu}"
-sections="${1:-build,tests,models}"
+sections="${1:-build,crashes,tests,models}"
 # every section ends by this deadline (GPU_CHECK_SECONDS from now), so the run returns its logs inside
 # the device call's own time limit; a section that would start with under 20 s left is skipped
 deadline=$(( $(date +%s) + ${GPU_CHECK_SECONDS:-1800} ))
-[ "$sections" = all ] && sections="build,tests,models,generate,attention,loss,layer"
+[ "$sections" = all ] && sections="build,crashes,tests,models,generate,attention,loss,layer"
 want() { [[ ",$sections," == *",$1,"* ]]; }
 section() {  # section NAME SECONDS LOG CMD...: CMD under a timeout, its output to the terminal and LOG
   local name=$1 secs=$2 log=$3 t0 rc left
@@ -45,6 +47,7 @@ import time
 from dmfx.cuda_ops import build
 for f in ('cpu', 'cuda'):
     t = time.time(); build.load(f); print(f'{f} kernels built/loaded in {time.time() - t:.1f} s')"
+want crashes && section crashes 150 gpu_crashes.txt python3 bench/gpu_pinpoint.py
 # one thread per worker (8 workers x 16 threads oversubscribed the 16 cores); failures logged as they happen
 want tests && DMFX_FAILURE_LOG="$out/gpu_failures.txt" OMP_NUM_THREADS=1 section tests 240 gpu_tests.log \
   python3 -m pytest -q -n 14 -rfE -p no:cacheprovider --timeout 90 tests/test_cuda_*.py \
