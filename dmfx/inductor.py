@@ -118,8 +118,9 @@ def left_for_unbuilt_kernels(why: str | None) -> bool:
 def loss_pays(aten_gm: GraphModule) -> tuple[int, int] | None:
     """The (rows, vocab) of a loss in `aten_gm` whose fusion pays on the CPU where the rest of
     the graph is left to Inductor: ``nll_loss_forward(_log_softmax(z, 1))``, ATen's
-    ``F.cross_entropy`` (an LM's loss), over logits of at least LARGE_LOGITS elements (symbolic sizes
-    read by their hints, without a guard); None where there is none. dmfx's loss reads the logits
+    ``F.cross_entropy`` (an LM's loss), over an LM head's logits (_reads_a_gemm: not a shifted copy of
+    them) of at least LARGE_LOGITS elements (symbolic sizes read by their hints, without a guard); None
+    where there is none. dmfx's loss reads the logits
     once forward (online log-sum-exp) and once backward, and saves only each row's (max, log-sum): on
     [1024, 32000] float32, 1 thread, forward and backward took 92 ms against 139 ms for Inductor's
     generated loss, and the LLaMA causal-LM training step ran 1.04-1.05x Inductor with only the loss
@@ -130,12 +131,28 @@ def loss_pays(aten_gm: GraphModule) -> tuple[int, int] | None:
     for n in aten_gm.graph.nodes:
         if not is_op(n, aten.nll_loss_forward) or not is_op(n.args[0], aten._log_softmax):
             continue
+        if not _reads_a_gemm(n.args[0].args[0]):
+            continue
         meta = tensor_meta(n.args[0])
         if meta is not None and len(meta.shape) == 2:
             rows, vocab = (concrete_int(d) for d in meta.shape)
             if rows * vocab >= LARGE_LOGITS:
                 return rows, vocab
     return None
+
+
+def _reads_a_gemm(x: Any) -> bool:
+    """Whether the logits `x` a loss reads are a GEMM's output seen through views and dtype casts (an
+    LM head's logits, as transformers 5.x's losses read them), rather than a copy of a slice of them:
+    transformers 4.x's causal-LM losses shift the logits (``logits[..., :-1, :].contiguous()``), and the
+    fused loss over that copy, with the copy's backward (a zero-filled [B, L, V] and an add the fold of
+    the logits' gradient does not take), ran 0.88-0.96x Inductor on a LLaMA step where the graph left to
+    Inductor whole ran 1.005x (bench/RESULTS.md, 2026-12-04, transformers 4.46)."""
+    from .passes.graph_utils import aten, is_op
+
+    while is_op(x, aten.view, aten._unsafe_view, aten.reshape, aten.alias, aten._to_copy):
+        x = x.args[0]
+    return is_op(x, aten.mm, aten.addmm, aten.bmm, aten.baddbmm)
 
 
 def _contiguous(v: Any) -> bool:

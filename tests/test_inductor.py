@@ -190,6 +190,50 @@ def test_a_graph_without_dropout_keeps_dmfxs_loss_where_the_logits_are_large(voc
         assert rec.fallback.startswith("left to Inductor: no dropout in this graph") and not rec.fired
 
 
+@pytest.mark.parametrize("shift", ["labels", "logits"])
+def test_a_loss_over_a_shifted_copy_of_the_logits_is_left_to_inductor(shift):
+    """transformers 4.x's causal-LM loss shifts the logits (``logits[..., :-1, :].contiguous()``), 5.x's
+    the labels. fuse="auto" keeps dmfx's loss only where it reads the LM head's logits themselves:
+    over the shifted copy it ran slower than Inductor alone (dmfx.inductor._reads_a_gemm), so that
+    graph is Inductor's whole. Both give eager's loss and gradients."""
+    import torch.nn.functional as F
+
+    from dmfx.cuda_ops import selfcheck
+
+    selfcheck.passes_to_skip(["cpu"])  # (the kernels built and checked: else the graph waits for them whole)
+    V = 33000
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.head = torch.nn.Linear(32, 32), torch.nn.Linear(32, V, bias=False)
+
+        def forward(self, h, labels):
+            logits = self.head(torch.tanh(self.lin(h)))
+            if shift == "logits":
+                loss = F.cross_entropy(logits[:, :-1, :].contiguous().view(-1, V), labels[:, 1:].reshape(-1))
+            else:
+                shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
+                loss = F.cross_entropy(logits.view(-1, V), shifted.reshape(-1))
+            return loss, logits
+
+    torch.manual_seed(0)
+    m = Head()
+    ref = copy.deepcopy(m)
+    h, labels = torch.randn(2, 17, 32), torch.randint(0, V, (2, 17))
+    loss, logits = torch.compile(m, backend="dmfx", options={"compiler": "inductor", "fallback": False})(h, labels)
+    want, want_logits = ref(h, labels)
+    loss.backward()
+    want.backward()
+    assert abs(loss.item() - want.item()) < 1e-5 * abs(want.item()) and rel_err(logits, want_logits) < 1e-5
+    grads_match(m, ref)
+    (rec,) = dmfx.records()
+    if shift == "labels":
+        assert rec.fallback is None and rec.fired.get("cross_entropy") == 1, rec.summary()
+    else:
+        assert rec.fallback.startswith("left to Inductor: no dropout in this graph") and not rec.fired, rec.summary()
+
+
 def test_an_evaluation_loss_over_large_logits_is_left_to_inductor():
     """The same large loss in an evaluation step (no gradient): the fused loss's gain is its backward's,
     and its forward alone is no faster than Inductor's, so the graph stays Inductor's whole."""
