@@ -118,13 +118,18 @@ def _refuse_grad_mode_changes(gm: GraphModule, why: str = "") -> None:
     """The functional body is traced under no_grad and loses ``torch.no_grad()`` / ``enable_grad()``
     regions; in training that would give gradients where eager gives none."""
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
+        if _sets_grad_mode(n):
             raise UnsupportedGraph(f"the graph changes grad mode inside it ({n.name}: a torch.no_grad() or "
                                    f"enable_grad() region{why}) and trains; dmfx's lowering would lose the region")
 
 
-def _is_grad_mode(n: Any, enabled: bool) -> bool:
-    return n.op == "call_function" and n.target is torch._C._set_grad_enabled and n.args == (enabled,)
+def _sets_grad_mode(n: Node) -> bool:
+    """Whether `n` is a Dynamo graph's ``torch.no_grad()`` / ``enable_grad()`` boundary."""
+    return n.op == "call_function" and n.target is torch._C._set_grad_enabled
+
+
+def _is_grad_mode(n: Node, enabled: bool) -> bool:
+    return _sets_grad_mode(n) and n.args == (enabled,)
 
 
 def _requires_grad(n: Any) -> bool | None:
@@ -153,7 +158,7 @@ def _without_no_grad_regions(gm: GraphModule) -> GraphModule:
     keep: an ``enable_grad()`` region, a module call or an in-place op inside the region, a region not
     closed in the graph, or a value whose grad requirement is unknown."""
     nodes = list(gm.graph.nodes)
-    if not any(n.op == "call_function" and n.target is torch._C._set_grad_enabled for n in nodes):
+    if not any(_sets_grad_mode(n) for n in nodes):
         return gm
     inside, regions, start = False, [], None
     for i, n in enumerate(nodes):
@@ -162,7 +167,7 @@ def _without_no_grad_regions(gm: GraphModule) -> GraphModule:
         elif _is_grad_mode(n, True) and inside:
             inside = False
             regions.append((start, i))
-        elif n.op == "call_function" and n.target is torch._C._set_grad_enabled:
+        elif _sets_grad_mode(n):
             _refuse_grad_mode_changes(gm, ": not a no_grad() region this graph closes")
     if inside:
         _refuse_grad_mode_changes(gm, ": not closed in the graph")
@@ -171,6 +176,7 @@ def _without_no_grad_regions(gm: GraphModule) -> GraphModule:
     for start, end in regions:
         body = nodes[start + 1:end]
         members = set(body)
+        detached: dict[Node, Node] = {}  # (one detach per value the region reads, however many readers)
         for n in body:
             name = str(getattr(n.target, "__name__", n.target))
             in_place = (name.endswith("_") and not name.startswith("_") or name in _INPLACE_OPERATORS or "out" in n.kwargs
@@ -184,10 +190,11 @@ def _without_no_grad_regions(gm: GraphModule) -> GraphModule:
                 if rg is None:
                     _refuse_grad_mode_changes(gm, f": whether {a.name} requires grad is unknown")
                 if rg:
-                    with gm.graph.inserting_before(n):
-                        d = gm.graph.call_method("detach", (a,))
-                    d.meta = {**a.meta, "example_value": a.meta["example_value"].detach()}
-                    n.replace_input_with(a, d)
+                    if a not in detached:
+                        with gm.graph.inserting_before(nodes[start]):
+                            detached[a] = gm.graph.call_method("detach", (a,))
+                        detached[a].meta = {**a.meta, "example_value": a.meta["example_value"].detach()}
+                    n.replace_input_with(a, detached[a])
         gm.graph.erase_node(nodes[end])
         gm.graph.erase_node(nodes[start])
     gm.graph.lint()

@@ -869,16 +869,22 @@ def test_graph_fuzz_with_no_grad_regions():
     whose weights may also be trained at another call site, run under no_grad), as HF's rotary
     embeddings of transformers 4.x put one in every LLaMA step: lowered (none left to PyTorch), with
     eager's outputs and gradients, the region's reads of trained values contributing no gradient."""
+    fuzz_first_cases("with no_grad regions", NO_GRAD_PROGRAMS, NO_GRAD_CASES, no_grad=True)
+
+
+def fuzz_first_cases(what: str, programs: int, cases: int, options: dict | None = None, **recipe_kwargs) -> None:
+    """The first `programs` float32 programs (make_recipe with `recipe_kwargs`), each on its first
+    `cases` cases, compiled with `options`: every one equals eager, and most fuse something."""
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     start = time.perf_counter()
     results = []
     with torch._dynamo.config.patch({limit: 32}):
-        for i in program_indices(NO_GRAD_PROGRAMS):
-            recipe = make_recipe(i, torch.float32, no_grad=True)
-            recipe["cases"] = recipe["cases"][:NO_GRAD_CASES]
-            results.append(run_program(recipe))
+        for i in program_indices(programs):
+            recipe = make_recipe(i, torch.float32, **recipe_kwargs)
+            recipe["cases"] = recipe["cases"][:cases]
+            results.append(run_program(recipe, options))
     summary = fuzz_summary(results, time.perf_counter() - start)
-    print("\ndmfx graph fuzz with no_grad regions:", summary)
+    print(f"\ndmfx graph fuzz {what}:", summary)
     failed = [r for r in results if r.failures]
     assert not failed, (f"{len(failed)} of {len(results)} programs differ from eager:\n"
                         + "\n".join(r.report() for r in failed[:4]))
@@ -894,20 +900,7 @@ def test_graph_fuzz_under_the_default_compiler():
     CPU graph without dropout is Inductor's whole, with nothing of dmfx's in it): the first programs,
     a narrow and a BERT-wide one among them, on their first cases (each new shape is an Inductor
     compile), equal eager's outputs and gradients."""
-    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-    start = time.perf_counter()
-    results = []
-    with torch._dynamo.config.patch({limit: 32}):
-        for i in program_indices(INDUCTOR_PROGRAMS):
-            recipe = make_recipe(i, torch.float32)
-            recipe["cases"] = recipe["cases"][:INDUCTOR_CASES]
-            results.append(run_program(recipe, {"compiler": "inductor", "fuse": "all"}))
-    summary = fuzz_summary(results, time.perf_counter() - start)
-    print("\ndmfx graph fuzz under Inductor:", summary)
-    failed = [r for r in results if r.failures]
-    assert not failed, (f"{len(failed)} of {len(results)} programs differ from eager:\n"
-                        + "\n".join(r.report() for r in failed[:4]))
-    assert sum(bool(r.fired) for r in results) >= MIN_FUSED_FRACTION * len(results), summary
+    fuzz_first_cases("under Inductor", INDUCTOR_PROGRAMS, INDUCTOR_CASES, {"compiler": "inductor", "fuse": "all"})
 
 
 DROPOUT_CASES = 4
