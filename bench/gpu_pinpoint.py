@@ -11,6 +11,12 @@ code and error, and reruns a crashing one under a debugger (gdb, else cuda-gdb, 
 has) for the native stack. Two controls that must raise cleanly: a softmax kernel's error and a plain
 torch error. If the controls crash too, the machine or torch is at fault, not dmfx.
 
+Found by its second run (2026-12-04, evening): every crashing call formats an integer in its message, and each
+died in std::ostream::_M_insert<long> inside the kernel module itself: the image's CXX
+(/opt/gcc/bin/g++) had linked a static copy of libstdc++ into the module (bench/gpu_link_probe.py
+reproduces it with a ten-line extension). cuda_ops/build.py now builds with a compiler that links
+libstdc++.so (_build_compilers); this script checks that on the next GPU run.
+
 Usage (repository root, on the GPU machine; the kernels built or carried first)::
 
     python3 bench/gpu_pinpoint.py

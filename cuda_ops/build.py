@@ -294,6 +294,9 @@ def source_hash(flavor: Flavor) -> str:
     h.update(torch.__version__.encode())
     h.update(str(torch.version.cuda).encode())
     h.update(sys.version.encode())
+    # the compilers the environment names (a module built by another compiler is another module; a
+    # build from before _build_compilers by a CXX that links libstdc++ statically is not reused)
+    h.update(f"CXX={os.environ.get('CXX')} CC={os.environ.get('CC')} stdcxx-shared".encode())
     if flavor.kind == "cpu":
         h.update(_machine_tag().encode())
     else:
@@ -382,13 +385,87 @@ def _import(name: str, lib: Path) -> ModuleType:
 
 def _compile(key: str, flavor: Flavor, objects: Path) -> ModuleType:
     """Build `flavor` in its object directory `objects` and import it (torch's loader does both)."""
-    if flavor.kind == "cuda":
-        _ensure_cuda_home()
-        # the architectures the module's hash names, for this build only (the user's other extension
-        # builds in this process see TORCH_CUDA_ARCH_LIST as it was)
-        with _env("TORCH_CUDA_ARCH_LIST", cuda_arch_list()):
-            return _load(key, flavor, objects)
-    return _load(key, flavor, objects)
+    with contextlib.ExitStack() as stack:
+        # a compiler that would put its own copy of libstdc++ into the module is swapped for one that
+        # links the shared library torch uses, for this build only (_build_compilers)
+        for name, value in _build_compilers().items():
+            stack.enter_context(_env(name, value))
+        if flavor.kind == "cuda":
+            _ensure_cuda_home()
+            # the architectures the module's hash names, for this build only (the user's other extension
+            # builds in this process see TORCH_CUDA_ARCH_LIST as it was)
+            stack.enter_context(_env("TORCH_CUDA_ARCH_LIST", cuda_arch_list()))
+        return _load(key, flavor, objects)
+
+
+_STDCXX_PROBE = "#include <sstream>\n#include <string>\nstd::string f(long n) { std::ostringstream s; s << n; return s.str(); }\n"
+
+
+def _needed_libraries(lib: Path) -> list[str] | None:
+    """The NEEDED entries of the shared library `lib` (readelf, else objdump); None where neither runs."""
+    for cmd in (["readelf", "-d", str(lib)], ["objdump", "-p", str(lib)]):
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if out.returncode == 0:
+            return [line.split()[-1].strip("[]") for line in out.stdout.splitlines() if "NEEDED" in line]
+    return None
+
+
+def links_libstdcxx_statically(cxx: str) -> bool | None:
+    """Whether the C++ compiler `cxx` (a command line) puts a copy of libstdc++ into a shared library
+    that uses iostreams instead of linking libstdc++.so; None where that cannot be told (no compiler, no
+    readelf or objdump).
+
+    Such a copy beside the shared libstdc++ torch loads crashes the process (SIGSEGV in its
+    ``std::ostream::_M_insert<long>``) as soon as a TORCH_CHECK message formats a number: seen on a GPU
+    image whose CXX was a gcc that links libstdc++ statically (bench/RESULTS.md, 2026-12-04)."""
+    with tempfile.TemporaryDirectory(prefix="dmfx_cxx_probe_") as d:
+        src, lib = Path(d) / "probe.cpp", Path(d) / "probe.so"
+        src.write_text(_STDCXX_PROBE)
+        try:
+            r = subprocess.run([*shlex.split(cxx), "-shared", "-fPIC", str(src), "-o", str(lib)], capture_output=True,
+                               timeout=120)
+        except (OSError, subprocess.SubprocessError, ValueError):
+            return None
+        needed = _needed_libraries(lib) if r.returncode == 0 else None
+    return None if needed is None else not any(n.startswith("libstdc++") for n in needed)
+
+
+_compilers: dict[str, str] | None = None
+
+
+def _build_compilers() -> dict[str, str]:
+    """The CXX and CC to build the kernels with, where the configured ones must be replaced: empty (the
+    environment's compilers, torch's choice) unless CXX (else c++) links libstdc++ statically
+    (links_libstdcxx_statically), in which case the first g++ / c++ on PATH or in /usr/bin that links
+    it dynamically, with the C compiler beside it (nvcc's host compiler: the CUDA objects then use the
+    same libstdc++ headers), with a warning. Where no such compiler exists the build goes on with a
+    warning: the kernels work, but an error message that formats a number may crash the process.
+    Probed once per process, on the first build (a warm load compiles nothing)."""
+    global _compilers
+    if _compilers is not None:
+        return _compilers
+    cxx = os.environ.get("CXX") or "c++"
+    _compilers = {}
+    if links_libstdcxx_statically(cxx) is not True:
+        return _compilers
+    mine = os.path.realpath(shutil.which(shlex.split(cxx)[0]) or cxx)
+    for cand in ("g++", "c++", "/usr/bin/g++", "/usr/bin/c++"):
+        path = shutil.which(cand)
+        if not path or os.path.realpath(path) == mine or links_libstdcxx_statically(path) is not False:
+            continue
+        cc = next((str(Path(path).parent / c) for c in ("gcc", "cc") if (Path(path).parent / c).exists()), None)
+        _compilers = {"CXX": path, **({"CC": cc} if cc else {})}
+        warn("dmfx: CXX=%s links libstdc++ statically, and a second copy of libstdc++ beside torch's crashes the "
+             "process on an error message with a number in it; building dmfx's kernels with %s instead", cxx,
+             " and ".join(f"{k}={v}" for k, v in _compilers.items()))
+        return _compilers
+    warn("dmfx: CXX=%s links libstdc++ statically and no compiler on PATH links it dynamically: dmfx's kernels "
+         "are built with it, but an error message that formats a number may crash the process (set CXX to a "
+         "compiler that links libstdc++.so)", cxx)
+    return _compilers
 
 
 def _write_sources(flavor: Flavor, src: Path) -> None:

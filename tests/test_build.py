@@ -338,3 +338,48 @@ def test_the_cuda_build_sets_the_arch_list_only_while_it_runs(monkeypatch, tmp_p
         assert fails
     assert seen == [user_value or "9.0"]
     assert os.environ.get("TORCH_CUDA_ARCH_LIST") == user_value
+
+
+def _static_cxx(tmp_path):
+    """A C++ compiler command that links libstdc++ statically (as the H200 image's CXX=/opt/gcc/bin/g++
+    did), made from this machine's c++."""
+    cxx = tmp_path / "static-g++"
+    cxx.write_text('#!/bin/sh\nexec c++ "$@" -static-libstdc++\n')
+    cxx.chmod(0o755)
+    if build.links_libstdcxx_statically(str(cxx)) is not True:
+        pytest.skip("this machine's c++ cannot link libstdc++ statically (no libstdc++.a, or no readelf/objdump)")
+    return str(cxx)
+
+
+def test_the_stdcxx_probe_tells_a_static_libstdcxx_from_a_shared_one(tmp_path):
+    assert build.links_libstdcxx_statically("c++") is False  # this machine's compiler, as torch links with it
+    assert build.links_libstdcxx_statically(_static_cxx(tmp_path)) is True
+    assert build.links_libstdcxx_statically(str(tmp_path / "no-such-compiler")) is None
+
+
+def test_a_cxx_that_links_libstdcxx_statically_is_replaced_for_the_build(monkeypatch, tmp_path, caplog):
+    """On the H200 image every TORCH_CHECK message with a number in it crashed the process inside the
+    kernel module's own copy of libstdc++ (bench/RESULTS.md): the build swaps such a compiler for one
+    that links libstdc++.so, says so, and sets it only while the build runs."""
+    import torch.utils.cpp_extension as ext
+
+    static = _static_cxx(tmp_path)
+    monkeypatch.setenv("CXX", static)
+    monkeypatch.setenv("CC", "/the/users/cc")
+    monkeypatch.setattr(build, "_compilers", None)
+    chosen = build._build_compilers()
+    assert any("links libstdc++ statically" in r.getMessage() and chosen["CXX"] in r.getMessage() for r in caplog.records)
+    assert chosen["CXX"] != static and build.links_libstdcxx_statically(chosen["CXX"]) is False
+    assert os.path.basename(chosen["CC"]) in ("gcc", "cc") and os.path.dirname(chosen["CC"]) == os.path.dirname(chosen["CXX"])
+    seen = []
+    monkeypatch.setattr(ext, "load", lambda **kw: seen.append((os.environ["CXX"], os.environ["CC"])))
+    build._compile("cpu", build.FLAVORS["cpu"], tmp_path)
+    assert seen == [(chosen["CXX"], chosen["CC"])]
+    assert (os.environ["CXX"], os.environ["CC"]) == (static, "/the/users/cc")
+    # a compiler that links libstdc++.so is left alone, and the environment's compilers name the module
+    monkeypatch.setattr(build, "_compilers", None)
+    monkeypatch.setenv("CXX", "c++")
+    assert build._build_compilers() == {}
+    names = {build.module_name("cpu")}
+    monkeypatch.setenv("CXX", static)
+    assert build.module_name("cpu") not in names
