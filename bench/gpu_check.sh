@@ -8,6 +8,7 @@
 #   tests     every CUDA test (tests/test_cuda_*.py: the kernels against their CPU twins, CUDA graphs,
 #             whole HF models with their losses against eager), 8 pytest workers
 #   models    whole LMs with their losses, training steps under a bf16 autocast: eager / Inductor / dmfx
+#   profile   bench/gpu_profile.py: the same steps kernel by kernel, Inductor against dmfx's fuse="all"
 #   generate  compiled static-cache generate() (HF's CompileConfig default: mode reduce-overhead)
 #   attention dmfx's CUDA flash kernel and GEMM form against SDPA
 #   loss      the fused cross-entropy and the chunked LM head + loss against eager / Inductor
@@ -25,7 +26,7 @@ sections="${1:-build,crashes,tests,models}"
 # every section ends by this deadline (GPU_CHECK_SECONDS from now), so the run returns its logs inside
 # the device call's own time limit; a section that would start with under 20 s left is skipped
 deadline=$(( $(date +%s) + ${GPU_CHECK_SECONDS:-1800} ))
-[ "$sections" = all ] && sections="build,crashes,tests,models,generate,attention,loss,layer"
+[ "$sections" = all ] && sections="build,crashes,tests,models,profile,generate,attention,loss,layer"
 want() { [[ ",$sections," == *",$1,"* ]]; }
 section() {  # section NAME SECONDS LOG CMD...: CMD under a timeout, its output to the terminal and LOG
   local name=$1 secs=$2 log=$3 t0 rc left
@@ -54,6 +55,8 @@ want tests && DMFX_FAILURE_LOG="$out/gpu_failures.txt" OMP_NUM_THREADS=1 section
   --deselect tests/test_cuda_build.py::test_cuda_extension_compiles  # (the build section built them; a rebuild outlasts --timeout)
 want models && section models 240 gpu_models.txt python3 -m bench.lm_step --device cuda --autocast bf16 \
   --models bert-mlm,llama-lm --layers 4 --rounds 10 --threads 16 --candidates eager,inductor,dmfx,dmfx-all,floor --json "$out/gpu_models.json"
+want profile && section profile 180 gpu_profile.txt python3 -m bench.gpu_profile --device cuda --autocast bf16 \
+  --models bert-mlm,llama-lm --layers 4 --candidates inductor,dmfx-all --steps 5 --top 20
 want generate && section generate 150 gpu_generate.txt python3 -m bench.generate --device cuda --rounds 5 --threads 16 \
   --json "$out/gpu_generate.json"
 want attention && section attention 120 gpu_attention.txt python3 -m bench.attention --device cuda --dtype bfloat16 \
