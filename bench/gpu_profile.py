@@ -9,7 +9,9 @@ bench/lm_step.py says *whether* dmfx is ahead of Inductor on a model; this says 
 * kernels launched per step;
 * kernel time by family: GEMMs (cuBLAS/CUTLASS names), dmfx's own kernels, Triton (Inductor's
   generated kernels), and the rest (ATen's own kernels);
-* the ``--top`` kernels by their time per step.
+* the ``--top`` kernels by their time per step;
+* the ``--top`` ATen and dmfx ops by their self CPU time on the host, with µs per call: where a
+  host-bound step's time goes.
 
 On a CPU (``--device cpu``, to try the script) there are no kernels; it prints the ATen ops by their
 self CPU time instead.
@@ -67,8 +69,12 @@ def profile(step, steps: int, device: str) -> dict:
             step()
         sync()
     per = collections.defaultdict(lambda: [0.0, 0])  # name -> [us per step, calls per step]
+    host = collections.defaultdict(lambda: [0.0, 0])  # the same for the host's ATen and dmfx ops
     for evt in prof.key_averages():
         on_device = str(getattr(evt, "device_type", "")).endswith("CUDA")
+        if not on_device and evt.key.startswith(("aten::", "dmfx::")) and evt.self_cpu_time_total > 0:
+            host[evt.key][0] += evt.self_cpu_time_total / steps
+            host[evt.key][1] += evt.count / steps
         if device == "cuda" and not on_device:
             continue
         if device != "cuda" and not evt.key.startswith(("aten::", "dmfx::")):
@@ -78,7 +84,7 @@ def profile(step, steps: int, device: str) -> dict:
             continue
         per[evt.key][0] += us / steps
         per[evt.key][1] += evt.count / steps
-    return {"wall_ms": wall, "kernels": dict(per)}
+    return {"wall_ms": wall, "kernels": dict(per), "host": dict(host)}
 
 
 def report(name: str, res: dict, top: int, device: str) -> None:
@@ -97,6 +103,13 @@ def report(name: str, res: dict, top: int, device: str) -> None:
     rows = sorted(k.items(), key=lambda kv: -kv[1][0])[:top]
     print(tabulate([[kname[:110], f"{us / 1e3:.3f}", f"{n:.0f}"] for kname, (us, n) in rows],
                    headers=[what, "ms/step", "calls/step"]))
+    if device == "cuda":  # where the host's time goes when the step is host-bound (wall >> kernel time)
+        h = res["host"]
+        print(f"host: {sum(v[0] for v in h.values()) / 1e3:.2f} ms/step of self CPU time in ATen and dmfx ops, "
+              f"{sum(v[1] for v in h.values()):.0f} calls/step")
+        rows = sorted(h.items(), key=lambda kv: -kv[1][0])[:top]
+        print(tabulate([[op[:80], f"{us / 1e3:.3f}", f"{n:.0f}", f"{us / max(n, 1):.1f}"] for op, (us, n) in rows],
+                       headers=["host op", "ms/step", "calls/step", "us/call"]))
 
 
 def main() -> None:
