@@ -430,7 +430,8 @@ def links_libstdcxx_statically(cxx: str) -> bool | None:
         except (OSError, subprocess.SubprocessError, ValueError):
             return None
         needed = _needed_libraries(lib) if r.returncode == 0 else None
-    return None if needed is None else not any(n.startswith("libstdc++") for n in needed)
+    # (a clang that links libc++.so links a shared C++ runtime too)
+    return None if needed is None else not any(n.startswith(("libstdc++", "libc++")) for n in needed)
 
 
 _compilers: dict[str, str] | None = None
