@@ -41,6 +41,7 @@ tests on each of ``CPU_BUILDS``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -434,9 +435,6 @@ def links_libstdcxx_statically(cxx: str) -> bool | None:
     return None if needed is None else not any(n.startswith(("libstdc++", "libc++")) for n in needed)
 
 
-_compilers: dict[str, str] | None = None
-
-
 def _build_compilers() -> dict[str, str]:
     """The CXX and CC to build the kernels with, where the configured ones must be replaced: empty (the
     environment's compilers, torch's choice) unless CXX (else c++) links libstdc++ statically
@@ -444,29 +442,30 @@ def _build_compilers() -> dict[str, str]:
     it dynamically, with the C compiler beside it (nvcc's host compiler: the CUDA objects then use the
     same libstdc++ headers), with a warning. Where no such compiler exists the build goes on with a
     warning: the kernels work, but an error message that formats a number may crash the process.
-    Probed once per process, on the first build (a warm load compiles nothing)."""
-    global _compilers
-    if _compilers is not None:
-        return _compilers
-    cxx = os.environ.get("CXX") or "c++"
-    _compilers = {}
+    Probed once per process and CXX, on the first build (a warm load compiles nothing)."""
+    return _compilers_for(os.environ.get("CXX") or "c++")
+
+
+@functools.lru_cache(maxsize=None)
+def _compilers_for(cxx: str) -> dict[str, str]:
+    """_build_compilers for the configured C++ compiler `cxx`."""
     if links_libstdcxx_statically(cxx) is not True:
-        return _compilers
+        return {}
     mine = os.path.realpath(shutil.which(shlex.split(cxx)[0]) or cxx)
     for cand in ("g++", "c++", "/usr/bin/g++", "/usr/bin/c++"):
         path = shutil.which(cand)
         if not path or os.path.realpath(path) == mine or links_libstdcxx_statically(path) is not False:
             continue
         cc = next((str(Path(path).parent / c) for c in ("gcc", "cc") if (Path(path).parent / c).exists()), None)
-        _compilers = {"CXX": path, **({"CC": cc} if cc else {})}
+        chosen = {"CXX": path, **({"CC": cc} if cc else {})}
         warn("dmfx: CXX=%s links libstdc++ statically, and a second copy of libstdc++ beside torch's crashes the "
              "process on an error message with a number in it; building dmfx's kernels with %s instead", cxx,
-             " and ".join(f"{k}={v}" for k, v in _compilers.items()))
-        return _compilers
+             " and ".join(f"{k}={v}" for k, v in chosen.items()))
+        return chosen
     warn("dmfx: CXX=%s links libstdc++ statically and no compiler on PATH links it dynamically: dmfx's kernels "
          "are built with it, but an error message that formats a number may crash the process (set CXX to a "
          "compiler that links libstdc++.so)", cxx)
-    return _compilers
+    return {}
 
 
 def _write_sources(flavor: Flavor, src: Path) -> None:

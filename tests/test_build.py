@@ -366,7 +366,7 @@ def test_a_cxx_that_links_libstdcxx_statically_is_replaced_for_the_build(monkeyp
     static = _static_cxx(tmp_path)
     monkeypatch.setenv("CXX", static)
     monkeypatch.setenv("CC", "/the/users/cc")
-    monkeypatch.setattr(build, "_compilers", None)
+    build._compilers_for.cache_clear()
     chosen = build._build_compilers()
     assert any("links libstdc++ statically" in r.getMessage() and chosen["CXX"] in r.getMessage() for r in caplog.records)
     assert chosen["CXX"] != static and build.links_libstdcxx_statically(chosen["CXX"]) is False
@@ -377,7 +377,7 @@ def test_a_cxx_that_links_libstdcxx_statically_is_replaced_for_the_build(monkeyp
     assert seen == [(chosen["CXX"], chosen["CC"])]
     assert (os.environ["CXX"], os.environ["CC"]) == (static, "/the/users/cc")
     # a compiler that links libstdc++.so is left alone, and the environment's compilers name the module
-    monkeypatch.setattr(build, "_compilers", None)
+    build._compilers_for.cache_clear()
     monkeypatch.setenv("CXX", "c++")
     assert build._build_compilers() == {}
     names = {build.module_name("cpu")}
