@@ -32,7 +32,7 @@ import time
 import torch
 from tabulate import tabulate
 
-from .common import log
+from .common import log, sync
 from .lm_step import build, candidates
 
 FAMILIES = (  # (family, pattern on the kernel's name), first match wins
@@ -46,45 +46,40 @@ def family(name: str) -> str:
     return next((f for f, pat in FAMILIES if pat.search(name)), "aten/other")
 
 
-def _self_time_us(evt, device: bool) -> float:
-    if device:  # the attribute was renamed (self_cuda_time_total -> self_device_time_total) in torch 2.x
-        return float(getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0))
-    return float(evt.self_cpu_time_total)
+def _device_time_us(evt) -> float:
+    # (the attribute was renamed, self_cuda_time_total -> self_device_time_total, in torch 2.x)
+    return float(getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0))
 
 
 def profile(step, steps: int, device: str) -> dict:
     """`steps` steps of `step` under the profiler: wall ms per step, kernel (or op) ms per step by name."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
     for _ in range(2):
         step()
-    sync()
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
-    sync()
+    sync(device)
     wall = (time.perf_counter() - t0) * 1e3 / steps  # outside the profiler: its own cost is not the step's
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(steps):
             step()
-        sync()
-    per = collections.defaultdict(lambda: [0.0, 0])  # name -> [us per step, calls per step]
-    host = collections.defaultdict(lambda: [0.0, 0])  # the same for the host's ATen and dmfx ops
+        sync(device)
+    kernels = collections.defaultdict(lambda: [0.0, 0])  # kernel name -> [us per step, launches per step]
+    host = collections.defaultdict(lambda: [0.0, 0])  # the same for the host's ATen and dmfx ops (self CPU time)
     for evt in prof.key_averages():
-        on_device = str(getattr(evt, "device_type", "")).endswith("CUDA")
-        if not on_device and evt.key.startswith(("aten::", "dmfx::")) and evt.self_cpu_time_total > 0:
-            host[evt.key][0] += evt.self_cpu_time_total / steps
-            host[evt.key][1] += evt.count / steps
-        if device == "cuda" and not on_device:
+        if str(getattr(evt, "device_type", "")).endswith("CUDA"):
+            into, us = kernels, _device_time_us(evt)
+        elif evt.key.startswith(("aten::", "dmfx::")):
+            into, us = host, float(evt.self_cpu_time_total)
+        else:
             continue
-        if device != "cuda" and not evt.key.startswith(("aten::", "dmfx::")):
-            continue
-        us = _self_time_us(evt, device == "cuda")
-        if us <= 0:
-            continue
-        per[evt.key][0] += us / steps
-        per[evt.key][1] += evt.count / steps
-    return {"wall_ms": wall, "kernels": dict(per), "host": dict(host)}
+        if us > 0:
+            into[evt.key][0] += us / steps
+            into[evt.key][1] += evt.count / steps
+    # (on a CPU there are no kernels: the ops' self time stands in for them)
+    return {"wall_ms": wall, "kernels": dict(kernels if device == "cuda" else host), "host": dict(host)}
 
 
 def report(name: str, res: dict, top: int, device: str) -> None:
