@@ -306,3 +306,26 @@ def test_rejects_non_emulated_device_and_bad_args(emu):
         emu.norm_fwd(torch.empty(3, 8, device="meta"), None, None, None, None, 0, 0, 0.0, EPS, False, False)
     with pytest.raises(RuntimeError, match="kernel but x is on meta"):
         emu.dropout(torch.empty(3, 8, device="meta"), 0, 0, 0.1)
+
+
+@pytest.mark.parametrize("H", [33, 200])
+def test_norm_column_sums_over_many_blocks(cpu, emu, H):
+    """The backward's column sums (dweight, dnorm_bias, dbias) over a grid of more blocks than the
+    column-sum block has thread rows (col_sum.cuh: 16), so every thread row sums several partial rows
+    and thread row 0 adds all 16 (the emulated H200's grid of 4 blocks leaves rows 4-15 empty); the
+    same bits whatever order the threads run in."""
+    emu.set_device(20, 232448, 2)  # 40 blocks at most
+    try:
+        t = make_inputs(45, H, F32, "contiguous", COMBOS[0], seed=6)
+        kw = dict(p=0.1, rms=False, return_sum=True, mask=[True] * 5)
+        got, exp = run_norm(emu, t, **kw), run_norm(cpu, t, **kw)
+        for name in ("dweight", "dnorm_bias", "dbias"):
+            assert_close(got[name], exp[name], TOL[F32], f"{name} H={H} over 40 blocks")
+        for mode in (2, 5):
+            emu.set_order(mode)
+            again = run_norm(emu, t, **kw)
+            for name in ("dweight", "dnorm_bias", "dbias"):
+                assert torch.equal(again[name], got[name]), f"{name} changes with thread order {mode}"
+    finally:
+        emu.set_order(0)
+        emu.set_device(*H200)

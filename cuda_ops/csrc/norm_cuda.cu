@@ -21,7 +21,7 @@
 //   at::opmath_type (float for half/bfloat16/float, double for double), like the CPU kernel.
 // * Column sums of the backward (dweight, dnorm_bias, dbias): every block accumulates its rows into
 //   its own partial row of a [ncols, grid, H] buffer (in shared memory while it runs when it fits,
-//   copied out at the end), then col_reduce_kernel adds the grid partials in a fixed order:
+//   copied out at the end), then col_reduce_kernel adds the grid partials in a fixed order (col_sum.cuh):
 //   deterministic, no atomics.
 // * Dropout: the element with logical index i = row * H + j (contiguous index for the standalone
 //   kernel) is kept iff word (i & 3) of philox4x32_10(i >> 2, offset, seed) >= threshold.
@@ -41,6 +41,7 @@
 
 #include "dmfx_common.h"
 #include "kernel_api.h"
+#include "col_sum.cuh"
 
 // Dynamic shared memory of the norm kernels (one declaration shared by all instantiations).
 extern __shared__ __align__(16) unsigned char dmfx_smem[];
@@ -50,7 +51,6 @@ namespace {
 
 constexpr int kMaxThreads = 512;        // threads per block of the norm kernels (a multiple of 32)
 constexpr int kDropoutThreads = 256;
-constexpr int kRedX = 32, kRedY = 16;   // block shape of col_reduce_kernel
 constexpr size_t kStaticSmemReserve = 1024;  // static __shared__ of the norm kernels (<= 512 bytes)
 constexpr size_t kDefaultSmem = 48 * 1024;   // dynamic shared memory usable without opting in
 
@@ -426,24 +426,15 @@ struct ColReduceArgs {
   int nblocks, vec;
 };
 
-// dst[q][j] = sum over blocks of src[q][block][pos(j)], added in a fixed order (deterministic).
-// Thread x handles SoA position p (coalesced reads); y splits the blocks, then a fixed-order sum.
+// dst[q][j] = sum over blocks of src[q][block][pos(j)], added in a fixed order (deterministic;
+// block_column_sum, col_sum.cuh). Thread x handles SoA position p (coalesced reads), blockIdx.y the
+// output q.
 template <typename scalar_t>
-__global__ void __launch_bounds__(kRedX* kRedY) col_reduce_kernel(const ColReduceArgs<scalar_t> a) {
+__global__ void __launch_bounds__(kColSumCols* kColSumRows) col_reduce_kernel(const ColReduceArgs<scalar_t> a) {
   using acc_t = at::opmath_type<scalar_t>;
-  __shared__ acc_t red[kRedY][kRedX + 1];
-  const int64_t p = static_cast<int64_t>(blockIdx.x) * kRedX + threadIdx.x;
-  const acc_t* src = a.src[blockIdx.y];
-  acc_t acc = 0;
-  if (p < a.H) {
-    for (int blk = threadIdx.y; blk < a.nblocks; blk += kRedY) acc += src[static_cast<int64_t>(blk) * a.H + p];
-  }
-  red[threadIdx.y][threadIdx.x] = acc;
-  __syncthreads();
+  const int64_t p = static_cast<int64_t>(blockIdx.x) * kColSumCols + threadIdx.x;
+  const acc_t t = block_column_sum<acc_t>(p < a.H ? a.src[blockIdx.y] + p : nullptr, a.nblocks, a.H);
   if (threadIdx.y == 0 && p < a.H) {
-    acc_t t = 0;
-#pragma unroll
-    for (int i = 0; i < kRedY; ++i) t += red[i][threadIdx.x];
     const int64_t k = p / a.nchunks, c = p % a.nchunks;  // p = k * nchunks + c, column c * vec + k
     a.dst[blockIdx.y][c * a.vec + k] = static_cast<scalar_t>(t);
   }
@@ -636,8 +627,8 @@ void launch_norm_bwd(BwdArgs<scalar_t> args, const at::Tensor& x, NormGrads& g) 
     ra.nchunks = H / VEC;
     ra.nblocks = static_cast<int>(grid);
     ra.vec = VEC;
-    const dim3 rblock(kRedX, kRedY);
-    const dim3 rgrid(static_cast<unsigned>((H + kRedX - 1) / kRedX), static_cast<unsigned>(args.ncols));
+    const dim3 rblock(kColSumCols, kColSumRows);
+    const dim3 rgrid(static_cast<unsigned>((H + kColSumCols - 1) / kColSumCols), static_cast<unsigned>(args.ncols));
     col_reduce_kernel<scalar_t><<<rgrid, rblock, 0, stream>>>(ra);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

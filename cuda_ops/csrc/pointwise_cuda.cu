@@ -14,7 +14,7 @@
 // thread keeps the bias of its chunk in registers.
 //
 // Bias gradient: each thread sums dx of its chunk over its rows in registers and writes one partial
-// row [Y, N] (acc_t); col_sum_kernel then adds the Y partials per column in a fixed order
+// row [Y, N] (acc_t); col_sum_kernel then adds the Y partials per column in a fixed order (col_sum.cuh)
 // (deterministic, no atomics). dx and dbias come out of one pass over grad_out and x.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -33,6 +33,7 @@
 
 #include "dmfx_common.h"
 #include "kernel_api.h"
+#include "col_sum.cuh"
 #include "pointwise_api.h"
 
 namespace dmfx {
@@ -205,36 +206,18 @@ __global__ void bias_act_bwd_kernel(const BiasActArgs<scalar_t> a) {
   }
 }
 
-// out[j] = sum over p < P of partial[p, j]. A block of kColSumCols x kColSumRows threads owns
-// kColSumCols columns at a time (a warp reads 32 neighbouring columns of a partial row: coalesced);
-// thread row r sums the partial rows r, r + kColSumRows, ... in order, and thread row 0 then adds the
-// kColSumRows sums in order: the same order at every launch (deterministic, no atomics). Splitting
-// P across the block's rows is what keeps this from being latency-bound: with one thread per column
-// summing all P (up to 1024) rows in turn, the FFN bias of BERT (N = 3072) ran on 12 blocks and took
-// 62 us a call on an H200 (bench/RESULTS.md, 2026-12-04 evening).
-constexpr int kColSumCols = 32;
-constexpr int kColSumRows = 16;
-
+// out[j] = sum over p < P of partial[p, j], added in a fixed order (deterministic; block_column_sum,
+// col_sum.cuh): a (kColSumCols, kColSumRows) block owns kColSumCols columns at a time, in a
+// grid-stride loop over the columns.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kColSumCols * kColSumRows)
     col_sum_kernel(const at::opmath_type<scalar_t>* partial, int64_t P, int64_t N, scalar_t* out) {
   using acc_t = at::opmath_type<scalar_t>;
-  __shared__ acc_t part[kColSumRows][kColSumCols];
-  const int tx = threadIdx.x, ty = threadIdx.y;
   for (int64_t j0 = static_cast<int64_t>(blockIdx.x) * kColSumCols; j0 < N;
        j0 += static_cast<int64_t>(gridDim.x) * kColSumCols) {
-    const int64_t j = j0 + tx;
-    acc_t s = 0;
-    if (j < N)
-      for (int64_t p = ty; p < P; p += kColSumRows) s += partial[p * N + j];
-    part[ty][tx] = s;
-    __syncthreads();
-    if (ty == 0 && j < N) {
-      acc_t t = 0;
-      for (int r = 0; r < kColSumRows; ++r) t += part[r][tx];
-      out[j] = static_cast<scalar_t>(t);
-    }
-    __syncthreads();  // (part is rewritten by the next columns)
+    const int64_t j = j0 + threadIdx.x;
+    const acc_t t = block_column_sum<acc_t>(j < N ? partial + j : nullptr, P, N);
+    if (threadIdx.y == 0 && j < N) out[j] = static_cast<scalar_t>(t);
   }
 }
 
