@@ -212,3 +212,12 @@ def pytest_runtest_logreport(report):
     excerpt = "\n".join((errors or lines)[-15:])
     with open(path, "a") as f:
         f.write(f"=== {report.nodeid} ({report.when})\n{excerpt}\n")
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (the README's ``-n 2``) the workers share the machine's cores: each runs torch
+    with its share of them (one thread each on CI's 2 cores) instead of every worker starting as many
+    threads as there are cores. Tests that set a thread count (test_determinism.py) set it themselves."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers and int(workers) > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))

@@ -45,5 +45,5 @@ def test_readme_block_runs_as_written(block, tmp_path):
 def test_the_readme_commands_are_what_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     assert 'pip install -e ".[models]" && python -m dmfx demo' in README
-    assert 'pip install -e ".[test]" && python -m pytest' in README
-    assert 'pip install -q -e ".[test]"' in ci and "python -m pytest" in ci and "ruff check ." in ci
+    assert 'pip install -e ".[test]" && python -m pytest -n 2 --dist loadfile' in README
+    assert 'pip install -q -e ".[test]"' in ci and "python -m pytest -q -n 2 --dist loadfile" in ci and "ruff check ." in ci
