@@ -333,8 +333,9 @@ def _clone_read_for_autograd(graph: Graph, mutated: list[Node], input_requires_g
 def _unaliased(graph: Graph, value: Any, inputs: set[Node]) -> Any:
     """`value`, or a clone of it where it is (a view of) one of `inputs`: a value the epilogue writes
     over, or an output AOTAutograd traced as fresh. (The functional body never makes such a value; a
-    pass could, by dropping a copy.)"""
-    if _view_chain(value)[0] not in inputs:
+    pass could, by dropping a copy.) A symbolic size passed through (a cache's length under dynamic
+    shapes, returned as it came in) is a number, not storage: it is returned as it is."""
+    if _view_chain(value)[0] not in inputs or not isinstance(_meta_of(value).get("val"), torch.Tensor):
         return value
     node = graph.call_function(aten.clone.default, (value,))
     node.meta.update(_meta_of(value))

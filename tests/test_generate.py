@@ -192,3 +192,24 @@ def test_left_padded_prompts_under_dmfxs_own_rewrites(cache):
     records = _compiled_records()
     assert len(records) == (1 if cache == "static" else 2), [r.summary() for r in records]
     assert all(r.fired.get("rope") == 2 for r in records), [r.fired for r in records]
+
+
+def test_a_sliding_window_cache_under_dynamic_shapes():
+    """Mistral's sliding-window layers of HF's DynamicCache under ``dynamic=True``: the prefill graph
+    returns the cache's new length, which is the prompt length's symbol, an input of the graph, next to
+    an output that is an input tensor (the window's), so the graph has an epilogue. The epilogue cloned
+    every output that is an input, the symbol too (``aten.clone`` of a SymInt: the compile failed and,
+    with fallback on, the graph ran op by op). The tokens are eager's and no graph falls back. (Three
+    graphs: Dynamo recompiles the decode step once for the sliding window, with any backend.)"""
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    model = transformers.MistralForCausalLM(cfg).eval()
+    prompt = torch.randint(0, VOCAB, (2, 7))
+    want = _generate(model, prompt)
+    model.forward = torch.compile(model.forward, backend="dmfx", dynamic=True,
+                                  options={"fuse": "all", "fallback": False})
+    assert torch.equal(_generate(model, prompt), want)
+    records = _compiled_records()
+    assert any(any("is input" in line for line in r.epilogue) for r in records), [r.epilogue for r in records]
+    assert all(r.fired.get("rope") == 2 for r in records), [r.fired for r in records]
