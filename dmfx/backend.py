@@ -192,6 +192,65 @@ def _dynamo_signal(e: BaseException) -> bool:
     return isinstance(e, RestartAnalysis)
 
 
+def _norm_eps_floats(gm: GraphModule, aten_gm: GraphModule) -> list[str]:
+    """Dynamo's symbols (``zf0``, ...) of the Python float inputs of `gm` that are a norm's epsilon in
+    its lowered graph `aten_gm` (same inputs, in order): read with ``_local_scalar_dense`` and added
+    to the variance before an ``rsqrt`` or ``sqrt``, or a ``layer_norm``'s eps. A module attribute
+    (HF's RMSNorm ``variance_epsilon``, T5's) is such an input under ``dynamic=True``."""
+    from .graph_cache import _float_placeholders
+    from .passes.graph_utils import is_op
+
+    aten = torch.ops.aten
+    floats = {n.name: n for n in _float_placeholders(gm)}
+    if not floats:
+        return []
+    dynamo_inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    lowered_inputs = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
+    symbols = []
+    for k, ph in enumerate(lowered_inputs):
+        if k >= len(dynamo_inputs) or dynamo_inputs[k].name not in floats:
+            continue
+        for read in ph.users:
+            if not is_op(read, aten._local_scalar_dense):
+                continue
+            eps = any((is_op(u, aten.add) and any(is_op(v, aten.rsqrt, aten.sqrt) for v in u.users))
+                      or (is_op(u, aten.native_layer_norm, aten.layer_norm) and read in u.args[4:5])
+                      for u in read.users)
+            memo = getattr(dynamo_inputs[k].meta.get("example_value"), "item_memo", None)
+            name = getattr(getattr(getattr(memo, "node", None), "_expr", None), "name", None)
+            if eps and name:
+                symbols.append(str(name))
+    return list(dict.fromkeys(symbols))
+
+
+def _specialize_norm_eps(gm: GraphModule, aten_gm: GraphModule, record: GraphRecord) -> None:
+    """Ask Dynamo to trace `gm` again with its norms' epsilons as constants (_norm_eps_floats): dmfx's
+    norm kernels take eps as a number, so a symbolic one left every norm of the graph unfused (T5 or
+    LLaMA under ``dynamic=True``: no ``rms_norm``, no ``bias_dropout_residual_norm``). This is how
+    Inductor's tensorify pass specializes a float it cannot keep symbolic: it names the symbol in
+    Dynamo's TensorifyState and raises TensorifyScalarRestartAnalysis; the retraced graph guards on
+    the value (a model whose eps changes compiles again). A symbol already named (a retrace that
+    still has it) is left symbolic, and its norms unfused, with a line in the record."""
+    symbols = _norm_eps_floats(gm, aten_gm)
+    if not symbols:
+        return
+    try:
+        from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+        from torch._dynamo.symbolic_convert import TensorifyState
+    except ImportError:  # (a torch without it: the norms stay unfused)
+        TensorifyState = None
+    new = [s for s in symbols if TensorifyState is not None and not TensorifyState.should_specialize(s)]
+    if not new:
+        record.missed.append(f"norms: epsilon(s) {', '.join(symbols)} are symbolic Python float inputs "
+                             f"(dynamic=True): those norms are left unfused")
+        return
+    for s in new:
+        TensorifyState.specialize(s)
+    _log_once(f"eps:{record.graph_id}", "dmfx: graph %d: Dynamo traces it again with the norms' epsilon(s) "
+              "specialized (%s)", record.graph_id, ", ".join(new))
+    raise TensorifyScalarRestartAnalysis
+
+
 def _warn_once(key: str, msg: str, *args: Any) -> None:
     if key not in _warned:
         _warned.add(key)
@@ -647,6 +706,7 @@ def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Opt
         record.missed.append(
             f"kernel self-check: a kernel family failed on this device, so its passes are skipped: {', '.join(sorted(off))}"
         )
+    _specialize_norm_eps(gm, aten_gm, record)
     rewritten = rewrite(aten_gm, example_inputs, opts, record)
     record.aten_ops_after = _count_ops(rewritten)
     rewritten = with_epilogue(rewritten, aten_gm, record)

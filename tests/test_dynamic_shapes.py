@@ -150,3 +150,38 @@ def test_gpt2_fuses_the_same_under_dynamic_true(train):
     assert static[0].fired.get("bias_act_dropout") and static[0].fired.get("bias_dropout_residual_norm")
     assert dynamic[0].fired == static[0].fired
     assert rel_err(out.detach(), ref.detach()) < 1e-4
+
+
+@pytest.mark.parametrize("family", ["t5", "llama"])
+def test_norm_epsilons_are_specialized_under_dynamic_true(family):
+    """HF's RMSNorm keeps eps as a module attribute, a float input under dynamic=True; dmfx's norm
+    kernels take eps as a number, so every norm of the graph went unfused (and with it
+    bias_dropout_residual_norm). dmfx now has Dynamo trace the graph again with the epsilons
+    specialized (backend._specialize_norm_eps): the fusions are those of a static compile, sizes
+    stay symbolic (another length compiles nothing), and a changed eps recompiles."""
+    torch.manual_seed(0)
+    model = small_model(family).train()
+    ids = torch.randint(3, 100, (2, 16))
+    inputs = {"input_ids": ids} if family == "t5" else {"input_ids": ids, "use_cache": False}
+    options = {"fuse": "all", "fallback": False}
+    fired = []
+    for dynamic in (False, True):
+        torch._dynamo.reset()
+        dmfx.reset()
+        f = torch.compile(model, backend="dmfx", dynamic=dynamic, options=options)
+        got = f(**inputs).last_hidden_state
+        (got * torch.randn_like(got)).sum().backward()
+        (record,) = dmfx.records()
+        fired.append(record.fired)
+    assert fired[1] == fired[0] and fired[1].get("rms_norm") and fired[1].get("bias_dropout_residual_norm"), fired
+    assert not [m for m in record.missed if m.startswith("norms:")], record.missed
+    # (the calls below run with grad on, as the compiled one did: no_grad would be another graph)
+    assert rel_err(got, model(**inputs).last_hidden_state) < 1e-5
+    other = {**inputs, "input_ids": torch.randint(3, 100, (2, 11))}
+    assert rel_err(f(**other).last_hidden_state, model(**other).last_hidden_state) < 1e-5
+    assert len(dmfx.records()) == 1  # (the new length ran the same symbolic graph)
+    for m in model.modules():
+        if hasattr(m, "variance_epsilon"):
+            m.variance_epsilon = 0.25  # far from 1e-6: a graph that kept the old one is wrong
+    assert rel_err(f(**other).last_hidden_state, model(**other).last_hidden_state) < 1e-5
+    assert len(dmfx.records()) == 2  # the guard on eps recompiled
