@@ -44,8 +44,11 @@ MODELS = {
     "llama-small": ("LlamaConfig", "LlamaForCausalLM", dict(hidden_size=256, intermediate_size=688, num_attention_heads=4,
                                                            num_key_value_heads=4, vocab_size=4096, use_cache=False), 4, 128),
     "vit-cls": ("ViTConfig", "ViTForImageClassification", dict(num_labels=1000), 8, None),
+    # T5-small's sizes (dropout 0.1, RMSNorm eps a module attribute), encoder and decoder, labels
+    "t5-lm": ("T5Config", "T5ForConditionalGeneration", dict(d_model=512, d_ff=2048, num_heads=8, d_kv=64,
+                                                              vocab_size=32128), 8, 128),
 }
-LAYER_KEY = {"GPT2Config": "n_layer"}
+LAYER_KEY = {"GPT2Config": "n_layer", "T5Config": "num_layers"}
 
 
 def build(name: str, layers: int, seed: int = 0, batch: int | None = None, seq: int | None = None, attn: str = "eager"):
@@ -98,7 +101,10 @@ def floor_step(model, kwargs, train: bool, autocast: torch.dtype | None = None, 
     return make_floor_step(rec.records)[0]
 
 
-def candidates(names, base, kwargs, train: bool, autocast: torch.dtype | None = None, device: str = "cpu") -> dict:
+def candidates(names, base, kwargs, train: bool, autocast: torch.dtype | None = None, device: str = "cpu",
+               dynamic: bool | None = None) -> dict:
+    """Each candidate's step; `dynamic` goes to every torch.compile (True: symbolic sizes, and module
+    float attributes passed as inputs)."""
     steps = {}
     for name in names:
         m = copy.deepcopy(base).train(train)
@@ -106,17 +112,17 @@ def candidates(names, base, kwargs, train: bool, autocast: torch.dtype | None = 
             steps[name] = floor_step(m, kwargs, train, autocast, device)
             continue
         if name == "inductor":
-            m = torch.compile(m)
+            m = torch.compile(m, dynamic=dynamic)
         elif name == "dmfx":
-            m = torch.compile(m, backend="dmfx")
+            m = torch.compile(m, backend="dmfx", dynamic=dynamic)
         elif name == "dmfx-fx":
-            m = torch.compile(m, backend="dmfx", options={"compiler": "fx"})
+            m = torch.compile(m, backend="dmfx", dynamic=dynamic, options={"compiler": "fx"})
         elif name == "dmfx-all":  # every fusion that matches, also where fuse="auto" leaves the graph to Inductor
-            m = torch.compile(m, backend="dmfx", options={"fuse": "all"})
+            m = torch.compile(m, backend="dmfx", dynamic=dynamic, options={"fuse": "all"})
         elif name.startswith("dmfx-all-skip-"):  # fuse="all" with the passes named (joined by '+') skipped
-            m = torch.compile(m, backend="dmfx", options={"fuse": "all", "skip": name[len("dmfx-all-skip-"):].split("+")})
+            m = torch.compile(m, backend="dmfx", dynamic=dynamic, options={"fuse": "all", "skip": name[len("dmfx-all-skip-"):].split("+")})
         elif name.startswith("dmfx-skip-"):  # an ablation: the default with the passes named (joined by '+') off
-            m = torch.compile(m, backend="dmfx", options={"skip": name[len("dmfx-skip-"):].split("+")})
+            m = torch.compile(m, backend="dmfx", dynamic=dynamic, options={"skip": name[len("dmfx-skip-"):].split("+")})
         elif name != "eager":
             raise ValueError(f"unknown candidate {name!r}")
         steps[name] = step_of(m, kwargs, train, autocast, device)
@@ -124,11 +130,11 @@ def candidates(names, base, kwargs, train: bool, autocast: torch.dtype | None = 
 
 
 def run(name: str, layers: int, train: bool, names: list[str], rounds: int, clock,
-        autocast: torch.dtype | None = None, attn: str = "eager", device: str = "cpu") -> dict:
+        autocast: torch.dtype | None = None, attn: str = "eager", device: str = "cpu", dynamic: bool | None = None) -> dict:
     torch._dynamo.reset()
     base, kwargs = build(name, layers, attn=attn)
     base, kwargs = base.to(device), {k: v.to(device) for k, v in kwargs.items()}
-    steps = candidates(names, base, kwargs, train, autocast, device)
+    steps = candidates(names, base, kwargs, train, autocast, device, dynamic)
     first = {}
 
     def timed(n, step):
@@ -144,7 +150,7 @@ def run(name: str, layers: int, train: bool, names: list[str], rounds: int, cloc
                         lambda n, e: log(f"  {n} failed: {type(e).__name__}: {e}"))
     med = {n: median(t["total"]) for n, t in times.items()}
     res = {"model": name, "layers": layers, "device": device, "mode": "train" if train else "infer",
-           "autocast": str(autocast).replace("torch.", "") if autocast else None, "attn": attn, "median_ms": med,
+           "autocast": str(autocast).replace("torch.", "") if autocast else None, "attn": attn, "dynamic": dynamic, "median_ms": med,
            "range_ms": {n: (min(t["total"]), max(t["total"])) for n, t in times.items()},
            "first_call_s": first}
     for ref in ("eager", "inductor", "floor"):
@@ -172,6 +178,7 @@ def main() -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: the model on the GPU, timed by the wall clock after a device synchronize")
     p.add_argument("--attn", choices=("eager", "sdpa"), default="eager", help="HF's attention implementation")
+    p.add_argument("--dynamic", action="store_true", help="torch.compile(..., dynamic=True) for every compiled candidate")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[a.autocast]
@@ -181,7 +188,8 @@ def main() -> None:
     clock = time.process_time if a.clock == "cpu" else timer(a.device)
     out = {"env": {**environment(a.device), "clock": a.clock}, "results": []}
     for name in a.models.split(","):
-        r = run(name, a.layers, not a.infer, a.candidates.split(","), a.rounds, clock, autocast, a.attn, a.device)
+        r = run(name, a.layers, not a.infer, a.candidates.split(","), a.rounds, clock, autocast, a.attn, a.device,
+                a.dynamic or None)
         out["results"].append(r)
         for n, t in r["median_ms"].items():
             lo, hi = r["range_ms"][n]
