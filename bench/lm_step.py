@@ -46,7 +46,7 @@ MODELS = {
     "vit-cls": ("ViTConfig", "ViTForImageClassification", dict(num_labels=1000), 8, None),
     # T5-small's sizes (dropout 0.1, RMSNorm eps a module attribute), encoder and decoder, labels
     "t5-lm": ("T5Config", "T5ForConditionalGeneration", dict(d_model=512, d_ff=2048, num_heads=8, d_kv=64,
-                                                              vocab_size=32128), 8, 128),
+                                                              vocab_size=32128, decoder_start_token_id=0, pad_token_id=0), 8, 128),
 }
 LAYER_KEY = {"GPT2Config": "n_layer", "T5Config": "num_layers"}
 
