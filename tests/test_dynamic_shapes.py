@@ -173,7 +173,10 @@ def test_norm_epsilons_are_specialized_under_dynamic_true(family):
         (got * torch.randn_like(got)).sum().backward()
         (record,) = dmfx.records()
         fired.append(record.fired)
-    assert fired[1] == fired[0] and fired[1].get("rms_norm") and fired[1].get("bias_dropout_residual_norm"), fired
+    norms = [{k: f.get(k) for k in ("rms_norm", "bias_dropout_residual_norm")} for f in fired]
+    # (the norms only: on torch 2.11, T5's attention under dynamic=True fuses its softmax alone, with or
+    # without this change: its scores reach the softmax through more than a batched GEMM there)
+    assert norms[1] == norms[0] and all(norms[1].values()), fired
     assert not [m for m in record.missed if m.startswith("norms:")], record.missed
     # (the calls below run with grad on, as the compiled one did: no_grad would be another graph)
     assert rel_err(got, model(**inputs).last_hidden_state) < 1e-5
