@@ -223,14 +223,17 @@ def _norm_eps_floats(gm: GraphModule, aten_gm: GraphModule) -> list[str]:
     return list(dict.fromkeys(symbols))
 
 
-def _specialize_norm_eps(gm: GraphModule, aten_gm: GraphModule, record: GraphRecord) -> None:
+def _specialize_norm_eps(gm: GraphModule, aten_gm: GraphModule, record: GraphRecord, skip: Sequence[str] = ()) -> None:
     """Ask Dynamo to trace `gm` again with its norms' epsilons as constants (_norm_eps_floats): dmfx's
     norm kernels take eps as a number, so a symbolic one left every norm of the graph unfused (T5 or
     LLaMA under ``dynamic=True``: no ``rms_norm``, no ``bias_dropout_residual_norm``). This is how
     Inductor's tensorify pass specializes a float it cannot keep symbolic: it names the symbol in
     Dynamo's TensorifyState and raises TensorifyScalarRestartAnalysis; the retraced graph guards on
     the value (a model whose eps changes compiles again). A symbol already named (a retrace that
-    still has it) is left symbolic, and its norms unfused, with a line in the record."""
+    still has it) is left symbolic, and its norms unfused, with a line in the record. Nothing is done
+    where the norm pass is in `skip` (the options', or the kernel self-check's)."""
+    if "layer_norm" in skip:
+        return
     symbols = _norm_eps_floats(gm, aten_gm)
     if not symbols:
         return
@@ -706,7 +709,7 @@ def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Opt
         record.missed.append(
             f"kernel self-check: a kernel family failed on this device, so its passes are skipped: {', '.join(sorted(off))}"
         )
-    _specialize_norm_eps(gm, aten_gm, record)
+    _specialize_norm_eps(gm, aten_gm, record, opts.skip)
     rewritten = rewrite(aten_gm, example_inputs, opts, record)
     record.aten_ops_after = _count_ops(rewritten)
     rewritten = with_epilogue(rewritten, aten_gm, record)
