@@ -249,8 +249,8 @@ def _specialize_norm_eps(gm: GraphModule, aten_gm: GraphModule, record: GraphRec
         return
     for s in new:
         TensorifyState.specialize(s)
-    _log_once(f"eps:{record.graph_id}", "dmfx: graph %d: Dynamo traces it again with the norms' epsilon(s) "
-              "specialized (%s)", record.graph_id, ", ".join(new))
+    log.info("dmfx: graph %d: Dynamo traces it again with the norms' epsilon(s) specialized (%s)",
+             record.graph_id, ", ".join(new))
     raise TensorifyScalarRestartAnalysis
 
 

@@ -53,6 +53,28 @@ def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
+def assert_param_grads_close(model: torch.nn.Module, ref: torch.nn.Module, tol: float = 1e-5) -> None:
+    """Every parameter that has a gradient in `ref` has one in `model`, within `tol` of it relative to
+    the norm of all of `ref`'s gradients (some, e.g. a key bias's, are zero in exact arithmetic)."""
+    scale = torch.cat([q.grad.flatten() for q in ref.parameters() if q.grad is not None])
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if q.grad is not None:
+            assert p.grad is not None, name
+            assert rel_err(p.grad, q.grad, scale) < tol, name
+
+
+def fired_without_fallback() -> dict[str, int]:
+    """How often each pass fired over dmfx.records(), which must all have been rewritten (no fallback)."""
+    import dmfx
+
+    fired: dict[str, int] = {}
+    for r in dmfx.records():
+        assert r.fallback is None, r.fallback
+        for k, v in r.fired.items():
+            fired[k] = fired.get(k, 0) + v
+    return fired
+
+
 # ------------------------------------------------------------------ pass tests (tests/test_pass_*.py)
 
 

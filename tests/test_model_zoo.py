@@ -8,7 +8,7 @@ import functools
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import assert_param_grads_close, fired_without_fallback, rel_err
 
 import dmfx
 from dmfx.models import LOSS_HEADS, zoo_case, zoo_loss_case
@@ -63,13 +63,9 @@ def _output(out):
 
 
 def _fired():
-    fired = {}
     for r in dmfx.records():
-        assert r.fallback is None, r.fallback
         assert not [m for m in r.missed if "layout search not run" in m], r.missed  # (forward, joint and backward)
-        for k, v in r.fired.items():
-            fired[k] = fired.get(k, 0) + v
-    return fired
+    return fired_without_fallback()
 
 
 # HF attention implementation, and the form dmfx's attention pass is told to use ("auto": its cost
@@ -91,12 +87,7 @@ def test_model_matches_eager_in_training(name, variant):
     R = torch.randn_like(exp)
     (out * R).sum().backward()
     (exp * R).sum().backward()
-    # relative to the norm of all gradients: some are zero in exact arithmetic (e.g. key biases)
-    scale = torch.cat([q.grad.flatten() for q in ref.parameters() if q.grad is not None])
-    for (pname, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
-        if q.grad is not None:
-            assert p.grad is not None, pname
-            assert rel_err(p.grad, q.grad, scale) < 1e-5, pname
+    assert_param_grads_close(m, ref)
     fired = _fired()
     missing = EXPECTED[name] - set(fired)
     if impl == "eager":
@@ -133,11 +124,7 @@ def test_loss_heads_fuse_the_loss_and_match_eager_in_training(name):
     R = torch.randn_like(exp.logits)
     (out.loss + (out.logits * R).sum()).backward()
     (exp.loss + (exp.logits * R).sum()).backward()
-    scale = torch.cat([q.grad.flatten() for q in ref.parameters() if q.grad is not None])
-    for (pname, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
-        if q.grad is not None:
-            assert p.grad is not None, pname
-            assert rel_err(p.grad, q.grad, scale) < 1e-5, pname
+    assert_param_grads_close(m, ref)
     fired = _fired()
     assert fired.get("cross_entropy") == 1, fired
     assert fired.get("fold_logits_grad") == (1 if name in LOGITS_GRAD_FOLDED else None), fired

@@ -17,7 +17,7 @@ import copy
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import assert_param_grads_close, fired_without_fallback, rel_err
 
 import dmfx
 
@@ -113,16 +113,8 @@ def test_family_trains_as_eager_under_every_fusion(name):
     R = torch.randn_like(want.logits)
     ((got.logits * R).sum() + got.loss).backward()
     ((want.logits * R).sum() + want.loss).backward()
-    scale = torch.cat([q.grad.flatten() for q in ref.parameters() if q.grad is not None])
-    for (pname, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        if q.grad is not None:
-            assert p.grad is not None, pname
-            assert rel_err(p.grad, q.grad, scale) < 1e-5, pname
-    fired = {}
-    for r in dmfx.records():
-        assert r.fallback is None, r.fallback
-        for k, v in r.fired.items():
-            fired[k] = fired.get(k, 0) + v
+    assert_param_grads_close(model, ref)
+    fired = fired_without_fallback()
     expected = set(FAMILIES[name][3])
     if impl == "sdpa":  # the model's SDPA calls: dmfx's attention op through lower_sdpa_calls, or SDPA kept
         expected -= {"attention"}
