@@ -218,14 +218,17 @@ std::tuple<Tensor, Tensor> flash_forward(const Tensor& q, const Tensor& k, const
 
 // dq, dk, dv written in place; with `bias_part` ([3, B, H, D]) the fused kernel also writes each
 // (batch, head)'s column sums of dq, dk, dv there (the unfused path leaves them to the caller).
+// `stats` may come in any layout: a compiler may relay out a saved tensor between the forward and the
+// backward (Inductor's layout optimization made a SegFormer block's stats channels-last), so the
+// kernels get a contiguous copy where it is not (the varlen backwards below likewise).
 template <class K>
 void flash_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& stats,
                     const Opt& mask, double scale, bool causal, const Opt& seed, double p, const Tensor& dq,
                     const Tensor& dk, const Tensor& dv, const Opt& bias_part) {
   if (K::flash_ok(q, v)) {
     const auto [s, o] = seed_values("flash_attention_backward", seed);
-    K::flash_bwd(rows(grad_out), rows(q), rows(k), rows(v), stats, kernel_mask(mask, q.scalar_type()), scale, causal,
-                 s, o, p, dq, dk, dv, bias_part);
+    K::flash_bwd(rows(grad_out), rows(q), rows(k), rows(v), stats.contiguous(), kernel_mask(mask, q.scalar_type()),
+                 scale, causal, s, o, p, dq, dk, dv, bias_part);
     return;
   }
   // unfused: recompute the probabilities (and the dropped ones) once, then the GEMM backward
@@ -445,7 +448,7 @@ Tensor3 varlen_attention_backward(const Tensor& grad_out, const Tensor& q, const
   Tensor dq = at::empty(q.sizes(), q.options().dtype(ct)), dk = at::empty(k.sizes(), q.options().dtype(ct)),
          dv = at::empty(v.sizes(), q.options().dtype(ct));
   K::varlen_bwd(varlen_in<K>(grad_out, st), varlen_in<K>(q, st), varlen_in<K>(k, st), varlen_in<K>(v, st),
-                varlen_in<K>(out, st), stats, cu_seqlens, scale, causal, s, o, p, dq, dk, dv);
+                varlen_in<K>(out, st), stats.contiguous(), cu_seqlens, scale, causal, s, o, p, dq, dk, dv);
   if (ct != st) return {dq.to(st), dk.to(st), dv.to(st)};
   return {dq, dk, dv};
 }
@@ -477,8 +480,8 @@ Tensor qkv_varlen_attention_backward(const Tensor& grad_out, const Tensor& qkv, 
   const auto [s, o] = seed_values(op, seed);
   Tensor dqkv = at::empty(qkv.sizes(), qkv.options().dtype(ct));
   const auto [dq, dk, dv] = split_packed_qkv(op, dqkv, heads);
-  K::varlen_bwd(varlen_in<K>(grad_out, st), rows(xq), rows(xk), rows(xv), varlen_in<K>(out, st), stats, cu_seqlens,
-                scale, causal, s, o, p, dq, dk, dv);
+  K::varlen_bwd(varlen_in<K>(grad_out, st), rows(xq), rows(xk), rows(xv), varlen_in<K>(out, st), stats.contiguous(),
+                cu_seqlens, scale, causal, s, o, p, dq, dk, dv);
   return ct == st ? dqkv : dqkv.to(st);
 }
 
