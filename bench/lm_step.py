@@ -10,7 +10,10 @@ Models (random weights from HF configs, eager attention unless ``--attn sdpa``, 
 * ``llama-lm``: ``LlamaForCausalLM`` (hidden 512, 8 heads / 4 kv heads, vocab 32000), B=4 L=256;
 * ``llama-small``: ``LlamaForCausalLM`` (hidden 256, vocab 4096), B=4 L=128;
 * ``vit-cls``: ``ViTForImageClassification``, ViT-base sizes, 1000 classes, B=8 images of 224x224
-  (197 tokens), integer labels (its loss is cross-entropy over the [CLS] token's logits).
+  (197 tokens), integer labels (its loss is cross-entropy over the [CLS] token's logits);
+* ``t5-lm``: ``T5ForConditionalGeneration``, T5-small sizes, ``--layers`` encoder and decoder layers, B=8 L=128;
+* ``bart-lm``: ``BartForConditionalGeneration``, BART-base sizes (768 hidden, vocab 50265), ``--layers``
+  encoder and decoder layers, B=8 L=128 (labels: the inputs; the decoder reads them shifted).
 
 ``--clock cpu`` times with the process's CPU time instead of the wall clock: on a machine shared
 with other work (these 2-core machines often run at a load of 4-8) the wall clock measures the
@@ -47,8 +50,11 @@ MODELS = {
     # T5-small's sizes (dropout 0.1, RMSNorm eps a module attribute), encoder and decoder, labels
     "t5-lm": ("T5Config", "T5ForConditionalGeneration", dict(d_model=512, d_ff=2048, num_heads=8, d_kv=64,
                                                               vocab_size=32128, decoder_start_token_id=0, pad_token_id=0), 8, 128),
+    # BART-base's sizes (dropout 0.1), encoder and decoder (`--layers` each), tied LM head, labels
+    "bart-lm": ("BartConfig", "BartForConditionalGeneration", dict(), 8, 128),
 }
-LAYER_KEY = {"GPT2Config": "n_layer", "T5Config": "num_layers"}
+#: the config keys `--layers` sets (default: num_hidden_layers)
+LAYER_KEY = {"GPT2Config": ("n_layer",), "T5Config": ("num_layers",), "BartConfig": ("encoder_layers", "decoder_layers")}
 
 
 def build(name: str, layers: int, seed: int = 0, batch: int | None = None, seq: int | None = None, attn: str = "eager"):
@@ -61,7 +67,7 @@ def build(name: str, layers: int, seed: int = 0, batch: int | None = None, seq: 
     batch = batch or model_batch
     seq = model_seq and (seq or model_seq)  # (an image model has no sequence length)
     torch.manual_seed(seed)
-    cfg = getattr(transformers, cfg_name)(**{**extra, LAYER_KEY.get(cfg_name, "num_hidden_layers"): layers})
+    cfg = getattr(transformers, cfg_name)(**extra, **{k: layers for k in LAYER_KEY.get(cfg_name, ("num_hidden_layers",))})
     cfg._attn_implementation = attn
     model = getattr(transformers, cls_name)(cfg)
     if seq is None:  # an image model: pixels in, one class label per image
