@@ -8,7 +8,8 @@ which raised). So the ops must read any strides. This test records each dmfx op 
 training steps (``compiler="fx"``: the rewritten graphs run through an FX interpreter that keeps each
 call's arguments), then calls the op again with one tensor argument relaid out (channels-last for a
 4-D tensor, the last dim outermost otherwise, both the same values) and compares with the call as
-recorded. The models between them call every op family: norms with dropout and residuals, GELU with
+recorded. The models between them call every kernel family (not the linear cross-entropy composite nor the
+stacked varlen op): norms with dropout and residuals, GELU with
 dropout, rotary embeddings, SwiGLU, both attention forms (a T5 position bias with its gradient,
 grouped-query keys, SegFormer's shorter keys), the stacked-QKV forms, the varlen ops of option unpad,
 the softmax fused alone (Gemma 2's soft-capped scores) and the fused loss.
