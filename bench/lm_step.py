@@ -107,6 +107,24 @@ def floor_step(model, kwargs, train: bool, autocast: torch.dtype | None = None, 
     return make_floor_step(rec.records)[0]
 
 
+def dmfx_options(name: str) -> dict:
+    """The options of the dmfx candidate `name`: "dmfx" (the default), "dmfx-fx" (compiler="fx"),
+    "dmfx-all" (every fusion that matches, also where fuse="auto" leaves a graph to Inductor),
+    "dmfx-skip-<pass>[+<pass>...]" (an ablation: the default with those passes off) and
+    "dmfx-all-skip-..." (the same from fuse="all")."""
+    if name == "dmfx":
+        return {}
+    if name == "dmfx-fx":
+        return {"compiler": "fx"}
+    if name == "dmfx-all":
+        return {"fuse": "all"}
+    if name.startswith("dmfx-all-skip-"):
+        return {"fuse": "all", "skip": name[len("dmfx-all-skip-"):].split("+")}
+    if name.startswith("dmfx-skip-"):
+        return {"skip": name[len("dmfx-skip-"):].split("+")}
+    raise ValueError(f"unknown candidate {name!r}")
+
+
 def candidates(names, base, kwargs, train: bool, autocast: torch.dtype | None = None, device: str = "cpu",
                dynamic: bool | None = None) -> dict:
     """Each candidate's step; `dynamic` goes to every torch.compile (True: symbolic sizes, and module
@@ -119,18 +137,8 @@ def candidates(names, base, kwargs, train: bool, autocast: torch.dtype | None = 
             continue
         if name == "inductor":
             m = torch.compile(m, dynamic=dynamic)
-        elif name == "dmfx":
-            m = torch.compile(m, backend="dmfx", dynamic=dynamic)
-        elif name == "dmfx-fx":
-            m = torch.compile(m, backend="dmfx", dynamic=dynamic, options={"compiler": "fx"})
-        elif name == "dmfx-all":  # every fusion that matches, also where fuse="auto" leaves the graph to Inductor
-            m = torch.compile(m, backend="dmfx", dynamic=dynamic, options={"fuse": "all"})
-        elif name.startswith("dmfx-all-skip-"):  # fuse="all" with the passes named (joined by '+') skipped
-            m = torch.compile(m, backend="dmfx", dynamic=dynamic, options={"fuse": "all", "skip": name[len("dmfx-all-skip-"):].split("+")})
-        elif name.startswith("dmfx-skip-"):  # an ablation: the default with the passes named (joined by '+') off
-            m = torch.compile(m, backend="dmfx", dynamic=dynamic, options={"skip": name[len("dmfx-skip-"):].split("+")})
         elif name != "eager":
-            raise ValueError(f"unknown candidate {name!r}")
+            m = torch.compile(m, backend="dmfx", dynamic=dynamic, options=dmfx_options(name))
         steps[name] = step_of(m, kwargs, train, autocast, device)
     return steps
 

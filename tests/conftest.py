@@ -63,6 +63,18 @@ def assert_param_grads_close(model: torch.nn.Module, ref: torch.nn.Module, tol: 
             assert rel_err(p.grad, q.grad, scale) < tol, name
 
 
+def relaid(t):
+    """`t`'s values in another memory layout, as a compiler may hand them to an op: channels-last for a
+    4-D tensor (Inductor's layout optimization), else the last dim outermost. None where `t` has no
+    other layout (not a tensor, fewer than 2 dims or elements, or only size-1 dims)."""
+    if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.numel() < 2:
+        return None
+    r = t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else None
+    if r is None or r.stride() == t.stride():
+        r = t.movedim(-1, 0).contiguous().movedim(0, -1)
+    return r if r.stride() != t.stride() else None
+
+
 def fired_without_fallback() -> dict[str, int]:
     """How often each pass fired over dmfx.records(), which must all have been rewritten (no fallback)."""
     import dmfx

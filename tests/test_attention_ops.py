@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import rel_err, relaid
 from torch.library import opcheck
 
 import dmfx  # noqa: F401  (registers the ops)
@@ -278,14 +278,6 @@ def test_qkv_flash_gradient_is_one_stacked_tensor():
 
 
 
-def _relaid(t):
-    """t's values in a non-contiguous layout: channels-last for a 4-D tensor (what Inductor's layout
-    optimization makes of a saved activation in a graph with convolutions), else the last dim outermost."""
-    if t.dim() == 4:
-        return t.contiguous(memory_format=torch.channels_last)
-    return t.movedim(-1, 0).contiguous().movedim(0, -1)
-
-
 @pytest.mark.parametrize("p", [0.0, 0.3])
 def test_flash_backwards_take_saved_stats_in_any_layout(p):
     """A compiler may hand a backward its saved row statistics relaid out: Inductor turned the stats of
@@ -297,16 +289,16 @@ def test_flash_backwards_take_saved_stats_in_any_layout(p):
     q, k, v = (_heads(B, L, H, D) for _ in range(3))
     out, stats = flash(q, k, v, None, 0.3, False, seed, p)
     g = torch.randn_like(out)
-    relaid = _relaid(stats)
-    assert not relaid.is_contiguous() and torch.equal(relaid, stats)
+    other = relaid(stats)
+    assert not other.is_contiguous() and torch.equal(other, stats)
     want = torch.ops.dmfx.flash_attention_backward(g, q, k, v, stats, None, 0.3, False, seed, p)
-    got = torch.ops.dmfx.flash_attention_backward(g, q, k, v, relaid, None, 0.3, False, seed, p)
+    got = torch.ops.dmfx.flash_attention_backward(g, q, k, v, other, None, 0.3, False, seed, p)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     qkv = torch.randn(B, L, 3 * H * D)
     out, stats = qkv_flash(qkv, H, None, 0.3, True, seed, p)
     want = torch.ops.dmfx.qkv_flash_attention_backward(g, qkv, H, stats, None, 0.3, True, seed, p, True)
-    got = torch.ops.dmfx.qkv_flash_attention_backward(g, qkv, H, _relaid(stats), None, 0.3, True, seed, p, True)
+    got = torch.ops.dmfx.qkv_flash_attention_backward(g, qkv, H, relaid(stats), None, 0.3, True, seed, p, True)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
@@ -641,16 +633,16 @@ def test_varlen_backwards_take_saved_stats_in_any_layout():
     q, k, v = _packed_qkv(T, H, H, D, D)
     out, stats = varlen(q, k, v, cu, 0.5, True, seed, 0.2)
     g = torch.randn_like(out)
-    relaid = _relaid(stats)
-    assert not relaid.is_contiguous() and torch.equal(relaid, stats)
+    other = relaid(stats)
+    assert not other.is_contiguous() and torch.equal(other, stats)
     want = varlen_bwd(g, q, k, v, out, stats, cu, 0.5, True, seed, 0.2)
-    got = varlen_bwd(g, q, k, v, out, relaid, cu, 0.5, True, seed, 0.2)
+    got = varlen_bwd(g, q, k, v, out, other, cu, 0.5, True, seed, 0.2)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     qkv = torch.randn(T, 3 * H * D)
     out, stats = qkv_varlen(qkv, H, cu, 0.5, True, seed, 0.2)
     want = qkv_varlen_bwd(g, qkv, H, out, stats, cu, 0.5, True, seed, 0.2)
-    assert torch.equal(qkv_varlen_bwd(g, qkv, H, out, _relaid(stats), cu, 0.5, True, seed, 0.2), want)
+    assert torch.equal(qkv_varlen_bwd(g, qkv, H, out, relaid(stats), cu, 0.5, True, seed, 0.2), want)
 
 @pytest.mark.parametrize("p", [0.0, 0.2])
 def test_varlen_opcheck(p):

@@ -100,21 +100,35 @@ def _case(name: str, impl: str):
     return model, inputs
 
 
+def _first_output(out):
+    for key in ("logits", "logits_per_image"):
+        if out.get(key) is not None:
+            return out[key]
+    raise AssertionError(f"no logits in {list(out.keys())}")
+
+
+def _trains_as_eager(model, inputs: dict, options: dict) -> dict[str, int]:
+    """`model` compiled by dmfx with `options` against an eager copy: the logits and the loss match, and
+    so does every parameter's gradient through the loss plus a random cotangent on the logits. Returns
+    the passes fired (no graph may have fallen back)."""
+    ref = copy.deepcopy(model)
+    dmfx.reset()
+    got = torch.compile(model, backend="dmfx", options=options)(**inputs)
+    want = ref(**inputs)
+    assert rel_err(_first_output(got), _first_output(want)) < 1e-5
+    assert rel_err(got.loss, want.loss) < 1e-5
+    R = torch.randn_like(_first_output(want))
+    ((_first_output(got) * R).sum() + got.loss).backward()
+    ((_first_output(want) * R).sum() + want.loss).backward()
+    assert_param_grads_close(model, ref)
+    return fired_without_fallback()
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_family_trains_as_eager_under_every_fusion(name):
     impl = "sdpa" if name in SDPA else "eager"
     model, inputs = _case(name, impl)
-    ref = copy.deepcopy(model)
-    dmfx.reset()
-    got = torch.compile(model, backend="dmfx", options={"fuse": "all", "fallback": False})(**inputs)
-    want = ref(**inputs)
-    assert rel_err(got.logits, want.logits) < 1e-5
-    assert rel_err(got.loss, want.loss) < 1e-5
-    R = torch.randn_like(want.logits)
-    ((got.logits * R).sum() + got.loss).backward()
-    ((want.logits * R).sum() + want.loss).backward()
-    assert_param_grads_close(model, ref)
-    fired = fired_without_fallback()
+    fired = _trains_as_eager(model, inputs, {"fuse": "all", "fallback": False})
     expected = set(FAMILIES[name][3])
     if impl == "sdpa":  # the model's SDPA calls: dmfx's attention op through lower_sdpa_calls, or SDPA kept
         expected -= {"attention"}
@@ -188,13 +202,6 @@ NOT_TEXT = {
 }
 
 
-def _first_output(out):
-    for key in ("logits", "logits_per_image"):
-        if out.get(key) is not None:
-            return out[key]
-    raise AssertionError(f"no logits in {list(out.keys())}")
-
-
 @pytest.mark.parametrize("name", list(NOT_TEXT))
 def test_vision_speech_and_multimodal_families_train_as_eager(name):
     cfg_name, model_name, config, make_inputs, expected = NOT_TEXT[name]
@@ -202,19 +209,8 @@ def test_vision_speech_and_multimodal_families_train_as_eager(name):
     cfg = getattr(transformers, cfg_name)(**config)
     cfg._attn_implementation = "eager"
     model = getattr(transformers, model_name)(cfg).train()
-    ref = copy.deepcopy(model)
-    inputs = make_inputs(2)
-    dmfx.reset()
     # under Inductor (the users' default compiler; the suite's is "fx"): its layout choices are the point
     options = {"fuse": "all", "fallback": False, "compiler": "inductor"}
-    got = torch.compile(model, backend="dmfx", options=options)(**inputs)
-    want = ref(**inputs)
-    assert rel_err(_first_output(got), _first_output(want)) < 1e-5
-    assert rel_err(got.loss, want.loss) < 1e-5
-    R = torch.randn_like(_first_output(want))
-    ((_first_output(got) * R).sum() + got.loss).backward()
-    ((_first_output(want) * R).sum() + want.loss).backward()
-    assert_param_grads_close(model, ref)
-    fired = fired_without_fallback()
+    fired = _trains_as_eager(model, make_inputs(2), options)
     missing = set(expected) - set(fired)
     assert not missing, f"{name}: did not fire: {missing}; fired {fired}"

@@ -19,20 +19,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import relaid
 from torch.fx import Interpreter
 
 import dmfx
 import dmfx.backend
-from dmfx.models import small_model
+from dmfx.models import _ids_and_mask, small_model
 
 transformers = pytest.importorskip("transformers")
 
 
-def _text(batch: int = 2, seq: int = 16, vocab: int = 100) -> dict:
-    ids = torch.randint(3, vocab, (batch, seq))
-    mask = torch.ones_like(ids)
-    mask[1, -5:] = 0
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+def _text() -> dict:
+    """Token ids with a padded second sequence (dmfx.models), and labels that skip the padding."""
+    inputs = _ids_and_mask(2, 16)
+    return {**inputs, "labels": inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)}
 
 
 def _bert():
@@ -104,17 +104,6 @@ class _Recorder(Interpreter):
         return super().call_function(target, args, kwargs)
 
 
-def _relaid(t):
-    """`t`'s values in another layout (None where a tensor has no other: fewer than 2 dims or size-1
-    dims only): channels-last for 4-D, else the last dim outermost."""
-    if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.numel() < 2:
-        return None
-    r = t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else None
-    if r is None or r.stride() == t.stride():
-        r = t.movedim(-1, 0).contiguous().movedim(0, -1)
-    return r if r.stride() != t.stride() else None
-
-
 def _tensors(out):
     return [x for x in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(x, torch.Tensor)]
 
@@ -146,7 +135,7 @@ def test_every_op_call_reads_any_layout(name, monkeypatch):
     for target, args, kwargs in calls:
         want = _tensors(target(*args, **kwargs))
         for i, a in enumerate(args):
-            other = _relaid(a)
+            other = relaid(a)
             if other is None:
                 continue
             relaid_args += 1
