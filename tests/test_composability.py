@@ -1,5 +1,6 @@
 """dmfx inside a real training script: autocast, dynamic shapes, graph breaks, train/eval switches,
-no_grad / inference_mode, activation checkpointing, optimizers and checkpoints (state_dict save/load).
+no_grad / inference_mode, activation checkpointing (with dropout: the recompute draws the forward's masks),
+frozen parameters, optimizers and checkpoints (state_dict save/load).
 
 Every comparison is against eager PyTorch running the same thing, by relative norm error."""
 
@@ -47,12 +48,12 @@ class Layer(torch.nn.Module):
         return self.ln2(self.drop(self.down(F.gelu(self.up(x)))) + x)
 
 
-def bert(dropout=0.0, layers=2):
+def bert(dropout=0.0, layers=2, attn="eager"):
     cfg = transformers.BertConfig(
         vocab_size=500, hidden_size=64, num_hidden_layers=layers, num_attention_heads=2, intermediate_size=128,
         hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, max_position_embeddings=64,
     )
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = attn
     return transformers.BertModel(cfg, add_pooling_layer=False)
 
 
@@ -389,6 +390,115 @@ def test_hf_gradient_checkpointing_enable(reentrant):
     (exp * R).sum().backward()
     grads_close(m, ref, 1e-5)
     assert fired().get("layer_norm", 0) + fired().get("bias_dropout_residual_norm", 0) >= 3, fired()
+
+
+def _seeded_gradient_error(m, f, backward=True):
+    """|grad . d - (f(w + e d) - f(w - e d)) / 2e| / |fd| for float64 `m`, `f()` reseeding the
+    global RNG first, so every dropout mask is the same in each call and `f` is a fixed smooth
+    function of the weights: the gradient must be its derivative, whatever masks the seed draws.
+    A recompute (activation checkpointing) that drew another mask than its forward would fail it."""
+    params = [q for q in m.parameters() if q.requires_grad]
+    f().backward()
+    gen = torch.Generator().manual_seed(99)
+    d = [torch.randn(q.shape, generator=gen, dtype=q.dtype) * (q.detach().abs().mean() + 1e-3) for q in params]
+    gd = sum((q.grad * v).sum() for q, v in zip(params, d)).item()
+    eps = 1e-6
+    with torch.no_grad():
+        for q, v in zip(params, d):
+            q.add_(v, alpha=eps)
+    fp = f().item()
+    with torch.no_grad():
+        for q, v in zip(params, d):
+            q.add_(v, alpha=-2 * eps)
+    fm = f().item()
+    fd = (fp - fm) / (2 * eps)
+    return abs(gd - fd) / abs(fd)
+
+
+class CheckpointedDropout(torch.nn.Module):
+    """Two dropout layers, the first under activation checkpointing."""
+
+    def __init__(self, preserve_rng_state=True):
+        super().__init__()
+        self.a, self.b = Layer(p=0.2), Layer(p=0.2)
+        self.preserve = preserve_rng_state
+
+    def forward(self, x, mask):
+        x = torch.utils.checkpoint.checkpoint(self.a, x, mask, use_reentrant=False, preserve_rng_state=self.preserve)
+        return self.b(x, mask)
+
+
+def test_the_seeded_gradient_check_sees_a_recompute_with_another_mask():
+    """The check below can fail: eager checkpointing told not to restore the RNG recomputes its
+    dropout with another mask, and the gradient is no longer the forward's derivative."""
+    x, mask = _inputs(2, 8)
+    R = cotangent((2, 8, 32)).double()
+    for preserve, ok in ((True, True), (False, False)):
+        torch.manual_seed(0)
+        m = CheckpointedDropout(preserve).double().train()
+
+        def f():
+            torch.manual_seed(5)
+            return (m(x.double(), mask.double()) * R).sum()
+
+        assert (_seeded_gradient_error(m, f) < 1e-6) == ok
+
+
+@pytest.mark.parametrize("where", ["module", "bert-eager-attention", "bert-sdpa-reentrant"])
+def test_dropout_under_activation_checkpointing_gives_its_forwards_gradient(where):
+    """With dropout, dmfx's fused kernels draw their masks from seeds; under activation
+    checkpointing the backward recomputes the forward, and must recompute the same masks. The
+    masks differ from eager's, so the oracle is the finite difference of the seeded forward."""
+    torch.manual_seed(0)
+    if where == "module":
+        m = CheckpointedDropout().double().train()
+        x, mask = _inputs(2, 8)
+        args, kwargs = (x.double(), mask.double()), {}
+        R = cotangent((2, 8, 32)).double()
+    else:
+        m = bert(dropout=0.1, attn="sdpa" if "sdpa" in where else "eager").double().train()
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": where.endswith("reentrant")})
+        # (no padding_idx 0: its embedding row gets no gradient by design, though it moves the output)
+        args, kwargs = (), {"input_ids": torch.randint(1, 500, (2, 16))}
+        R = cotangent((2, 16, 64)).double()
+    cm = torch.compile(m, backend="dmfx")
+
+    def f():
+        torch.manual_seed(5)
+        out = cm(*args, **kwargs)
+        return ((out if where == "module" else out.last_hidden_state) * R).sum()
+
+    assert _seeded_gradient_error(m, f) < 1e-6
+    assert all(r.fallback is None for r in dmfx.records())
+    assert fired().get("bias_dropout_residual_norm", 0) >= 2, fired()
+    assert fired().get("attention", 0) >= 1, fired()
+
+
+@pytest.mark.parametrize("freeze", ["bitfit", "top-layer-only", "embeddings"])
+def test_frozen_parameters_train_as_eager(freeze):
+    """Fine-tuning with part of the model frozen (BitFit: biases and norms only; the top layer
+    only; frozen embeddings): the backward then lacks some weight gradients, which the bias-gradient
+    folds and the GEMM accumulation passes must not assume. fuse="all", so every pass runs."""
+    def trainable(name):
+        if freeze == "bitfit":
+            return not name.endswith("weight") or "LayerNorm" in name
+        if freeze == "top-layer-only":
+            return "layer.1." in name
+        return "embeddings" not in name
+
+    m = bert(dropout=0.0).train()
+    for name, q in m.named_parameters():
+        q.requires_grad_(trainable(name))
+    ref = copy.deepcopy(m)
+    ids = torch.randint(1, 500, (2, 16))
+    out = torch.compile(m, backend="dmfx", options={"fuse": "all", "fallback": False})(input_ids=ids).last_hidden_state
+    exp = ref(input_ids=ids).last_hidden_state
+    assert rel_err(out, exp) < 1e-5
+    R = cotangent(exp.shape)
+    (out * R).sum().backward()
+    (exp * R).sum().backward()
+    grads_close(m, ref, 1e-5)  # (a frozen parameter's gradient must stay None, as eager's)
+    assert fired().get("bias_dropout_residual_norm", 0) >= 4, fired()
 
 
 # ----------------------------------------------------------------------------------------- optimizer + checkpoints
