@@ -255,3 +255,30 @@ def pytest_configure(config):
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers and int(workers) > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+
+
+def seeded_gradient_error(m, f) -> float:
+    """|grad . d - (f(w + e d) - f(w - e d)) / 2e| / |fd| for float64 `m`, `f()` reseeding the
+    global RNG first, so every dropout mask is the same in each call and `f` is a fixed smooth
+    function of the weights: the gradient must be its derivative, whatever masks the seed draws.
+    A recompute (activation checkpointing) that drew another mask than its forward would fail it, and
+    so would a dropout backward that applied another mask than its forward. Keep out of `m` what
+    makes the difference meaningless: float32 inside the model (HF's RMSNorms upcast), and input
+    ids at an embedding's padding_idx (its row moves the output but gets no gradient by design).
+    Parameters without a gradient (unused) are left out."""
+    f().backward()
+    params = [q for q in m.parameters() if q.grad is not None]
+    gen = torch.Generator().manual_seed(99)
+    d = [torch.randn(q.shape, generator=gen, dtype=q.dtype) * (q.detach().abs().mean() + 1e-3) for q in params]
+    gd = sum((q.grad * v).sum() for q, v in zip(params, d)).item()
+    eps = 1e-6
+    with torch.no_grad():
+        for q, v in zip(params, d):
+            q.add_(v, alpha=eps)
+    fp = f().item()
+    with torch.no_grad():
+        for q, v in zip(params, d):
+            q.add_(v, alpha=-2 * eps)
+    fm = f().item()
+    fd = (fp - fm) / (2 * eps)
+    return abs(gd - fd) / abs(fd)

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import rel_err
+from conftest import rel_err, seeded_gradient_error
 
 import dmfx
 from dmfx.cuda_ops import build
@@ -392,29 +392,6 @@ def test_hf_gradient_checkpointing_enable(reentrant):
     assert fired().get("layer_norm", 0) + fired().get("bias_dropout_residual_norm", 0) >= 3, fired()
 
 
-def _seeded_gradient_error(m, f, backward=True):
-    """|grad . d - (f(w + e d) - f(w - e d)) / 2e| / |fd| for float64 `m`, `f()` reseeding the
-    global RNG first, so every dropout mask is the same in each call and `f` is a fixed smooth
-    function of the weights: the gradient must be its derivative, whatever masks the seed draws.
-    A recompute (activation checkpointing) that drew another mask than its forward would fail it."""
-    params = [q for q in m.parameters() if q.requires_grad]
-    f().backward()
-    gen = torch.Generator().manual_seed(99)
-    d = [torch.randn(q.shape, generator=gen, dtype=q.dtype) * (q.detach().abs().mean() + 1e-3) for q in params]
-    gd = sum((q.grad * v).sum() for q, v in zip(params, d)).item()
-    eps = 1e-6
-    with torch.no_grad():
-        for q, v in zip(params, d):
-            q.add_(v, alpha=eps)
-    fp = f().item()
-    with torch.no_grad():
-        for q, v in zip(params, d):
-            q.add_(v, alpha=-2 * eps)
-    fm = f().item()
-    fd = (fp - fm) / (2 * eps)
-    return abs(gd - fd) / abs(fd)
-
-
 class CheckpointedDropout(torch.nn.Module):
     """Two dropout layers, the first under activation checkpointing."""
 
@@ -441,7 +418,7 @@ def test_the_seeded_gradient_check_sees_a_recompute_with_another_mask():
             torch.manual_seed(5)
             return (m(x.double(), mask.double()) * R).sum()
 
-        assert (_seeded_gradient_error(m, f) < 1e-6) == ok
+        assert (seeded_gradient_error(m, f) < 1e-6) == ok
 
 
 @pytest.mark.parametrize("where", ["module", "bert-eager-attention", "bert-sdpa-reentrant"])
@@ -468,7 +445,7 @@ def test_dropout_under_activation_checkpointing_gives_its_forwards_gradient(wher
         out = cm(*args, **kwargs)
         return ((out if where == "module" else out.last_hidden_state) * R).sum()
 
-    assert _seeded_gradient_error(m, f) < 1e-6
+    assert seeded_gradient_error(m, f) < 1e-6
     assert all(r.fallback is None for r in dmfx.records())
     assert fired().get("bias_dropout_residual_norm", 0) >= 2, fired()
     assert fired().get("attention", 0) >= 1, fired()

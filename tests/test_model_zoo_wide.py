@@ -17,7 +17,7 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_param_grads_close, fired_without_fallback, rel_err
+from conftest import assert_param_grads_close, fired_without_fallback, rel_err, seeded_gradient_error
 
 import dmfx
 
@@ -214,3 +214,42 @@ def test_vision_speech_and_multimodal_families_train_as_eager(name):
     fired = _trains_as_eager(model, make_inputs(2), options)
     missing = set(expected) - set(fired)
     assert not missing, f"{name}: did not fire: {missing}; fired {fired}"
+
+
+def _with_dropout(config: dict, p: float = 0.1) -> dict:
+    """`config` with every dropout probability (and stochastic depth) set to `p`."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out[key] = _with_dropout(value, p)
+        elif isinstance(value, float) and key.endswith(("dropout", "dropout_prob", "drop_path_rate")):
+            out[key] = p
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("name", ["segformer", "swin", "wav2vec2", "whisper"])
+def test_vision_and_speech_families_with_dropout_give_their_forwards_gradient(name):
+    """With dropout (the default options' trigger), dmfx draws its own masks, so eager is no oracle:
+    the gradient must be the derivative of the seeded forward (float64, a central difference). Covers
+    dropout inside attention, after GEMMs and on residuals, stochastic depth, and the convolutional
+    stems' graphs around them."""
+    cfg_name, model_name, config, make_inputs, _ = NOT_TEXT[name]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, cfg_name)(**_with_dropout(config))
+    cfg._attn_implementation = "eager"
+    model = getattr(transformers, model_name)(cfg).double().train()
+    inputs = {k: v.double() if v.is_floating_point() else v for k, v in make_inputs(2).items()}
+    dmfx.reset()
+    compiled = torch.compile(model, backend="dmfx", options={"fallback": False})
+    R = torch.randn_like(_first_output(model(**inputs)))
+    model.zero_grad(set_to_none=True)
+
+    def f():
+        torch.manual_seed(5)
+        return (_first_output(compiled(**inputs)) * R).sum()
+
+    assert seeded_gradient_error(model, f) < 1e-6
+    fired = fired_without_fallback()
+    assert fired.get("attention", 0) >= 1 and fired.get("bias_dropout_residual_norm", 0) >= 1, fired
