@@ -52,6 +52,9 @@ MODELS = {
                                                               vocab_size=32128, decoder_start_token_id=0, pad_token_id=0), 8, 128),
     # BART-base's sizes (dropout 0.1), encoder and decoder (`--layers` each), tied LM head, labels
     "bart-lm": ("BartConfig", "BartForConditionalGeneration", dict(), 8, 128),
+    # CLIP ViT-B/32's image tower (QuickGELU MLPs, no dropout) with a classification head, labels
+    "clip-cls": ("CLIPConfig", "CLIPForImageClassification", dict(vision_config=dict(patch_size=32), num_labels=1000),
+                 32, None),
 }
 #: the config keys `--layers` sets (default: num_hidden_layers)
 LAYER_KEY = {"GPT2Config": ("n_layer",), "T5Config": ("num_layers",), "BartConfig": ("encoder_layers", "decoder_layers")}
@@ -67,11 +70,16 @@ def build(name: str, layers: int, seed: int = 0, batch: int | None = None, seq: 
     batch = batch or model_batch
     seq = model_seq and (seq or model_seq)  # (an image model has no sequence length)
     torch.manual_seed(seed)
-    cfg = getattr(transformers, cfg_name)(**extra, **{k: layers for k in LAYER_KEY.get(cfg_name, ("num_hidden_layers",))})
+    layer_keys = {k: layers for k in LAYER_KEY.get(cfg_name, ("num_hidden_layers",))}
+    if "vision_config" in extra:  # (a two-tower config: the layers are its image tower's)
+        extra = dict(extra, vision_config=dict(extra["vision_config"], **layer_keys))
+        layer_keys = {}
+    cfg = getattr(transformers, cfg_name)(**extra, **layer_keys)
     cfg._attn_implementation = attn
     model = getattr(transformers, cls_name)(cfg)
     if seq is None:  # an image model: pixels in, one class label per image
-        pixels = torch.randn(batch, cfg.num_channels, cfg.image_size, cfg.image_size)
+        image = getattr(cfg, "vision_config", cfg)
+        pixels = torch.randn(batch, image.num_channels, image.image_size, image.image_size)
         return model, {"pixel_values": pixels, "labels": torch.randint(0, cfg.num_labels, (batch,))}
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
     return model, {"input_ids": ids, "labels": ids}

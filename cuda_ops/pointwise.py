@@ -24,7 +24,8 @@ Ops
     backward). cos/sin broadcast to q and k through strides (never materialized).
 
 Activations (``act``): "identity", "relu", "gelu" (erf form), "gelu_tanh" (tanh approximation),
-"silu", "tanh" (BERT's pooler). Dropout seeds are int64 CPU tensors ``[seed, offset]`` (``new_seed()``,
+"silu", "tanh" (BERT's pooler), "quick_gelu" (``x * sigmoid(1.702 x)``, CLIP's), "relu_squared"
+(``relu(x)^2``, Nemotron's and Primer's). Dropout seeds are int64 CPU tensors ``[seed, offset]`` (``new_seed()``,
 _library.py); the mask of element i (row-major logical index in x's shape) is the Philox mask of
 dmfx_common.h. Autograd: double backward through ``bias_act_dropout_backward`` or ``glu_backward``
 raises NotImplementedError; ``rope``'s backward is ``rope`` again (differentiable).
@@ -196,6 +197,10 @@ def reference_act(v: Tensor, act: str) -> Tensor:
         return F.gelu(v, approximate="tanh")
     if act == "tanh":
         return torch.tanh(v)
+    if act == "quick_gelu":  # as HF's QuickGELUActivation writes it
+        return v * torch.sigmoid(1.702 * v)
+    if act == "relu_squared":  # HF's ReLUSquaredActivation
+        return torch.square(torch.relu(v))
     return F.silu(v)
 
 

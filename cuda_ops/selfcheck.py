@@ -48,8 +48,9 @@ FAMILY_PASSES: dict[str, tuple[str, ...]] = {
              "fold_gradient_adds", "fold_bias_grads"),
     # softmax / softmax_backward; the attention pass's GEMM form and the flash ops' unfused path run them
     "softmax": ("attention_softmax", "attention", "lower_sdpa_calls", "qkv_attention", "aten_backward"),
-    # rope, glu, bias_act_dropout and their backwards
-    "pointwise": ("rope", "glu", "bias_act_dropout", "aten_backward"),
+    # rope, glu, bias_act_dropout and their backwards (activation_idioms emits bias_act_dropout for
+    # QuickGELU and the squared ReLU; its GELU and SiLU rewrites only feed glu and bias_act_dropout)
+    "pointwise": ("activation_idioms", "rope", "glu", "bias_act_dropout", "aten_backward"),
     # flash_attention, qkv_flash_attention and their backwards (with the bias gradients); the varlen ops
     # (unpad emits them)
     "attention": ("attention", "lower_sdpa_calls", "qkv_attention", "fold_bias_grads", "unpad"),
@@ -70,7 +71,7 @@ FAMILY_FUNCTIONS: dict[str, tuple[str, ...]] = {
 # 1e-2 for bf16) so that no correct kernel is ever switched off; a wrong one is off by far more.
 TOL = {torch.float32: 1e-4, torch.float64: 1e-10, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 SEED, OFFSET = 20240611, 7  # the Philox key of the checks' dropout masks
-ACTS = ("identity", "relu", "gelu", "gelu_tanh", "silu", "tanh")  # pointwise.ACTS, codes in order
+ACTS = ("identity", "relu", "gelu", "gelu_tanh", "silu", "tanh", "quick_gelu", "relu_squared")  # pointwise.ACTS, codes in order
 
 _verdicts: dict[tuple[str, str], dict[str, str | None]] = {}  # (module, device key) -> family -> why off
 

@@ -2,7 +2,9 @@
 
 The bias is taken out of ``addmm`` (``mm`` + the fused kernel, which reads the bias anyway; its
 backward sums the bias gradient in the same pass, the paper's BDRB). act is GELU (erf or tanh), ReLU,
-SiLU, tanh (BERT's pooler) or the identity (bias + dropout). Fires when it absorbs at least two ops (an
+SiLU, tanh (BERT's pooler), QuickGELU or the squared ReLU (activation_idioms made them a bias- and
+dropout-free ``dmfx::bias_act_dropout``, which this fusion rebuilds with both) or the identity
+(bias + dropout). Fires when it absorbs at least two ops (an
 activation alone is already one kernel; a lone dropout is the dropout fusion's); an activation the
 activation_idioms fusion made counts as the ops it absorbed.
 """
@@ -107,5 +109,6 @@ def rewrite_bias_act_dropout(graph: Graph, m: Match, ctx: PassContext) -> Replac
 
 
 #: dropout(act(x + bias)) -> dmfx::bias_act_dropout.
-BIAS_ACT_DROPOUT = Fusion("bias_act_dropout", (aten.gelu, aten.relu, aten.silu, aten.tanh, aten.native_dropout),
+BIAS_ACT_DROPOUT = Fusion("bias_act_dropout", (aten.gelu, aten.relu, aten.silu, aten.tanh, torch.ops.dmfx.bias_act_dropout.default,
+                                               aten.native_dropout),
                           match_bias_act_dropout, rewrite_bias_act_dropout)

@@ -117,7 +117,9 @@ def only_user(n: Node) -> Node | None:
 
 def activation_name(n: Any) -> str | None:
     """The dmfx activation name (``gelu``, ``gelu_tanh``, ``relu``, ``silu``, ``tanh``) of an ATen
-    activation node; None for any other node."""
+    activation node, or the activation of a ``dmfx::bias_act_dropout`` that is the activation alone (no
+    bias, no dropout: what activation_idioms makes of QuickGELU and the squared ReLU, which ATen has no
+    op for); None for any other node."""
     if is_op(n, aten.gelu):
         approx = n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none")
         return {"none": "gelu", "tanh": "gelu_tanh"}.get(approx)
@@ -127,6 +129,9 @@ def activation_name(n: Any) -> str | None:
         return "silu"
     if is_op(n, aten.tanh):
         return "tanh"
+    if is_op(n, torch.ops.dmfx.bias_act_dropout) and len(n.args) == 5 and n.args[1] is None and n.args[3] is None \
+            and n.args[4] == 0:
+        return n.args[2]
     return None
 
 

@@ -174,6 +174,8 @@ ACTIVATIONS = {
     "relu": F.relu,
     "silu": F.silu,
     "x_sigmoid_x": lambda x: x * torch.sigmoid(x),
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),  # CLIP's QuickGELUActivation
+    "relu2": lambda x: torch.square(F.relu(x)),  # Nemotron's ReLUSquaredActivation
 }
 
 
@@ -420,7 +422,8 @@ class RecipeBuilder:
         elif kind == "linear":
             spec = {"bias": rng.random() < 0.6}
         elif kind == "mlp":
-            spec = {"act": rng.choice(("gelu", "gelu_tanh", "gelu_new", "relu", "silu")), "bias": rng.random() < 0.75,
+            act = rng.choice(("gelu", "gelu_tanh", "gelu_new", "relu", "silu", "quick_gelu", "relu2"))
+            spec = {"act": act, "bias": rng.random() < 0.75,
                     "p": self.dropout_p}
         elif kind == "swiglu":
             spec = {"stacked": rng.random() < 0.4}

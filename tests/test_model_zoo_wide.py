@@ -6,7 +6,7 @@ cotangent, a padded batch), no graph falls back, and the fusions that make the f
 Each family brings a shape of graph the original zoo lacks: normalized queries and keys (Qwen3,
 StableLM's per-head LayerNorms), soft-capped attention and sandwich norms (Gemma 2), partial rotary
 embeddings and parallel attention/MLP blocks (Phi, GPT-NeoX, Cohere), LayerNorm without parameters
-(OLMo) or with ``1 + weight`` (Nemotron), scaled residuals and logits (Granite), a routed mixture of
+(OLMo) or with ``1 + weight`` and a squared-ReLU MLP (Nemotron), scaled residuals and logits (Granite), a routed mixture of
 experts (Mixtral), ALiBi (BLOOM), one layer's weights used by every layer (ALBERT), disentangled
 relative attention (DeBERTa-v2), an embedding projection (ELECTRA), bottlenecks and NoNorm
 (MobileBERT), learned positions with an offset and ReLU (OPT), and multi-query attention (Falcon)."""
@@ -44,7 +44,7 @@ FAMILIES = {
     "olmo": ("OlmoConfig", "OlmoForCausalLM", _DEC,
              {"layer_norm", "bias_dropout_residual_norm", "attention", "rope", "glu", "cross_entropy"}),
     "nemotron": ("NemotronConfig", "NemotronForCausalLM", dict(_DEC, head_dim=16),
-                 {"layer_norm", "bias_dropout_residual_norm", "attention", "rope", "cross_entropy"}),
+                 {"layer_norm", "bias_dropout_residual_norm", "attention", "rope", "relu_squared_idiom", "cross_entropy"}),
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(_DEC, embedding_multiplier=3.0, residual_multiplier=0.5,
                                                             attention_multiplier=0.1, logits_scaling=2.0),
                 {"rms_norm", "bias_dropout_residual_norm", "attention", "rope", "glu", "cross_entropy"}),
@@ -143,8 +143,8 @@ def test_family_trains_as_eager_under_every_fusion(name):
 # (a crash before the backwards read saved stats in any layout). SegFormer's efficient attention also
 # has keys (spatially reduced) shorter than its queries; Swin attends in shifted windows with a
 # relative position bias; wav2vec 2.0 has a convolutional feature encoder, grouped positional
-# convolutions and a CTC loss; Whisper a convolutional encoder stem and a decoder; CLIP two towers and a
-# contrastive loss.
+# convolutions and a CTC loss; Whisper a convolutional encoder stem and a decoder; CLIP two towers, QuickGELU
+# MLPs and a contrastive loss.
 _VISION = dict(image_size=32, num_labels=3)
 _S2S = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
             encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=VOCAB, dropout=0.0, attention_dropout=0.0,
@@ -198,7 +198,7 @@ NOT_TEXT = {
                   vision_config=dict(hidden_size=64, num_attention_heads=4, intermediate_size=128,
                                      num_hidden_layers=2, image_size=32, patch_size=8, attention_dropout=0.0),
                   projection_dim=32),
-             _image_text, {"layer_norm", "bias_dropout_residual_norm", "attention", "cross_entropy"}),
+             _image_text, {"layer_norm", "bias_dropout_residual_norm", "attention", "bias_act_dropout", "cross_entropy"}),
 }
 
 
@@ -229,7 +229,7 @@ def _with_dropout(config: dict, p: float = 0.1) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", ["segformer", "swin", "wav2vec2", "whisper"])
+@pytest.mark.parametrize("name", ["segformer", "swin", "wav2vec2", "whisper", "clip"])
 def test_vision_and_speech_families_with_dropout_give_their_forwards_gradient(name):
     """With dropout (the default options' trigger), dmfx draws its own masks, so eager is no oracle:
     the gradient must be the derivative of the seeded forward (float64, a central difference). Covers
@@ -240,7 +240,7 @@ def test_vision_and_speech_families_with_dropout_give_their_forwards_gradient(na
     cfg = getattr(transformers, cfg_name)(**_with_dropout(config))
     cfg._attn_implementation = "eager"
     model = getattr(transformers, model_name)(cfg).double().train()
-    inputs = {k: v.double() if v.is_floating_point() else v for k, v in make_inputs(2).items()}
+    inputs = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in make_inputs(2).items()}
     dmfx.reset()
     compiled = torch.compile(model, backend="dmfx", options={"fallback": False})
     R = torch.randn_like(_first_output(model(**inputs)))

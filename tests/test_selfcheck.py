@@ -6,6 +6,7 @@ next to the build marker, and a corrupt cache is redone."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import shutil
@@ -349,6 +350,29 @@ def test_the_backend_skips_the_passes_of_a_family_switched_off(planted_cpu):
     compiled_step_matches_eager(layer, ref, _compile_options(planted_cpu))
     record = dmfx.records()[-1]
     assert not (_dmfx_ops(record.forward_graph) | _dmfx_ops(record.backward_graph)) & FAMILY_OPS[planted_cpu]
+
+
+class _QuickGeluMlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        return (self.fc2(h * torch.sigmoid(1.702 * h)),)  # CLIP's QuickGELU: dmfx has no ATen op to leave it as
+
+
+@pytest.mark.parametrize("planted_cpu", ["pointwise"], indirect=True)
+def test_an_idiom_the_pointwise_family_computes_is_left_when_it_is_off(planted_cpu):
+    """activation_idioms emits a pointwise op itself (QuickGELU, the squared ReLU): with that family
+    switched off it is skipped too, and the step is eager's."""
+    layer = _QuickGeluMlp()
+    ref = copy.deepcopy(layer)
+    compiled_step_matches_eager(layer, ref, {"fuse": "all", "fallback": False})
+    record = dmfx.records()[-1]
+    assert not (_dmfx_ops(record.forward_graph) | _dmfx_ops(record.backward_graph)) & FAMILY_OPS["pointwise"]
+    assert "quick_gelu_idiom" not in record.fired, record.summary()
+    assert any("activation_idioms" in m for m in record.missed if m.startswith("kernel self-check")), record.missed
 
 
 LEFT_TO_INDUCTOR = """

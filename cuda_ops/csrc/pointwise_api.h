@@ -4,7 +4,9 @@
 // Activation codes (enum Act below is the one table: cuda_ops/pointwise.py reads its names from it,
 // kGeluTanh -> "gelu_tanh"; kActNames beside it spells the same names for the ops' `str act`):
 //   0 identity, 1 relu, 2 gelu (erf form, torch gelu approximate='none'),
-//   3 gelu_tanh (torch gelu approximate='tanh'), 4 silu (x * sigmoid(x)), 5 tanh (BERT's pooler).
+//   3 gelu_tanh (torch gelu approximate='tanh'), 4 silu (x * sigmoid(x)), 5 tanh (BERT's pooler),
+//   6 quick_gelu (x * sigmoid(1.702 x): CLIP's and its kin's, HF's "quick_gelu"),
+//   7 relu_squared (relu(x)^2: Nemotron's and Primer's, HF's "relu2").
 //
 // The formulas are templates over a value type T and a math policy PwMath<T> (erf/exp/tanh, a
 // "where x > 0" select, literal constants). This header specializes PwMath for float and double
@@ -28,12 +30,15 @@
 namespace dmfx {
 namespace pointwise_impl {
 
-enum Act : int { kIdentity = 0, kRelu = 1, kGelu = 2, kGeluTanh = 3, kSilu = 4, kTanh = 5 };
-constexpr int kNumActs = 6;
+enum Act : int {
+  kIdentity = 0, kRelu = 1, kGelu = 2, kGeluTanh = 3, kSilu = 4, kTanh = 5, kQuickGelu = 6, kReluSquared = 7
+};
+constexpr int kNumActs = 8;
 // The names the ops take (`str act`), indexed by code: enum Act's names in snake case, as
 // cuda_ops/pointwise.py derives them (the op tests run every name against its reference, so an order
 // that disagreed with the enum would fail them).
-constexpr const char* kActNames[] = {"identity", "relu", "gelu", "gelu_tanh", "silu", "tanh"};
+constexpr const char* kActNames[] = {"identity", "relu",       "gelu",       "gelu_tanh",
+                                     "silu",     "tanh",       "quick_gelu", "relu_squared"};
 static_assert(sizeof(kActNames) / sizeof(kActNames[0]) == kNumActs, "one name per activation code");
 
 template <typename T>
@@ -67,6 +72,7 @@ constexpr double kSqrt1_2 = 0.70710678118654752440;          // 1 / sqrt(2)
 constexpr double kInvSqrt2Pi = 0.39894228040143267794;       // 1 / sqrt(2 pi)
 constexpr double kSqrt2OverPi = 0.79788456080286535588;      // sqrt(2 / pi)
 constexpr double kGeluTanhCoef = 0.044715;
+constexpr double kQuickGeluCoef = 1.702;                    // HF's QuickGELUActivation
 
 // act(x)
 template <int ACT, typename T>
@@ -83,8 +89,13 @@ DMFX_HD T act_fwd(T x) {
     return M::c(0.5) * x * (M::c(1.0) + M::tanh(inner));
   } else if constexpr (ACT == kSilu) {
     return x / (M::c(1.0) + M::exp(M::neg(x)));
-  } else {  // kTanh
+  } else if constexpr (ACT == kTanh) {
     return M::tanh(x);
+  } else if constexpr (ACT == kQuickGelu) {
+    return x / (M::c(1.0) + M::exp(M::neg(M::c(kQuickGeluCoef) * x)));
+  } else {  // kReluSquared
+    const T r = M::relu(x);
+    return r * r;
   }
 }
 
@@ -108,9 +119,15 @@ DMFX_HD T act_grad(T x) {
   } else if constexpr (ACT == kSilu) {  // s * (1 + x * (1 - s)), s = sigmoid(x)
     const T s = M::c(1.0) / (M::c(1.0) + M::exp(M::neg(x)));
     return s * (M::c(1.0) + x * (M::c(1.0) - s));
-  } else {  // kTanh: 1 - tanh(x)^2
+  } else if constexpr (ACT == kTanh) {  // 1 - tanh(x)^2
     const T t = M::tanh(x);
     return M::c(1.0) - t * t;
+  } else if constexpr (ACT == kQuickGelu) {  // s * (1 + a x (1 - s)), s = sigmoid(a x), a = 1.702
+    const T ax = M::c(kQuickGeluCoef) * x;
+    const T s = M::c(1.0) / (M::c(1.0) + M::exp(M::neg(ax)));
+    return s * (M::c(1.0) + ax * (M::c(1.0) - s));
+  } else {  // kReluSquared: 2 relu(x) (NaN stays NaN, as torch's relu + square backward gives)
+    return M::c(2.0) * M::relu(x);
   }
 }
 
@@ -130,7 +147,9 @@ inline void dispatch_act(int act, F&& f) {
     case kGelu: f(std::integral_constant<int, kGelu>{}); break;
     case kGeluTanh: f(std::integral_constant<int, kGeluTanh>{}); break;
     case kSilu: f(std::integral_constant<int, kSilu>{}); break;
-    default: f(std::integral_constant<int, kTanh>{}); break;
+    case kTanh: f(std::integral_constant<int, kTanh>{}); break;
+    case kQuickGelu: f(std::integral_constant<int, kQuickGelu>{}); break;
+    default: f(std::integral_constant<int, kReluSquared>{}); break;
   }
 }
 
@@ -165,8 +184,10 @@ inline void check_same_shape(const char* op, const char* name, const at::Tensor&
 }
 
 inline void check_act(const char* op, int64_t act) {
-  TORCH_CHECK(act >= 0 && act < kNumActs, "dmfx::", op, ": unknown activation code ", act,
-              " (0 identity, 1 relu, 2 gelu, 3 gelu_tanh, 4 silu, 5 tanh)");
+  if (act >= 0 && act < kNumActs) return;
+  std::string valid;
+  for (int i = 0; i < kNumActs; ++i) valid += (i ? ", " : "") + std::to_string(i) + " " + kActNames[i];
+  TORCH_CHECK(false, "dmfx::", op, ": unknown activation code ", act, " (", valid, ")");
 }
 
 // The code of the activation named `act` (an op's `str act`); ValueError naming the valid ones.
