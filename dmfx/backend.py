@@ -217,7 +217,7 @@ def _norm_eps_floats(gm: GraphModule, aten_gm: GraphModule) -> list[str]:
                       or (is_op(u, aten.native_layer_norm, aten.layer_norm) and read in u.args[4:5])
                       for u in read.users)
             memo = getattr(dynamo_inputs[k].meta.get("example_value"), "item_memo", None)
-            name = getattr(getattr(getattr(memo, "node", None), "_expr", None), "name", None)
+            name = getattr(getattr(getattr(memo, "node", None), "expr", None), "name", None)
             if eps and name:
                 symbols.append(str(name))
     return list(dict.fromkeys(symbols))

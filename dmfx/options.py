@@ -48,8 +48,9 @@ class Options:
     compiler: str = field(default_factory=lambda: os.environ.get("DMFX_COMPILER", "").strip().lower() or "inductor")
     #: Which fusions to make: "auto" (where they pay under the compiler: with compiler="inductor" on
     #: the CPU, a graph without dropout is left to Inductor whole, see dmfx/inductor.py
-    #: auto_decision) or "all" (every fusion whose pattern matches).
-    fuse: str = "auto"
+    #: auto_decision) or "all" (every fusion whose pattern matches). Env DMFX_FUSE sets the default
+    #: (with DMFX_COMPILER=inductor, the test suite's rewrites then run under Inductor).
+    fuse: str = field(default_factory=lambda: os.environ.get("DMFX_FUSE", "").strip().lower() or "auto")
     #: Skip the padding of a batch (passes/unpad.py): where a graph's attentions read one HF padding
     #: mask (attention_mask [B, S] of 0/1), the real tokens are packed after the embeddings, every
     #: row-wise op and each attention (variable-length, over the packed sequences) run on them alone,
@@ -111,8 +112,10 @@ class Options:
         if compiler not in ("inductor", "fx"):
             where = "option 'compiler'" if "compiler" in options else "env DMFX_COMPILER"
             raise ValueError(f"dmfx: {where} must be 'inductor' or 'fx', got {compiler!r}")
-        if options.get("fuse", "auto") not in ("auto", "all"):
-            raise ValueError(f"dmfx: option 'fuse' must be 'auto' or 'all', got {options['fuse']!r}")
+        fuse = options.get("fuse", os.environ.get("DMFX_FUSE", "").strip().lower() or "auto")
+        if fuse not in ("auto", "all"):
+            where = "option 'fuse'" if "fuse" in options else "env DMFX_FUSE"
+            raise ValueError(f"dmfx: {where} must be 'auto' or 'all', got {fuse!r}")
         if options.get("unpad", False) not in (False, True):
             raise ValueError(f"dmfx: option 'unpad' must be True or False, got {options['unpad']!r}")
         if options.get("cache", True) not in (False, True):

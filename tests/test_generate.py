@@ -98,7 +98,7 @@ def test_dynamos_restart_request_reaches_dynamo(recwarn):
     model = _model()
     prompt = torch.randint(0, VOCAB, (2, 7))
     want = _generate(model, prompt)
-    model.forward = torch.compile(model.forward, backend="dmfx", dynamic=True, options={"compiler": "inductor"})
+    model.forward = torch.compile(model.forward, backend="dmfx", dynamic=True, options={"compiler": "inductor", "fuse": "auto"})
     assert torch.equal(_generate(model, prompt), want)
     assert not [str(w.message) for w in recwarn if "could not compile" in str(w.message)]
     records = dmfx.records()

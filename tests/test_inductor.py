@@ -363,6 +363,13 @@ def test_compiler_option_and_env_are_checked(monkeypatch):
         dmfx.Options.from_user({})
     monkeypatch.setenv("DMFX_COMPILER", "")
     assert dmfx.Options.from_user({}).compiler == "inductor"
+    monkeypatch.setenv("DMFX_FUSE", "some")
+    with pytest.raises(ValueError, match="env DMFX_FUSE must be 'auto' or 'all', got 'some'"):
+        dmfx.Options.from_user({})
+    monkeypatch.setenv("DMFX_FUSE", "ALL")
+    assert dmfx.Options.from_user({}).fuse == "all" and dmfx.Options.from_user({"fuse": "auto"}).fuse == "auto"
+    monkeypatch.setenv("DMFX_FUSE", "")
+    assert dmfx.Options.from_user({}).fuse == "auto"
 
 
 def test_max_autotune_mode_turns_on_tuning():

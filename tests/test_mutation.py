@@ -3,7 +3,10 @@ functional body the passes rewrite, with the writes and the aliased outputs in a
 
 Each case runs twice: with every pass skipped (only the lowering and the epilogue: bit for bit what
 the same graph gives op by op) and with dmfx's fusions, which must fire in the body (outputs then
-within the fused kernels' rounding; what no fused op computes, bit for bit)."""
+within the fused kernels' rounding; what no fused op computes, bit for bit). "Bit for bit" holds
+where the graphs run op by op (compiler "fx", the suite's default); under DMFX_COMPILER=inductor,
+Inductor's generated kernels round differently (contracted multiply-adds, other reduction orders),
+and those comparisons take a tolerance (exact)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,14 @@ from dmfx.passes import ALL_PASSES
 from tests.conftest import rel_err
 
 NO_FUSIONS = {"skip": list(ALL_PASSES)}
+
+
+def exact(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit where the rewritten graphs run op by op (compiler "fx"); within 1e-6 of each other
+    where Inductor compiles them (its kernels round differently from ATen's). Integer tensors: equal."""
+    if dmfx.Options.from_user({}).compiler == "fx" or not a.is_floating_point():
+        return torch.equal(a, b)
+    return a.shape == b.shape and rel_err(a, b) < 1e-6
 
 
 def _options(fused: bool) -> dict:
@@ -88,11 +99,11 @@ def test_a_module_that_updates_its_buffers(training, fused):
         cot = torch.randn(16, 48)
         with torch.set_grad_enabled(training):
             want, got = ref(x), compiled(x)
-        assert torch.equal(mine.mean, ref.mean) and torch.equal(mine.steps, ref.steps)  # no fused op computes them
+        assert exact(mine.mean, ref.mean) and exact(mine.steps, ref.steps)  # no fused op computes them
         if fused:
             assert rel_err(got, want) < 1e-5
         else:
-            assert torch.equal(got, want)
+            assert exact(got, want)
         if training:
             (gx,) = torch.autograd.grad((want * cot).sum(), x)
             (mx,) = torch.autograd.grad((got * cot).sum(), x)
@@ -132,7 +143,7 @@ def test_batch_norm_running_statistics_in_training():
         (got * cot).sum().backward()
         assert rel_err(got, want) < 1e-5
         for name in ("running_mean", "running_var", "num_batches_tracked"):  # ATen's batch norm computes them
-            assert torch.equal(getattr(mine.bn, name), getattr(ref.bn, name)), name
+            assert exact(getattr(mine.bn, name), getattr(ref.bn, name)), name
     grads = {n: p.grad for n, p in ref.named_parameters()}
     largest = max(g.abs().max() for g in grads.values())
     for n, p in mine.named_parameters():
@@ -156,12 +167,12 @@ def test_copy_into_an_input(fused):
     ref_out, ref_row = out.clone(), row.clone()
     want = write_norm(x, w, ref_out, ref_row)
     got = torch.compile(write_norm, backend="dmfx", options=_options(fused))(x, w, out, row)
-    assert torch.equal(row, ref_row)
+    assert exact(row, ref_row)
     if fused:
         assert rel_err(out, ref_out) < 1e-6 and rel_err(got, want) < 1e-6
         assert _record().fired.get("layer_norm") == 1
     else:
-        assert torch.equal(out, ref_out) and torch.equal(got, want)
+        assert exact(out, ref_out) and exact(got, want)
     _only_epilogue_writes(_record())
 
 
@@ -179,7 +190,7 @@ def test_outputs_that_alias_inputs_are_views_of_them(fused):
     ref_x, ref_cache = x.clone(), cache.clone()
     want = views(ref_x, ref_cache, pos, src)
     got = torch.compile(views, backend="dmfx", options=_options(fused))(x, cache, pos, src)
-    same = torch.equal if not fused else (lambda a, b: rel_err(a, b) < 1e-6)
+    same = exact if not fused else (lambda a, b: rel_err(a, b) < 1e-6)
     assert all(same(g, w) for g, w in zip(got, want)) and same(cache, ref_cache)
     t, rows, head, whole, fresh = got
     assert whole is cache
@@ -334,16 +345,18 @@ def test_a_static_cache_decode_step(fused):
         for mine, ref in layers:
             assert rel_err(mine.keys, ref.keys) < 1e-6 and rel_err(mine.values, ref.values) < 1e-6
         first, ref_first = layers[0]  # the first layer's rows: GEMMs and dmfx::rope, bit for bit
-        assert torch.equal(first.keys, ref_first.keys) and torch.equal(first.values, ref_first.values)
+        assert exact(first.keys, ref_first.keys) and exact(first.values, ref_first.values)
     else:
-        assert torch.equal(got, want)
-        assert all(torch.equal(m.keys, r.keys) and torch.equal(m.values, r.values) for m, r in layers)
+        assert exact(got, want)
+        assert all(exact(m.keys, r.keys) and exact(m.values, r.values) for m, r in layers)
     records = [r for r in dmfx.records() if r.epilogue]
     assert len(records) == 1 and records[0].fallback is None, [r.summary() for r in dmfx.records()]
     record = records[0]
     if fused:
         for name in ("rope", "glu", "bias_dropout_residual_norm"):
             assert record.fired.get(name, 0) >= 2, record.fired
+    if record.compiler == "inductor":  # (DMFX_COMPILER=inductor: Inductor reinplaces the epilogue's writes itself)
+        return
     writes = _input_writes(record.inference_graph)
     in_place = [a for op, a in writes if op == "aten.index_copy_.default"]
     assert len(in_place) == 2 * len(layers), writes  # keys and values, one row each, in place
