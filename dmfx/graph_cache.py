@@ -596,14 +596,22 @@ def _lowered_dir() -> Path:
     return cache_root() / "lowered_graphs"
 
 
+#: The node metadata a cached graph keeps: what AOTAutograd reads from the graph it traces. "recompute"
+#: is the min-cut partitioner's tag (QKV stacking's concatenated weight: recomputed in the backward,
+#: where unstack_dx then reads the three weights, instead of a stacked copy saved for the whole step).
+#: Everything else (fake values, stacks, what a fusion absorbed) is left out.
+KEPT_NODE_METADATA = ("recompute",)
+
+
 def dump_graph(gm: torch.fx.GraphModule) -> bytes:
-    """`gm` pickled node by node (PyTorch's GraphPickler, which its own caches use), without node
-    metadata. A GraphModule's own pickling keeps its generated code and traces that again when it is
-    read back, which runs every call with no tensor arguments (a dropout seed's ``randint``, a
-    ``zeros``) once and keeps its result as a constant: the same dropout mask on every step."""
+    """`gm` pickled node by node (PyTorch's GraphPickler, which its own caches use), with only the
+    node metadata AOTAutograd reads (KEPT_NODE_METADATA). A GraphModule's own pickling keeps its
+    generated code and traces that again when it is read back, which runs every call with no tensor
+    arguments (a dropout seed's ``randint``, a ``zeros``) once and keeps its result as a constant: the
+    same dropout mask on every step."""
     from torch.fx._graph_pickler import GraphPickler, Options
 
-    return GraphPickler.dumps(gm, Options(ops_filter=None, node_metadata_key_filter=lambda key: False))
+    return GraphPickler.dumps(gm, Options(ops_filter=None, node_metadata_key_filter=lambda key: key in KEPT_NODE_METADATA))
 
 
 def load_graph(data: bytes) -> torch.fx.GraphModule:
@@ -619,9 +627,14 @@ def load_graph(data: bytes) -> torch.fx.GraphModule:
 
 
 def same_graph(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> str | None:
-    """Why `b` is not the graph `a` is (None: the same nodes, calls, arguments and tensor attributes)."""
+    """Why `b` is not the graph `a` is (None: the same nodes, calls, arguments, tensor attributes and
+    the node metadata a cached graph keeps)."""
     if a.graph.python_code("self").src != b.graph.python_code("self").src:
         return "its code differs"
+    for x, y in zip(a.graph.nodes, b.graph.nodes):
+        for k in KEPT_NODE_METADATA:
+            if x.meta.get(k) != y.meta.get(k):
+                return f"node {x.name}'s {k!r} metadata differs"
     for n in a.graph.nodes:
         if n.op == "get_attr":
             x, y = _attr(a, str(n.target)), _attr(b, str(n.target))

@@ -512,6 +512,45 @@ def test_no_key_where_a_tensor_input_has_no_storage():
     assert graph_cache.lowered_key(gm, [torch.randn(2, 3)], Options()) is not None
 
 
+def _saved_concatenations(forward: torch.fx.GraphModule) -> list[str]:
+    """The forward's outputs (what it returns and saves for the backward) made by a cat, through
+    transposes and views."""
+    (out,) = [n for n in forward.graph.nodes if n.op == "output"]
+    found = []
+    for n in torch.fx.node.map_aggregate(out.args[0], lambda a: a if isinstance(a, torch.fx.Node) else None) or ():
+        while isinstance(n, torch.fx.Node) and n.target in (torch.ops.aten.t.default, torch.ops.aten.view.default):
+            n = n.args[0]
+        if isinstance(n, torch.fx.Node) and n.target is torch.ops.aten.cat.default:
+            found.append(n.name)
+    return found
+
+
+def test_a_cached_graph_keeps_the_stacked_weights_recomputed(fresh_cache):
+    """QKV stacking tags its concatenated weight for recomputation in the backward (the min-cut
+    partitioner's "recompute" node metadata), where unstack_dx then reads the three weights. The cache
+    keeps that tag with the graph: AOTAutograd traces the graph as the cache keeps it, so without it
+    the stacked copy was saved for the whole step (7 MB a layer at BERT-base's sizes), on a miss too,
+    and unstack_dx never fired under compiler="inductor"."""
+    from torch._inductor import config as inductor_config
+
+    options = {**INDUCTOR, "stack_qkv": True, "attention": "flash"}
+    base = mlm()
+    eager = copy.deepcopy(base)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    out = eager(input_ids=ids, labels=ids)
+    (out.loss + (out.logits * torch.randn(out.logits.shape, generator=torch.Generator().manual_seed(2))).sum()).backward()
+    grads_e = {n: p.grad for n, p in eager.named_parameters() if p.grad is not None}
+    first = train_step(copy.deepcopy(base), options)
+    with inductor_config.patch(comment_origin=not inductor_config.comment_origin):  # (AOTAutograd's entry missed)
+        again = train_step(copy.deepcopy(base), options)
+    assert not first[3].lowered_from_cache and again[3].lowered_from_cache and again[3].cache == "miss"
+    for loss, logits, grads, rec in (first, again):
+        assert rec.fired.get("qkv_attention") == 1 and rec.fired.get("unstack_dx") == 1, rec.fired
+        assert not _saved_concatenations(rec.forward_graph), (rec.cache, rec.lowered_from_cache)
+        assert rel_err(loss, out.loss) < 1e-5 and rel_err(logits, out.logits) < 1e-5
+        assert_grads_close(grads, grads_e, 1e-4)
+
+
 def _new_process():
     """A later process, as far as Dynamo and dmfx's memory go (the float verdicts are read from disk)."""
     torch._dynamo.reset()
