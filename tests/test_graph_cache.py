@@ -19,6 +19,8 @@ from tests.conftest import rel_err
 
 # fuse="all": dmfx rewrites the graph (dropout 0, so eager is the exact reference) and Inductor runs it
 INDUCTOR = {"compiler": "inductor", "fuse": "all", "fallback": False}
+# the users' default (fuse="auto" named, whatever DMFX_FUSE says: these tests are about its decisions)
+AUTO = {"compiler": "inductor", "fuse": "auto"}
 
 
 @pytest.fixture
@@ -252,7 +254,7 @@ def test_a_graph_left_to_inductor_whole_is_remembered(fresh_cache):
     base = mlm()
     recs, outs = [], []
     for _ in range(2):
-        *_, logits, _, rec = train_step(copy.deepcopy(base), {"compiler": "inductor"})
+        *_, logits, _, rec = train_step(copy.deepcopy(base), AUTO)
         recs.append(rec)
         outs.append(logits)
     assert all(r.fallback and r.fallback.startswith("left to Inductor") for r in recs)
@@ -275,7 +277,7 @@ def test_a_dynamic_shape_graph_left_to_inductor_whole_is_remembered(fresh_cache,
         torch._dynamo.reset()
         lowerings.clear()
         model = copy.deepcopy(base)
-        c = torch.compile(model, backend="dmfx", options={"compiler": "inductor"}, dynamic=True)
+        c = torch.compile(model, backend="dmfx", options=AUTO, dynamic=True)
         for seq in (12, 20):
             ids = torch.randint(0, 96, (2, seq), generator=torch.Generator().manual_seed(seq))
             out = c(input_ids=ids)
@@ -335,7 +337,7 @@ def gpt2_with_dropout():
     return transformers.GPT2LMHeadModel(cfg).train()
 
 
-@pytest.mark.parametrize("options", [{"compiler": "inductor"}, INDUCTOR], ids=["default", "fuse-all"])
+@pytest.mark.parametrize("options", [AUTO, INDUCTOR], ids=["default", "fuse-all"])
 @pytest.mark.parametrize("family", ["bert", "gpt2"])
 def test_dropout_draws_a_fresh_mask_on_every_call_on_a_miss_and_on_a_hit(fresh_cache, options, family):
     """The kept graph must keep the seed's randint a call. (A GraphModule's own pickling traces its
@@ -623,7 +625,7 @@ def test_a_graph_left_whole_for_unbuilt_kernels_is_rewritten_once_they_are_built
         torch._dynamo.reset()
         dmfx.reset()
         m = copy.deepcopy(base)
-        loss = torch.compile(m, backend="dmfx", options={"compiler": "inductor", "fallback": False})(
+        loss = torch.compile(m, backend="dmfx", options={**AUTO, "fallback": False})(
             input_ids=ids, labels=ids).loss
         loss.backward()
         (rec,) = dmfx.records()

@@ -35,6 +35,15 @@ from dmfx.passes.fusion import record
 from dmfx.passes.graph_utils import insert_call, run_passes, val
 from dmfx.passes.verify import GraphVerificationError, GraphVerifier
 
+
+@pytest.fixture(autouse=True)
+def _compiled_afresh():
+    """Every compile here runs the passes: the tests plant broken passes and count the verifier's
+    checks, which no compile cache can see (its key is dmfx's source files). Under
+    DMFX_COMPILER=inductor an earlier compile of the same graph would otherwise be served."""
+    with torch.compiler.config.patch(force_disable_caches=True):
+        yield
+
 aten = torch.ops.aten
 
 
