@@ -71,7 +71,6 @@ FAMILY_FUNCTIONS: dict[str, tuple[str, ...]] = {
 # 1e-2 for bf16) so that no correct kernel is ever switched off; a wrong one is off by far more.
 TOL = {torch.float32: 1e-4, torch.float64: 1e-10, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 SEED, OFFSET = 20240611, 7  # the Philox key of the checks' dropout masks
-ACTS = ("identity", "relu", "gelu", "gelu_tanh", "silu", "tanh", "quick_gelu", "relu_squared")  # pointwise.ACTS, codes in order
 
 _verdicts: dict[tuple[str, str], dict[str, str | None]] = {}  # (module, device key) -> family -> why off
 
@@ -459,7 +458,7 @@ def _softmax_mask(r: _Runner, kind: str, shape, dtype) -> Tensor | None:
 
 
 def _check_pointwise(r: _Runner) -> None:
-    from .pointwise import reference_bias_act_dropout, reference_glu, reference_rope
+    from .pointwise import ACTS, reference_bias_act_dropout, reference_glu, reference_rope
 
     # every activation in fp32 without dropout, then GELU with dropout in bf16 and SiLU with it in fp32
     cases = [((5, 37), torch.float32, act, 0.0) for act in ACTS] + [((3, 4, 67), torch.bfloat16, "gelu", 0.2),

@@ -45,12 +45,12 @@ class Options:
     #: glue dmfx does not fuse is fused by Inductor and no Python runs per op) or "fx" (the graphs run
     #: as FX GraphModules, op by op from Python: compiles in seconds). Env DMFX_COMPILER sets the
     #: default (the test suite runs "fx" unless a test asks for Inductor).
-    compiler: str = field(default_factory=lambda: os.environ.get("DMFX_COMPILER", "").strip().lower() or "inductor")
+    compiler: str = field(default_factory=lambda: _env_default("DMFX_COMPILER", "inductor"))
     #: Which fusions to make: "auto" (where they pay under the compiler: with compiler="inductor" on
     #: the CPU, a graph without dropout is left to Inductor whole, see dmfx/inductor.py
     #: auto_decision) or "all" (every fusion whose pattern matches). Env DMFX_FUSE sets the default
     #: (with DMFX_COMPILER=inductor, the test suite's rewrites then run under Inductor).
-    fuse: str = field(default_factory=lambda: os.environ.get("DMFX_FUSE", "").strip().lower() or "auto")
+    fuse: str = field(default_factory=lambda: _env_default("DMFX_FUSE", "auto"))
     #: Skip the padding of a batch (passes/unpad.py): where a graph's attentions read one HF padding
     #: mask (attention_mask [B, S] of 0/1), the real tokens are packed after the embeddings, every
     #: row-wise op and each attention (variable-length, over the packed sequences) run on them alone,
@@ -108,11 +108,11 @@ class Options:
             raise ValueError(
                 f"dmfx: option 'attention' must be 'auto', 'flash', 'gemm' or 'sdpa', got {options['attention']!r}"
             )
-        compiler = options.get("compiler", os.environ.get("DMFX_COMPILER", "").strip().lower() or "inductor")
+        compiler = options.get("compiler", _env_default("DMFX_COMPILER", "inductor"))
         if compiler not in ("inductor", "fx"):
             where = "option 'compiler'" if "compiler" in options else "env DMFX_COMPILER"
             raise ValueError(f"dmfx: {where} must be 'inductor' or 'fx', got {compiler!r}")
-        fuse = options.get("fuse", os.environ.get("DMFX_FUSE", "").strip().lower() or "auto")
+        fuse = options.get("fuse", _env_default("DMFX_FUSE", "auto"))
         if fuse not in ("auto", "all"):
             where = "option 'fuse'" if "fuse" in options else "env DMFX_FUSE"
             raise ValueError(f"dmfx: {where} must be 'auto' or 'all', got {fuse!r}")
@@ -131,6 +131,11 @@ class Options:
 
 
 _OFF = ("", "0", "false", "no", "off")
+
+
+def _env_default(name: str, default: str) -> str:
+    """An option's default from the environment variable `name` (lower-cased), else `default`."""
+    return os.environ.get(name, "").strip().lower() or default
 
 
 def env_disabled() -> bool:

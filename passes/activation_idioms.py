@@ -152,20 +152,19 @@ def match_activation_idiom(n: Node, ctx: PassContext) -> Match | Miss | None:
     x, out, nodes = hit
     if not kernel_friendly(tensor_meta(x)):
         return None
-    if target is _DMFX_ACT:
+    args = (x,)
+    if target is _DMFX_ACT:  # (kwargs: the activation's name)
         xm, om = tensor_meta(x), tensor_meta(out)
         if om is None or om.shape != xm.shape or om.dtype != xm.dtype:
             return Miss("the activation's output has another shape or dtype than its input (broadcast or promotion)",
                         pattern=name, at=out)
-    return Match({"x": x, "out": out, "target": target, "kwargs": kwargs}, nodes, returned=(out,), pattern=name)
+        args, kwargs = (x, None, kwargs, None, 0.0), {}
+    return Match({"out": out, "target": target, "args": args, "kwargs": kwargs}, nodes, returned=(out,), pattern=name)
 
 
 def rewrite_activation_idiom(graph: Graph, m: Match, ctx: PassContext) -> Replacement:
     with graph.inserting_before(m["out"]):
-        if m["target"] is _DMFX_ACT:  # kwargs holds the activation's name
-            act = insert_call(graph, ctx, _DMFX_ACT, (m["x"], None, m["kwargs"], None, 0.0))
-        else:
-            act = insert_call(graph, ctx, m["target"], (m["x"],), m["kwargs"])
+        act = insert_call(graph, ctx, m["target"], m["args"], m["kwargs"])
     return Replacement(act, {m["out"]: act})
 
 

@@ -69,14 +69,19 @@ def assert_grads_close(got, want, tol):
         assert (got[name] - want[name]).abs().max().item() / scale < tol, name
 
 
-def test_second_compile_is_a_hit_with_the_same_answers_and_record(fresh_cache):
-    base = mlm()
-    eager = copy.deepcopy(base)
+def eager_step(model):
+    """train_step's step in eager on a copy of `model`: (its output, its parameters' gradients)."""
+    eager = copy.deepcopy(model)
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
     out = eager(input_ids=ids, labels=ids)
     R = torch.randn(out.logits.shape, generator=torch.Generator().manual_seed(2))
     (out.loss + (out.logits * R).sum()).backward()
-    grads_e = {n: p.grad for n, p in eager.named_parameters() if p.grad is not None}
+    return out, {n: p.grad for n, p in eager.named_parameters() if p.grad is not None}
+
+
+def test_second_compile_is_a_hit_with_the_same_answers_and_record(fresh_cache):
+    base = mlm()
+    out, grads_e = eager_step(base)
 
     loss1, logits1, grads1, rec1 = train_step(copy.deepcopy(base), INDUCTOR)
     assert rec1.cache == "miss" and rec1.fallback is None
@@ -537,11 +542,7 @@ def test_a_cached_graph_keeps_the_stacked_weights_recomputed(fresh_cache):
 
     options = {**INDUCTOR, "stack_qkv": True, "attention": "flash"}
     base = mlm()
-    eager = copy.deepcopy(base)
-    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
-    out = eager(input_ids=ids, labels=ids)
-    (out.loss + (out.logits * torch.randn(out.logits.shape, generator=torch.Generator().manual_seed(2))).sum()).backward()
-    grads_e = {n: p.grad for n, p in eager.named_parameters() if p.grad is not None}
+    out, grads_e = eager_step(base)
     first = train_step(copy.deepcopy(base), options)
     with inductor_config.patch(comment_origin=not inductor_config.comment_origin):  # (AOTAutograd's entry missed)
         again = train_step(copy.deepcopy(base), options)
