@@ -17,6 +17,15 @@ from tests.conftest import rel_err
 INDUCTOR = {"compiler": "inductor", "fuse": "all", "fallback": False}
 
 
+
+@pytest.fixture(autouse=True)
+def _compiled_afresh():
+    """Every compile here is a compile: the tests read what it did (the compiled graphs, the backward
+    passes' counts), which a hit in a warm PyTorch cache does not carry where its records sit in another
+    dmfx cache directory. The cache has its own tests (test_graph_cache.py)."""
+    with torch.compiler.config.patch(force_disable_caches=True):
+        yield
+
 def dmfx_ops_run(step) -> set[str]:
     """The dmfx:: ops the profiler sees while `step()` runs."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
