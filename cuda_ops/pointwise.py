@@ -19,9 +19,12 @@ Ops
     ``mask * mask_scale`` (``native_dropout_backward``) instead of a regenerated mask, and p must be 0.
 ``dmfx::glu(gate, up, act) -> out``: ``act(gate) * up`` (SwiGLU with "silu", GeGLU with "gelu").
 ``dmfx::glu_backward(grad_out, gate, up, act, output_mask) -> (dgate, dup)``.
-``dmfx::rope(q, k, cos, sin, inverse) -> (q_out, k_out)``: HF LLaMA's apply_rotary_pos_emb on q and k
-    in one kernel, ``x * cos + rotate_half(x) * sin``; ``inverse=True`` applies the transpose map (the
-    backward). cos/sin broadcast to q and k through strides (never materialized).
+``dmfx::rope(q, k, cos, sin, inverse, interleaved=False) -> (q_out, k_out)``: HF LLaMA's
+    apply_rotary_pos_emb on q and k in one kernel, ``x * cos + rotate_half(x) * sin``, which rotates the
+    pairs (j, j + D/2); ``interleaved=True`` rotates the pairs (2j, 2j + 1) instead (GPT-J's and Cohere's
+    ``rotate_every_two``: ``stack(-x[..., 1::2], x[..., ::2], -1).flatten(-2)``). ``inverse=True``
+    applies the transpose map (the backward). cos/sin broadcast to q and k through strides (never
+    materialized).
 
 Activations (``act``): "identity", "relu", "gelu" (erf form), "gelu_tanh" (tanh approximation),
 "silu", "tanh" (BERT's pooler), "quick_gelu" (``x * sigmoid(1.702 x)``, CLIP's), "relu_squared"
@@ -58,7 +61,7 @@ _lib.define("glu(Tensor gate, Tensor up, str act) -> Tensor")
 _lib.define(
     "glu_backward(Tensor grad_out, Tensor gate, Tensor up, str act, bool[] output_mask) -> (Tensor dgate, Tensor dup)"
 )
-_lib.define("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool inverse) -> (Tensor, Tensor)")
+_lib.define("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool inverse, bool interleaved=False) -> (Tensor, Tensor)")
 
 OPS = ("bias_act_dropout", "bias_act_dropout_backward", "glu", "glu_backward", "rope")
 kernels_in_cxx(OPS)
@@ -138,7 +141,7 @@ def _glu_backward_fake(grad_out, gate, up, act, output_mask):
 
 
 @torch.library.register_fake("dmfx::rope")
-def _rope_fake(q, k, cos, sin, inverse):
+def _rope_fake(q, k, cos, sin, inverse, interleaved=False):
     order = _rope_layout(q, k)
     if order is None:
         return _like(q), _like(k)
@@ -169,11 +172,12 @@ def glu(gate: Tensor, up: Tensor, act: str = "silu") -> Tensor:
     return torch.ops.dmfx.glu(gate, up, act)
 
 
-def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """HF's ``apply_rotary_pos_emb(q, k, cos, sin)`` (cos/sin already unsqueezed to broadcast)."""
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> tuple[Tensor, Tensor]:
+    """HF's ``apply_rotary_pos_emb(q, k, cos, sin)`` (cos/sin already unsqueezed to broadcast);
+    ``interleaved``: GPT-J's and Cohere's, which rotate the pairs (2j, 2j + 1)."""
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         _check_tensor("rope", name, t)
-    return torch.ops.dmfx.rope(q, k, cos, sin, False)
+    return torch.ops.dmfx.rope(q, k, cos, sin, False, bool(interleaved))
 
 
 # ----------------------------------------------------------------------------------------- references
@@ -221,19 +225,22 @@ def reference_glu(gate: Tensor, up: Tensor, act: str) -> Tensor:
     return (reference_act(gate.to(acc), act) * up.to(acc)).to(gate.dtype)
 
 
-def _rotate_half(t: Tensor) -> Tensor:
-    h = t.shape[-1] // 2
+def _rotate(t: Tensor, interleaved: bool) -> Tensor:
+    if interleaved:  # GPT-J's rotate_every_two
+        return torch.stack((-t[..., 1::2], t[..., ::2]), dim=-1).flatten(-2)
+    h = t.shape[-1] // 2  # LLaMA's rotate_half
     return torch.cat((-t[..., h:], t[..., :h]), dim=-1)
 
 
-def reference_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """HF LLaMA's apply_rotary_pos_emb: ``x * cos + rotate_half(x) * sin`` for x in (q, k)."""
+def reference_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> tuple[Tensor, Tensor]:
+    """HF LLaMA's apply_rotary_pos_emb: ``x * cos + rotate_half(x) * sin`` for x in (q, k);
+    ``interleaved``: ``rotate_every_two`` (GPT-J, Cohere) in place of ``rotate_half``."""
     acc = _acc_dtype(q)
     c, s = cos.to(acc), sin.to(acc)
 
     def emb(x):
         xa = x.to(acc)
-        return (xa * c + _rotate_half(xa) * s).to(x.dtype)
+        return (xa * c + _rotate(xa, interleaved) * s).to(x.dtype)
 
     return emb(q), emb(k)
 

@@ -487,20 +487,22 @@ def _check_pointwise(r: _Runner) -> None:
         dgate, dup = r.m.glu_bwd(go, ins["gate"], ins["up"], code, [True, True])
         r.expect_grads(what.replace("fwd", "bwd"), {"gate": dgate, "up": dup}, g, dtype)
     for dtype in (torch.float32, torch.bfloat16):
-        _check_rope(r, reference_rope, dtype)
+        for interleaved in (False, True):
+            _check_rope(r, reference_rope, dtype, interleaved)
 
 
-def _check_rope(r: _Runner, reference_rope, dtype) -> None:
+def _check_rope(r: _Runner, reference_rope, dtype, interleaved: bool) -> None:
     B, H, Hk, L, D = 2, 3, 1, 5, 8  # (grouped-query k: fewer heads)
     ins = {"q": r.blhd(B, H, L, D, dtype), "k": r.blhd(B, Hk, L, D, dtype),
            "cos": r.randn(1, 1, L, D, dtype=dtype), "sin": r.randn(1, 1, L, D, dtype=dtype)}
     gq, gk = r.randn(B, H, L, D, dtype=dtype), r.randn(B, Hk, L, D, dtype=dtype)
-    outs, g = _reference(reference_rope, ins, [gq, gk], grads=["q", "k"])
-    qo, ko = r.m.rope(*ins.values(), False)
-    r.expect(f"rope q {_shape(ins['q'])}", qo, outs[0], dtype)
-    r.expect(f"rope k {_shape(ins['k'])}", ko, outs[1], dtype)
-    dq, dk = r.m.rope(gq, gk, ins["cos"], ins["sin"], True)  # the backward: the transposed rotation
-    r.expect_grads(f"rope inverse {_shape(gq)}", {"q": dq, "k": dk}, g, dtype)
+    outs, g = _reference(lambda **a: reference_rope(**a, interleaved=interleaved), ins, [gq, gk], grads=["q", "k"])
+    what = "rope interleaved" if interleaved else "rope"
+    qo, ko = r.m.rope(*ins.values(), False, interleaved)
+    r.expect(f"{what} q {_shape(ins['q'])}", qo, outs[0], dtype)
+    r.expect(f"{what} k {_shape(ins['k'])}", ko, outs[1], dtype)
+    dq, dk = r.m.rope(gq, gk, ins["cos"], ins["sin"], True, interleaved)  # the backward: the transposed rotation
+    r.expect_grads(f"{what} inverse {_shape(gq)}", {"q": dq, "k": dk}, g, dtype)
 
 
 # ----------------------------------------------------------------------------------------- attention

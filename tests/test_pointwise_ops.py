@@ -388,25 +388,26 @@ def _tables(B, S, D, form, dtype):
     return cos.to(dtype), sin.to(dtype)
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
-def test_rope_matches_reference(dtype):
+def test_rope_matches_reference(dtype, interleaved):
     for (B, S, Hq, Hk, D), form in [((2, 5, 4, 2, 8), "hf"), ((1, 7, 3, 3, 2), "SD"), ((2, 3, 2, 1, 64), "1SD"),
                                     ((2, 4, 2, 2, 6), "sliced"), ((0, 4, 2, 2, 8), "SD"), ((1, 1, 1, 1, 128), "hf")]:
         q, k = _hf_qk(B, S, Hq, Hk, D, dtype)
         cos, sin = _tables(B if B else 1, S, D, form, dtype)
-        qo, ko = torch.ops.dmfx.rope(q, k, cos, sin, False)
+        qo, ko = torch.ops.dmfx.rope(q, k, cos, sin, False, interleaved)
         assert qo.shape == q.shape and ko.shape == k.shape
         # contiguous, or (q and k permuted alike, as HF makes them) in q's memory order
         assert (qo.is_contiguous() and ko.is_contiguous()) or (qo.stride() == q.stride() and ko.stride() == k.stride())
         if q.numel() == 0:
             continue
-        rq, rk = P.reference_rope(q, k, cos, sin)
-        what = f"{dtype} {(B, S, Hq, Hk, D)} {form}"
+        rq, rk = P.reference_rope(q, k, cos, sin, interleaved)
+        what = f"{dtype} {(B, S, Hq, Hk, D)} {form} interleaved={interleaved}"
         assert rel_err(qo, rq) < TOL[dtype], what
         assert rel_err(ko, rk) < TOL[dtype], what
         # inverse=True is the transpose map: <rope(x), g> == <x, rope_inv(g)>.
         gq, gk = torch.randn_like(q), torch.randn_like(k)
-        iq, ik = torch.ops.dmfx.rope(gq, gk, cos, sin, True)
+        iq, ik = torch.ops.dmfx.rope(gq, gk, cos, sin, True, interleaved)
         if dtype in (torch.float32, torch.float64):
             lhs = (qo.double() * gq.double()).sum() + (ko.double() * gk.double()).sum()
             rhs = (q.double() * iq.double()).sum() + (k.double() * ik.double()).sum()
@@ -421,6 +422,15 @@ def test_rope_inverse_formula():
     out, _ = torch.ops.dmfx.rope(g, k, cos, sin, True)
     expect = g * cos + torch.cat((g[..., h:] * sin[..., h:], -g[..., :h] * sin[..., :h]), -1)
     torch.testing.assert_close(out, expect, rtol=1e-6, atol=1e-6)
+    # interleaved: the pairs (2i, 2i + 1)
+    out, _ = torch.ops.dmfx.rope(g, k, cos, sin, True, True)
+    ev, od = g[..., 0::2], g[..., 1::2]
+    expect = g * cos + torch.stack((od * sin[..., 1::2], -ev * sin[..., 0::2]), -1).flatten(-2)
+    torch.testing.assert_close(out, expect, rtol=1e-6, atol=1e-6)
+    # ... and the forward, written out: out[2i] = x[2i] c[2i] - x[2i+1] s[2i], out[2i+1] = x[2i+1] c[2i+1] + x[2i] s[2i+1]
+    out, _ = torch.ops.dmfx.rope(g, k, cos, sin, False, True)
+    expect = g * cos + torch.stack((-od * sin[..., 0::2], ev * sin[..., 1::2]), -1).flatten(-2)
+    torch.testing.assert_close(out, expect, rtol=1e-6, atol=1e-6)
 
 
 def test_rope_gradcheck_including_tables():
@@ -428,13 +438,16 @@ def test_rope_gradcheck_including_tables():
     q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
     cos, sin = _tables(2, 3, 4, "hf", torch.float64)
     cos, sin = cos.requires_grad_(), sin.requires_grad_()
-    for inverse in (False, True):
-        assert torch.autograd.gradcheck(lambda *a: torch.ops.dmfx.rope(*a, inverse), (q, k, cos, sin))
-    # Tables broadcast over the batch too.
-    c2, s2 = (t.detach()[0, 0].clone().requires_grad_() for t in (cos, sin))
-    assert torch.autograd.gradcheck(lambda *a: torch.ops.dmfx.rope(*a, False), (q, k, c2, s2))
-    # It is linear in (q, k): double backward works (the backward is rope itself).
-    assert torch.autograd.gradgradcheck(lambda a, b: torch.ops.dmfx.rope(a, b, cos.detach(), sin.detach(), False), (q, k))
+    for interleaved in (False, True):
+        for inverse in (False, True):
+            assert torch.autograd.gradcheck(lambda *a: torch.ops.dmfx.rope(*a, inverse, interleaved), (q, k, cos, sin))
+        # Tables broadcast over the batch too.
+        c2, s2 = (t.detach()[0, 0].clone().requires_grad_() for t in (cos, sin))
+        assert torch.autograd.gradcheck(lambda *a: torch.ops.dmfx.rope(*a, False, interleaved), (q, k, c2, s2))
+        # It is linear in (q, k): double backward works (the backward is rope itself).
+        assert torch.autograd.gradgradcheck(
+            lambda a, b: torch.ops.dmfx.rope(a, b, cos.detach(), sin.detach(), False, interleaved), (q, k)
+        )
 
 
 def test_rope_autograd_one_output_unused():
@@ -450,7 +463,9 @@ def test_rope_autograd_one_output_unused():
 def test_rope_opcheck_and_errors():
     q, k = _hf_qk(2, 3, 2, 1, 8, torch.float32)
     cos, sin = _tables(2, 3, 8, "hf", torch.float32)
-    opcheck(torch.ops.dmfx.rope.default, (q.detach().requires_grad_(), k.detach().requires_grad_(), cos, sin, False))
+    for interleaved in (False, True):
+        opcheck(torch.ops.dmfx.rope.default,
+                (q.detach().requires_grad_(), k.detach().requires_grad_(), cos, sin, False, interleaved))
     with pytest.raises(RuntimeError, match="head dim D .* must be even"):
         torch.ops.dmfx.rope(torch.randn(1, 2, 3, 5), torch.randn(1, 1, 3, 5), torch.randn(3, 5), torch.randn(3, 5), False)
     with pytest.raises(RuntimeError, match="cos of shape .* must broadcast to q's shape"):

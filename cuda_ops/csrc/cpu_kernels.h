@@ -43,7 +43,8 @@ Tensors bias_act_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& x, const 
 at::Tensor glu_fwd_cpu(const at::Tensor& gate, const at::Tensor& up, int64_t act);
 Tensors glu_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& gate, const at::Tensor& up, int64_t act,
                     std::vector<bool> output_mask);
-Tensors rope_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, bool inverse);
+Tensors rope_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, bool inverse,
+                 bool interleaved);
 
 // attention family (attention_cpu.cpp)
 at::Tensor flash_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask,
@@ -66,7 +67,7 @@ at::Tensor cross_entropy_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& 
 
 struct CpuKernels {
   // What a table must match to be used: its layout (the size) and this version of the list.
-  static constexpr int64_t kVersion = 3;
+  static constexpr int64_t kVersion = 4;
   int64_t size = sizeof(CpuKernels);
   int64_t version = kVersion;
   decltype(&norm_fwd_cpu) norm_fwd = &norm_fwd_cpu;

@@ -445,15 +445,27 @@ void glu_bwd_impl(const at::Tensor& grad_out, const at::Tensor& gate, const at::
 // rotary embedding
 // ------------------------------------------------------------------------------------------------
 
-// One row of D = 2h elements. Forward: o = x * c + rotate_half(x) * s, rotate_half(x) = [-x2, x1].
-// Inverse (the transpose map, i.e. the backward): o[i] = x[i] c[i] + (i < h ? x[i+h] s[i+h]
-// : -x[i-h] s[i-h]).
+// One row of D = 2h elements, h rotated pairs (a, b): (j, j + h) for rotate_half (LLaMA's),
+// (2j, 2j + 1) interleaved (GPT-J's and Cohere's rotate_every_two). Forward: o = x * c + rot(x) * s with
+// rot(x)[a] = -x[b], rot(x)[b] = x[a]. Inverse (the transpose map, i.e. the backward):
+// o[a] = x[a] c[a] + x[b] s[b], o[b] = x[b] c[b] - x[a] s[a].
 template <typename scalar_t>
 inline void rope_row(const scalar_t* x, const scalar_t* c, const scalar_t* s, scalar_t* o, int64_t h,
-                     bool inverse) {
+                     bool inverse, bool interleaved) {
   using acc_t = at::opmath_type<scalar_t>;
   auto f = [](scalar_t v) { return static_cast<acc_t>(v); };
-  if (!inverse) {
+  if (interleaved) {
+    for (int64_t a = 0; a < 2 * h; a += 2) {
+      const acc_t x1 = f(x[a]), x2 = f(x[a + 1]);
+      if (!inverse) {
+        o[a] = static_cast<scalar_t>(x1 * f(c[a]) - x2 * f(s[a]));
+        o[a + 1] = static_cast<scalar_t>(x2 * f(c[a + 1]) + x1 * f(s[a + 1]));
+      } else {
+        o[a] = static_cast<scalar_t>(x1 * f(c[a]) + x2 * f(s[a + 1]));
+        o[a + 1] = static_cast<scalar_t>(x2 * f(c[a + 1]) - x1 * f(s[a]));
+      }
+    }
+  } else if (!inverse) {
     for (int64_t j = 0; j < h; ++j) o[j] = static_cast<scalar_t>(f(x[j]) * f(c[j]) - f(x[j + h]) * f(s[j]));
     for (int64_t j = 0; j < h; ++j)
       o[j + h] = static_cast<scalar_t>(f(x[j + h]) * f(c[j + h]) + f(x[j]) * f(s[j + h]));
@@ -466,7 +478,7 @@ inline void rope_row(const scalar_t* x, const scalar_t* c, const scalar_t* s, sc
 }
 
 template <typename scalar_t>
-void rope_impl(const std::vector<RopeSide>& sides, std::vector<at::Tensor>& outs, bool inverse) {
+void rope_impl(const std::vector<RopeSide>& sides, std::vector<at::Tensor>& outs, bool inverse, bool interleaved) {
   struct Side {
     Rows<scalar_t> x, c, s;
     scalar_t* o;
@@ -488,7 +500,7 @@ void rope_impl(const std::vector<RopeSide>& sides, std::vector<at::Tensor>& outs
       const Side& sd = first ? v[0] : v[1];
       const int64_t r = first ? i : i - v[0].rows;
       rope_row<scalar_t>(sd.x.data + sd.x.idx.offset(r), sd.c.data + sd.c.idx.offset(r),
-                         sd.s.data + sd.s.idx.offset(r), sd.o + r * D, h, inverse);
+                         sd.s.data + sd.s.idx.offset(r), sd.o + r * D, h, inverse, interleaved);
     }
   });
 }
@@ -583,12 +595,12 @@ std::vector<at::Tensor> glu_bwd_cpu(const at::Tensor& grad_out_in, const at::Ten
 }
 
 std::vector<at::Tensor> rope_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
-                                 const at::Tensor& sin, bool inverse) {
+                                 const at::Tensor& sin, bool inverse, bool interleaved) {
   using namespace pointwise_impl;
   const std::vector<RopeSide> sides = check_rope("rope", q, k, cos, sin, at::kCPU);
   std::vector<at::Tensor> outs = {at::empty(q.sizes(), q.options()), at::empty(k.sizes(), k.options())};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "dmfx_rope", [&] {
-    rope_impl<scalar_t>(sides, outs, inverse);
+    rope_impl<scalar_t>(sides, outs, inverse, interleaved);
   });
   return outs;
 }
@@ -611,7 +623,10 @@ void bind_pointwise(pybind11::module_& m) {
         pybind11::arg("mask") = pybind11::none(), pybind11::arg("mask_scale") = 1.0);
   m.def("glu_fwd", &glu_fwd_cpu, "gated activation act(gate) * up (CPU)");
   m.def("glu_bwd", &glu_bwd_cpu, "gated activation backward [dgate, dup] (CPU)");
-  m.def("rope", &rope_cpu, "rotary position embedding of q and k; inverse=True is its backward (CPU)");
+  m.def("rope", &rope_cpu, "rotary position embedding of q and k (pairs (j, j + D/2), or (2j, 2j + 1) interleaved); "
+        "inverse=True is its backward (CPU)",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("inverse"),
+        pybind11::arg("interleaved") = false);
 }
 }  // namespace dmfx
 
@@ -620,6 +635,7 @@ void bind_pointwise(pybind11::module_& m) {
 // The ops: CPU kernels (through the kernel table: cpu_kernels.h) and the family's autograd formulas
 // ------------------------------------------------------------------------------------------------
 #include <ATen/ops/cat.h>
+#include <ATen/ops/stack.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -695,8 +711,12 @@ struct GluFn : public torch::autograd::Function<GluFn> {
   }
 };
 
-// HF's rotate_half: cat(-t[..., D/2:], t[..., :D/2]).
-Tensor rotate_half(const Tensor& t) {
+// HF's rotate_half, cat(-t[..., D/2:], t[..., :D/2]), or interleaved, GPT-J's rotate_every_two:
+// stack(-t[..., 1::2], t[..., ::2], -1).flatten(-2).
+Tensor rotate(const Tensor& t, bool interleaved) {
+  if (interleaved)
+    return at::stack({t.slice_symint(-1, 1, c10::nullopt, 2).neg(), t.slice_symint(-1, 0, c10::nullopt, 2)}, -1)
+        .flatten(-2);
   const c10::SymInt h = t.sym_size(-1) / 2;
   return at::cat({t.slice_symint(-1, h).neg(), t.slice_symint(-1, 0, h)}, -1);
 }
@@ -708,28 +728,32 @@ struct RopeFn : public torch::autograd::Function<RopeFn> {
   static constexpr const char* name = "dmfx::rope";
   using Sig = decltype(rope<CpuPointwise>);
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& cos,
-                               const Tensor& sin, bool inverse) {
+                               const Tensor& sin, bool inverse, bool interleaved) {
     ctx->saved_data["needs"] = needs_bits(q, k, cos, sin);
     ctx->saved_data["inverse"] = inverse;
+    ctx->saved_data["interleaved"] = interleaved;
     const bool tables = requires_grad(cos) || requires_grad(sin);
     ctx->save_for_backward({cos, sin, tables ? q : Tensor(), tables ? k : Tensor()});
-    return AutogradKernel<RopeFn>::below(q, k, cos, sin, inverse);
+    return AutogradKernel<RopeFn>::below(q, k, cos, sin, inverse, interleaved);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
     // (an output whose gradient autograd did not compute arrives as zeros: materialized grads)
     const auto v = ctx->get_saved_variables();
     const Tensor &cos = v[0], &sin = v[1], &q = v[2], &k = v[3], &gq = g[0], &gk = g[1];
     const bool inverse = ctx->saved_data["inverse"].toBool();
-    variable_list grads(5);
+    const bool interleaved = ctx->saved_data["interleaved"].toBool();
+    variable_list grads(6);
     if (needs(ctx, 0) || needs(ctx, 1)) {
-      auto [dq, dk] = op_of<RopeFn>().call(gq, gk, cos, sin, !inverse);
+      auto [dq, dk] = op_of<RopeFn>().call(gq, gk, cos, sin, !inverse, interleaved);
       grads[0] = needs(ctx, 0) ? dq : Tensor();
       grads[1] = needs(ctx, 1) ? dk : Tensor();
     }
     if (q.defined()) {
       // forward: out = x c + rot(x) s       -> dc = g x, ds = g rot(x)
       // inverse: out = x c - rot(x s)       -> dc = g x, ds = x rot(g)   (rot^T = -rot)
-      auto ds = [&](const Tensor& gx, const Tensor& x) { return inverse ? x.mul(rotate_half(gx)) : gx.mul(rotate_half(x)); };
+      auto ds = [&](const Tensor& gx, const Tensor& x) {
+        return inverse ? x.mul(rotate(gx, interleaved)) : gx.mul(rotate(x, interleaved));
+      };
       if (needs(ctx, 2))
         grads[2] = gq.mul(q).sum_to_size_symint(cos.sym_sizes()).add(gk.mul(k).sum_to_size_symint(cos.sym_sizes()));
       if (needs(ctx, 3))

@@ -288,10 +288,12 @@ struct RopeArgs {
   RopeJob<scalar_t> job[2];  // q (blockIdx.z == 0) and k (blockIdx.z == 1)
   int64_t h;                 // D / 2
   bool inverse;
+  bool interleaved;          // pairs (2j, 2j + 1) (GPT-J's rotate_every_two), else (j, j + h)
 };
 
-// Thread j < h of a row handles the pair (j, j + h). Forward: o = x c + rotate_half(x) s; inverse:
-// o[j] = x[j] c[j] + x[j+h] s[j+h], o[j+h] = x[j+h] c[j+h] - x[j] s[j].
+// Thread j < h of a row handles the pair (a, b) = (j, j + h), or (2j, 2j + 1) interleaved. Forward:
+// o = x c + rot(x) s, rot(x)[a] = -x[b], rot(x)[b] = x[a]; inverse: o[a] = x[a] c[a] + x[b] s[b],
+// o[b] = x[b] c[b] - x[a] s[a].
 template <typename scalar_t>
 __global__ void rope_kernel(const RopeArgs<scalar_t> a) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -299,20 +301,21 @@ __global__ void rope_kernel(const RopeArgs<scalar_t> a) {
   const int64_t j = my_chunk();
   if (j >= a.h) return;
   const int64_t h = a.h, D = 2 * h;
+  const int64_t ia = a.interleaved ? 2 * j : j, ib = a.interleaved ? 2 * j + 1 : j + h;
   for (int64_t r = first_row(); r < jb.rows; r += row_stride()) {
     const scalar_t* x = jb.x + jb.xi.offset(r);
     const scalar_t* c = jb.c + jb.ci.offset(r);
     const scalar_t* s = jb.s + jb.si.offset(r);
-    const acc_t x1 = static_cast<acc_t>(x[j]), x2 = static_cast<acc_t>(x[j + h]);
-    const acc_t c1 = static_cast<acc_t>(c[j]), c2 = static_cast<acc_t>(c[j + h]);
-    const acc_t s1 = static_cast<acc_t>(s[j]), s2 = static_cast<acc_t>(s[j + h]);
+    const acc_t x1 = static_cast<acc_t>(x[ia]), x2 = static_cast<acc_t>(x[ib]);
+    const acc_t c1 = static_cast<acc_t>(c[ia]), c2 = static_cast<acc_t>(c[ib]);
+    const acc_t s1 = static_cast<acc_t>(s[ia]), s2 = static_cast<acc_t>(s[ib]);
     scalar_t* o = jb.o + r * D;
     if (!a.inverse) {
-      o[j] = static_cast<scalar_t>(x1 * c1 - x2 * s1);
-      o[j + h] = static_cast<scalar_t>(x2 * c2 + x1 * s2);
+      o[ia] = static_cast<scalar_t>(x1 * c1 - x2 * s1);
+      o[ib] = static_cast<scalar_t>(x2 * c2 + x1 * s2);
     } else {
-      o[j] = static_cast<scalar_t>(x1 * c1 + x2 * s2);
-      o[j + h] = static_cast<scalar_t>(x2 * c2 - x1 * s1);
+      o[ia] = static_cast<scalar_t>(x1 * c1 + x2 * s2);
+      o[ib] = static_cast<scalar_t>(x2 * c2 - x1 * s1);
     }
   }
 }
@@ -560,7 +563,7 @@ std::vector<at::Tensor> glu_bwd_cuda(const at::Tensor& grad_out_in, const at::Te
 }
 
 std::vector<at::Tensor> rope_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
-                                  const at::Tensor& sin, bool inverse) {
+                                  const at::Tensor& sin, bool inverse, bool interleaved) {
   using namespace pointwise_impl;
   const std::vector<RopeSide> sides = check_rope("rope", q, k, cos, sin, at::kCUDA);
   const c10::cuda::CUDAGuard device_guard(q.device());
@@ -583,6 +586,7 @@ std::vector<at::Tensor> rope_cuda(const at::Tensor& q, const at::Tensor& k, cons
     }
     a.h = q.size(-1) / 2;
     a.inverse = inverse;
+    a.interleaved = interleaved;
     const Plan p = plan_launch(a.h, rows, 2);
     rope_kernel<scalar_t><<<p.grid, p.block, 0, pw_stream()>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -94,17 +94,19 @@ inline Tensor permuted(const Tensor& t, const std::vector<int64_t>& order, int64
 }
 
 template <class K>
-std::tuple<Tensor, Tensor> rope(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin, bool inverse) {
+std::tuple<Tensor, Tensor> rope(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin, bool inverse,
+                                bool interleaved) {
   const auto order = rope_layout(q, k);
   if (order.empty()) {
-    auto r = K::rope(q, k, cos, sin, inverse);
+    auto r = K::rope(q, k, cos, sin, inverse, interleaved);
     return {std::move(r[0]), std::move(r[1])};
   }
   // run on the memory-order views (contiguous outputs there), hand back the logical views
   std::vector<int64_t> back(order.size());
   for (size_t i = 0; i < order.size(); ++i) back[order[i]] = static_cast<int64_t>(i);
   const int64_t rank = q.dim();
-  auto r = K::rope(q.permute(order), k.permute(order), permuted(cos, order, rank), permuted(sin, order, rank), inverse);
+  auto r = K::rope(q.permute(order), k.permute(order), permuted(cos, order, rank), permuted(sin, order, rank), inverse,
+                   interleaved);
   return {r[0].permute(back), r[1].permute(back)};
 }
 
