@@ -13,7 +13,11 @@ Models (random weights from HF configs, eager attention unless ``--attn sdpa``, 
   (197 tokens), integer labels (its loss is cross-entropy over the [CLS] token's logits);
 * ``t5-lm``: ``T5ForConditionalGeneration``, T5-small sizes, ``--layers`` encoder and decoder layers, B=8 L=128;
 * ``bart-lm``: ``BartForConditionalGeneration``, BART-base sizes (768 hidden, vocab 50265), ``--layers``
-  encoder and decoder layers, B=8 L=128 (labels: the inputs; the decoder reads them shifted).
+  encoder and decoder layers, B=8 L=128 (labels: the inputs; the decoder reads them shifted);
+* ``gptj-lm``: ``GPTJForCausalLM`` (hidden 512, 8 heads of 64, rotary embedding on the first 32
+  features of each head, interleaved pairs; parallel attention and MLP; vocab 32000), B=4 L=256;
+* ``clip-cls``: ``CLIPForImageClassification``, CLIP ViT-B/32's image tower (QuickGELU MLPs), 1000
+  classes, B=32 images of 224x224 (50 tokens).
 
 ``--clock cpu`` times with the process's CPU time instead of the wall clock: on a machine shared
 with other work (these 2-core machines often run at a load of 4-8) the wall clock measures the
@@ -23,7 +27,8 @@ Usage: ``python -m bench.lm_step [--models llama-small,bert-mlm] [--layers 4] [-
 [--rounds 5] [--threads 2] [--clock wall|cpu] [--autocast bf16|fp16] [--device cpu|cuda]
 [--candidates eager,inductor,dmfx,dmfx-fx,dmfx-all,floor]``;
 ``dmfx-skip-<pass>[+<pass>...]`` is dmfx's default with those passes skipped (an ablation, e.g.
-``dmfx-skip-accumulate_embedding_grad``); ``dmfx-all-skip-<pass>+<pass>...`` the same from ``fuse="all"``
+``dmfx-skip-accumulate_embedding_grad``); ``dmfx-all-skip-<pass>+<pass>...`` / ``dmfx-fx-skip-...`` the same
+from ``fuse="all"`` / ``compiler="fx"``
 """
 
 from __future__ import annotations
@@ -52,12 +57,17 @@ MODELS = {
                                                               vocab_size=32128, decoder_start_token_id=0, pad_token_id=0), 8, 128),
     # BART-base's sizes (dropout 0.1), encoder and decoder (`--layers` each), tied LM head, labels
     "bart-lm": ("BartConfig", "BartForConditionalGeneration", dict(), 8, 128),
+    # GPT-J's layer (parallel attention and MLP, rotary embedding on the first 32 of 64 head features,
+    # interleaved pairs: rotate_every_two) at LLaMA-lm's width, labels
+    "gptj-lm": ("GPTJConfig", "GPTJForCausalLM", dict(n_embd=512, n_head=8, rotary_dim=32, vocab_size=32000,
+                                                      use_cache=False), 4, 256),
     # CLIP ViT-B/32's image tower (QuickGELU MLPs, no dropout) with a classification head, labels
     "clip-cls": ("CLIPConfig", "CLIPForImageClassification", dict(vision_config=dict(patch_size=32), num_labels=1000),
                  32, None),
 }
 #: the config keys `--layers` sets (default: num_hidden_layers)
-LAYER_KEY = {"GPT2Config": ("n_layer",), "T5Config": ("num_layers",), "BartConfig": ("encoder_layers", "decoder_layers")}
+LAYER_KEY = {"GPT2Config": ("n_layer",), "GPTJConfig": ("n_layer",), "T5Config": ("num_layers",),
+             "BartConfig": ("encoder_layers", "decoder_layers")}
 
 
 def build(name: str, layers: int, seed: int = 0, batch: int | None = None, seq: int | None = None, attn: str = "eager"):
@@ -119,7 +129,7 @@ def dmfx_options(name: str) -> dict:
     """The options of the dmfx candidate `name`: "dmfx" (the default), "dmfx-fx" (compiler="fx"),
     "dmfx-all" (every fusion that matches, also where fuse="auto" leaves a graph to Inductor),
     "dmfx-skip-<pass>[+<pass>...]" (an ablation: the default with those passes off) and
-    "dmfx-all-skip-..." (the same from fuse="all")."""
+    "dmfx-all-skip-..." / "dmfx-fx-skip-..." (the same from fuse="all" / compiler="fx")."""
     if name == "dmfx":
         return {}
     if name == "dmfx-fx":
@@ -128,6 +138,8 @@ def dmfx_options(name: str) -> dict:
         return {"fuse": "all"}
     if name.startswith("dmfx-all-skip-"):
         return {"fuse": "all", "skip": name[len("dmfx-all-skip-"):].split("+")}
+    if name.startswith("dmfx-fx-skip-"):
+        return {"compiler": "fx", "skip": name[len("dmfx-fx-skip-"):].split("+")}
     if name.startswith("dmfx-skip-"):
         return {"skip": name[len("dmfx-skip-"):].split("+")}
     raise ValueError(f"unknown candidate {name!r}")

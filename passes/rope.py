@@ -4,11 +4,18 @@
     q' = q * cos + rotate_half(q) * sin
     k' = k * cos + rotate_half(k) * sin        -> dmfx::rope(q, k, cos, sin, False) -> (q', k')
 
-Eager runs 2 slices, a neg, a cat, 2 muls and an add per tensor (5 kernels, 3 of them writing a
-full copy of q or k); the fused kernel reads q, k, cos, sin once and writes q', k'. Its backward is
-the same kernel with the transposed rotation. q and k are paired by the cos/sin they share, in graph
-order (the first site with the second, the third with the fourth, ...); an unpaired one is left alone
-(logged).
+or interleaved, GPT-J's and Cohere's ``rotate_every_two`` (the pairs (2i, 2i + 1) rotate, not
+(i, i + D/2))::
+
+    rotate_every_two(x) = stack([-x[..., 1::2], x[..., ::2]], -1).flatten(-2)
+                                                -> dmfx::rope(q, k, cos, sin, False, interleaved=True)
+
+Eager runs 2 slices, a neg, a cat (or a stack and a view), 2 muls and an add per tensor (5 kernels,
+3 of them writing a full copy of q or k); the fused kernel reads q, k, cos, sin once and writes q',
+k'. Its backward is the same kernel with the transposed rotation. q and k are paired by the cos/sin
+they share, in graph order (the first site with the second, the third with the fourth, ...); an
+unpaired one is left alone (logged). Tables computed twice by the same pure ops count as shared (GPT-J
+gathers and repeats its sin/cos once for q and once for k).
 """
 
 from __future__ import annotations
@@ -17,53 +24,93 @@ import torch
 from torch.fx import Graph, Node
 
 from .fusion import Fusion, Match, Miss, Replacement
-from .graph_utils import PassContext, aten, commuted, insert_call, insert_getitems, is_op, kernel_friendly, tensor_meta
+from .graph_utils import (
+    PassContext,
+    aten,
+    commuted,
+    insert_call,
+    insert_getitems,
+    is_impure,
+    is_op,
+    kernel_friendly,
+    tensor_meta,
+)
 
 _END = (2**63 - 1,)
 
 
-def _slice_of(n: object, x: Node, start: int, end: int | None, D: int) -> bool:
-    """n = x[..., start:end] along the last dim (end None: to the end)."""
-    if not is_op(n, aten.slice) or n.args[0] is not x or len(n.users) != 1:
+def _whole(n: object) -> object:
+    """`n` without the slices that keep all of a dim (``x[:, :, :, ::2]`` traced with dynamic shapes
+    slices dims 0 and 1 whole first)."""
+    while is_op(n, aten.slice):
+        args = list(n.args[1:]) + [None] * (5 - len(n.args))  # dim, start, end, step
+        if (args[1] or 0) != 0 or args[2] not in (None, *_END) or (args[3] or 1) != 1:
+            break
+        n = n.args[0]
+    return n
+
+
+def _slice_of(n: object, x: Node, start: int, end: int | None, D: int, step: int = 1) -> bool:
+    """n = x[..., start:end:step] along the last dim (end None: to the end)."""
+    if not is_op(n, aten.slice) or _whole(n.args[0]) is not x or len(n.users) != 1:
         return False
     args = list(n.args[1:]) + [None] * (4 - len(n.args))
     dim, s, e = args[0], args[1] or 0, args[2]
-    step = n.args[4] if len(n.args) > 4 else 1
+    st = n.args[4] if len(n.args) > 4 else 1
     xm = tensor_meta(x)
-    if dim not in (-1, xm.dim() - 1) or step != 1 or s != start:
+    if dim not in (-1, xm.dim() - 1) or st != step or s != start:
         return False
     return e == end or (end is None and (e is None or e in _END or e >= D))
 
 
-def _rotate_half_of(cat: object) -> Node | None:
-    """cat = rotate_half(x): x."""
-    if not is_op(cat, aten.cat) or len(cat.users) != 1:
+def _last_dim(n: Node, dim: object, rank: int) -> bool:
+    return dim in (-1, rank - 1)
+
+
+def _rotation_of(rot: object) -> tuple[Node, bool, list[Node]] | None:
+    """rot = rotate_half(x) (a cat) or rotate_every_two(x) (a stack flattened by a view): (x,
+    interleaved, the nodes the rotation is made of)."""
+    if is_op(rot, aten.cat):
+        if len(rot.users) != 1:
+            return None
+        parts, dim = rot.args[0], rot.args[1] if len(rot.args) > 1 else rot.kwargs.get("dim", 0)
+        interleaved = False
+    elif is_op(rot, aten.view, aten.reshape, aten._unsafe_view):
+        stack = rot.args[0]
+        if len(rot.users) != 1 or not is_op(stack, aten.stack) or len(stack.users) != 1:
+            return None
+        parts, dim = stack.args[0], stack.args[1] if len(stack.args) > 1 else stack.kwargs.get("dim", 0)
+        interleaved = True
+    else:
         return None
-    parts = cat.args[0]
-    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
     if len(parts) != 2 or not is_op(parts[0], aten.neg) or len(parts[0].users) != 1:
         return None
     hi, lo = parts[0].args[0], parts[1]
     if not isinstance(hi, Node) or not is_op(hi, aten.slice):
         return None
-    x = hi.args[0]
-    xm = tensor_meta(x)
-    if xm is None or dim not in (-1, xm.dim() - 1):
+    x = _whole(hi.args[0])
+    xm, rm = tensor_meta(x), tensor_meta(rot)
+    if xm is None or rm is None or rm.shape != xm.shape:
         return None
     D = xm.shape[-1]
     if not isinstance(D, int) or D % 2:
         return None
-    if _slice_of(hi, x, D // 2, None, D) and _slice_of(lo, x, 0, D // 2, D):
-        return x
+    if interleaved:
+        # the stacked dim is new and last (dim -1 or rank of the slices), then flattened into D
+        ok = dim in (-1, xm.dim()) and _slice_of(hi, x, 1, None, D, 2) and _slice_of(lo, x, 0, None, D, 2)
+        return (x, True, [rot, rot.args[0], parts[0], hi, lo]) if ok else None
+    if _last_dim(x, dim, xm.dim()) and _slice_of(hi, x, D // 2, None, D) and _slice_of(lo, x, 0, D // 2, D):
+        return x, False, [rot, parts[0], hi, lo]
     return None
 
 
-def _rope_site(add: Node) -> tuple[Node, Node, Node, list[Node]] | None:
-    """add = x * cos + rotate_half(x) * sin: (x, cos, sin, absorbed nodes)."""
+def _rope_site(add: Node) -> tuple[Node, Node, Node, list[Node], bool] | None:
+    """add = x * cos + rotate(x) * sin: (x, cos, sin, absorbed nodes, interleaved)."""
     for m1, m2 in commuted(add, aten.add):
         for x, cos in commuted(m1, aten.mul):
             for rot, sin in commuted(m2, aten.mul):
-                if not isinstance(rot, Node) or _rotate_half_of(rot) is not x:
+                rotation = _rotation_of(rot)
+                if rotation is None or rotation[0] is not x:
                     continue
                 if len(m1.users) != 1 or len(m2.users) != 1 or not isinstance(cos, Node) or not isinstance(sin, Node):
                     continue
@@ -72,35 +119,68 @@ def _rope_site(add: Node) -> tuple[Node, Node, Node, list[Node]] | None:
                     continue
                 if not (xm.dtype == cm.dtype == sm.dtype == om.dtype and om.shape == xm.shape):
                     continue
-                neg = rot.args[0][0]
-                return x, cos, sin, [add, m1, m2, rot, neg, neg.args[0], rot.args[0][1]]
+                return x, cos, sin, [add, m1, m2, *rotation[2]], rotation[1]
     return None
 
 
-def _sites_sharing(graph: Graph, cos: Node, sin: Node) -> list[tuple[Node, Node, list[Node]]]:
-    """The rope sites (add, x, absorbed nodes) that rotate a tensor with `cos` and `sin`, in graph order."""
+def _same_value(a: object, b: object, depth: int = 16) -> bool:
+    """a and b are the same value: the same node, or the same pure op applied to the same values
+    (looked up to `depth` ops deep)."""
+    if a is b:
+        return True
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(x, y, depth) for x, y in zip(a, b))
+    if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):  # comparing would guard on a size
+        return False
+    if not isinstance(a, Node) or not isinstance(b, Node):
+        return not isinstance(a, Node) and not isinstance(b, Node) and type(a) is type(b) and a == b
+    if depth == 0 or a.op != "call_function" or b.op != "call_function" or a.target != b.target:
+        return False
+    if is_impure(a) or (isinstance(a.target, torch._ops.OpOverload)
+                        and torch.Tag.nondeterministic_seeded in a.target.tags):
+        return False
+    return (_same_value(a.args, b.args, depth - 1) and a.kwargs.keys() == b.kwargs.keys()
+            and all(_same_value(a.kwargs[key], b.kwargs[key], depth - 1) for key in a.kwargs))
+
+
+def _sites_sharing(
+    graph: Graph, cos: Node, sin: Node, interleaved: bool, equal_tables: bool
+) -> list[tuple[Node, Node, list[Node]]]:
+    """The rope sites (add, x, absorbed nodes) that rotate a tensor the same way with `cos` and `sin`
+    (`equal_tables`: or with tables of the same values), in graph order."""
+    tables = [cos]
+    if equal_tables and cos.op == "call_function":
+        tables = [n for n in graph.nodes if n.target == cos.target and _same_value(n, cos)]
     found = {}
-    for m1 in cos.users:
-        for add in m1.users:
-            site = _rope_site(add) if is_op(add, aten.add) and add not in found else None
-            if site is not None and site[1] is cos and site[2] is sin:
-                found[add] = (add, site[0], site[3])
+    for c in tables:
+        for m1 in c.users:
+            for add in m1.users:
+                site = _rope_site(add) if is_op(add, aten.add) and add not in found else None
+                if site is None or site[4] != interleaved:
+                    continue
+                if (site[1] is cos and site[2] is sin) or (equal_tables and _same_value(site[1], cos)
+                                                           and _same_value(site[2], sin)):
+                    found[add] = (add, site[0], site[3])
     order = {n: i for i, n in enumerate(graph.nodes)}
     return sorted(found.values(), key=lambda site: order[site[0]])
 
 
 def match_rope(qa: Node, ctx: PassContext) -> Match | Miss | None:
     """`qa` rotates q; k is the next site rotated with the same cos and sin (sites pair up in graph
-    order: an odd one is the second of its pair, matched from the first)."""
+    order: an odd one is the second of its pair, matched from the first). Sites sharing the table
+    nodes pair first; a site left without a partner then looks among the sites with equal tables."""
     site = _rope_site(qa)
     if site is None:
         return None
-    q, cos, sin, q_chain = site
-    sites = _sites_sharing(qa.graph, cos, sin)
-    i = next(j for j, (add, _, _) in enumerate(sites) if add is qa)
-    if i % 2:
-        return None
-    if i + 1 == len(sites):
+    q, cos, sin, q_chain, interleaved = site
+    for equal_tables in (False, True):
+        sites = _sites_sharing(qa.graph, cos, sin, interleaved, equal_tables)
+        i = next(j for j, (add, _, _) in enumerate(sites) if add is qa)
+        if i % 2:
+            return None
+        if i + 1 < len(sites):
+            break
+    else:
         return Miss("no second tensor (q or k) rotated with the same cos/sin to pair it with")
     ka, k, k_chain = sites[i + 1]
     # the fused op goes right after its last input; every reader of q' and k' must follow it
@@ -108,16 +188,19 @@ def match_rope(qa: Node, ctx: PassContext) -> Match | Miss | None:
     last = max((q, k, cos, sin), key=order.__getitem__)
     if any(order[u] <= order[last] for u in (*qa.users, *ka.users)):
         return Miss("a reader of q' or k' comes before k or q is computed")
-    return Match({"q": q, "k": k, "cos": cos, "sin": sin, "last": last}, q_chain + k_chain, returned=(qa, ka))
+    nodes = {"q": q, "k": k, "cos": cos, "sin": sin, "last": last, "interleaved": interleaved}
+    return Match(nodes, q_chain + k_chain, returned=(qa, ka))
 
 
 def rewrite_rope(graph: Graph, m: Match, ctx: PassContext) -> Replacement:
     qa, ka = m.returned
     with graph.inserting_before(m["last"].next):
-        fused = insert_call(graph, ctx, torch.ops.dmfx.rope.default, (m["q"], m["k"], m["cos"], m["sin"], False))
+        fused = insert_call(
+            graph, ctx, torch.ops.dmfx.rope.default, (m["q"], m["k"], m["cos"], m["sin"], False, m["interleaved"])
+        )
         q_out, k_out = insert_getitems(graph, fused, 2)
     return Replacement(fused, {qa: q_out, ka: k_out})
 
 
-#: q * cos + rotate_half(q) * sin and the same for k -> dmfx::rope.
+#: q * cos + rotate(q) * sin and the same for k (rotate_half or rotate_every_two) -> dmfx::rope.
 ROPE = Fusion("rope", (aten.add,), match_rope, rewrite_rope)

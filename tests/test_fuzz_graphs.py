@@ -216,11 +216,15 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+def rotate_every_two(x):  # Cohere's and GPT-J's: the pairs (2i, 2i + 1) rotate
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, rotate=rotate_half):
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
-    q_embed = (q * cos) + (rotate_half(q) * sin)
-    k_embed = (k * cos) + (rotate_half(k) * sin)
+    q_embed = (q * cos) + (rotate(q) * sin)
+    k_embed = (k * cos) + (rotate(k) * sin)
     return q_embed, k_embed
 
 
@@ -228,7 +232,8 @@ class Attention(nn.Module):
     """Self-attention as HF writes it. `qkv`: "separate" (three linears read x), "split" (GPT-2: one
     projection, ``split`` into q/k/v column views) or "chunk"; `impl`: "bert" (matmul, divide by
     sqrt(d), add the mask, softmax, dropout, matmul), "llama" (multiply by the scale, fp32 softmax
-    cast back) or "sdpa"; `rope`: LLaMA's rotary embedding of q and k; `mask`: "none", "padding"
+    cast back) or "sdpa"; `rope`: the rotary embedding of q and k, LLaMA's ("half") or Cohere's
+    ("interleaved"), or none (None); `mask`: "none", "padding"
     (HF's additive [B, 1, 1, L] with finfo.min), "additive" ([B, 1, L, L] with -1e4) or "causal"."""
 
     def __init__(self, H, heads, qkv, impl, rope, mask, bias, p=0.0):
@@ -244,7 +249,10 @@ class Attention(nn.Module):
     def _rotary(self, x):
         pos = torch.arange(x.shape[1], device=x.device).float()
         freqs = pos[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[None].expand(x.shape[0], -1, -1)
+        if self.rope == "interleaved":  # each frequency twice in a row
+            emb = freqs.repeat_interleave(2, dim=-1)[None].expand(x.shape[0], -1, -1)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)[None].expand(x.shape[0], -1, -1)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
     def _project(self, x):
@@ -260,7 +268,8 @@ class Attention(nn.Module):
         shape = (B, L, self.heads, self.d)
         q, k, v = (t.view(shape).transpose(1, 2) for t in self._project(x))
         if self.rope:
-            q, k = apply_rotary_pos_emb(q, k, *self._rotary(x))
+            rotate = rotate_every_two if self.rope == "interleaved" else rotate_half
+            q, k = apply_rotary_pos_emb(q, k, *self._rotary(x), rotate=rotate)
         causal = self.mask == "causal"
         if self.impl == "sdpa":
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal or self.mask == "none" else mask,
@@ -433,7 +442,8 @@ class RecipeBuilder:
             impl = rng.choice(("bert", "bert", "llama", "sdpa"))
             mask = rng.choice(("none", "padding", "additive", "causal") if impl != "sdpa" else ("none", "padding", "causal"))
             spec = {"heads": self.heads, "qkv": rng.choice(("separate", "separate", "split", "chunk")), "impl": impl,
-                    "rope": (self.H // self.heads) % 2 == 0 and rng.random() < 0.3, "mask": mask,
+                    "rope": rng.choice(("half", "interleaved"))
+                    if (self.H // self.heads) % 2 == 0 and rng.random() < 0.3 else None, "mask": mask,
                     "bias": impl == "bert" or rng.random() < 0.3, "p": self.dropout_p}
         else:
             spec = {}

@@ -213,3 +213,40 @@ def test_a_sliding_window_cache_under_dynamic_shapes():
     records = _compiled_records()
     assert any(any("is input" in line for line in r.epilogue) for r in records), [r.epilogue for r in records]
     assert all(r.fired.get("rope") == 2 for r in records), [r.fired for r in records]
+
+
+def _interleaved_rope_model(family: str):
+    torch.manual_seed(0)
+    if family == "gptj":  # rotary on the first 8 of 16 head features, tables repeated per tensor
+        cfg = transformers.GPTJConfig(vocab_size=VOCAB, n_embd=64, n_head=4, n_layer=2, rotary_dim=8, n_positions=64,
+                                      bos_token_id=0, eos_token_id=1)
+        return transformers.GPTJForCausalLM(cfg).eval()
+    cfg = transformers.CohereConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, bos_token_id=0, eos_token_id=1,
+                                    pad_token_id=2)
+    return transformers.CohereForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+@pytest.mark.parametrize("family", ["cohere", "gptj"])
+def test_interleaved_rotary_families_generate_eagers_tokens(family, cache):
+    """Cohere and GPT-J rotate interleaved pairs of features (rotate_every_two): under fuse="all" each
+    compiled graph, the prefill's and the one-token decode step's, fuses each layer's rotation into one
+    dmfx::rope, and greedy decoding gives eager's tokens (one graph for a static cache's decode step,
+    two for the dynamic cache's prefill and decode)."""
+    model = _interleaved_rope_model(family)
+    prompt = torch.randint(3, VOCAB, (2, 7))
+    options = {"fuse": "all", "fallback": False}
+    if cache == "static":
+        want = _generate(model, prompt, cache_implementation="static")
+        config = transformers.CompileConfig(backend=dmfx.with_options(**options))
+        config._compile_all_devices = True
+        got = _generate(model, prompt, cache_implementation="static", compile_config=config)
+    else:
+        want = _generate(model, prompt)
+        model.forward = torch.compile(model.forward, backend="dmfx", dynamic=True, options=options)
+        got = _generate(model, prompt)
+    assert torch.equal(got, want)
+    records = _compiled_records()
+    assert len(records) == (1 if cache == "static" else 2), [r.summary() for r in records]
+    assert all(r.fired.get("rope") == 2 for r in records), [r.fired for r in records]

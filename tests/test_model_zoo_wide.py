@@ -5,7 +5,8 @@ cotangent, a padded batch), no graph falls back, and the fusions that make the f
 
 Each family brings a shape of graph the original zoo lacks: normalized queries and keys (Qwen3,
 StableLM's per-head LayerNorms), soft-capped attention and sandwich norms (Gemma 2), partial rotary
-embeddings and parallel attention/MLP blocks (Phi, GPT-NeoX, Cohere), LayerNorm without parameters
+embeddings and parallel attention/MLP blocks (Phi, GPT-NeoX, Cohere, GPT-J), rotary embeddings that
+rotate interleaved pairs (Cohere, GPT-J: its tables repeated once per tensor), LayerNorm without parameters
 (OLMo) or with ``1 + weight`` and a squared-ReLU MLP (Nemotron), scaled residuals and logits (Granite), a routed mixture of
 experts (Mixtral), ALiBi (BLOOM), one layer's weights used by every layer (ALBERT), disentangled
 relative attention (DeBERTa-v2), an embedding projection (ELECTRA), bottlenecks and NoNorm
@@ -40,7 +41,10 @@ FAMILIES = {
                                                              rotary_pct=0.5),
                  {"layer_norm", "bias_dropout_residual_norm", "attention", "rope", "bias_act_dropout"}),
     "cohere": ("CohereConfig", "CohereForCausalLM", _DEC,
-               {"layer_norm", "bias_dropout_residual_norm", "attention", "glu", "cross_entropy"}),
+               {"layer_norm", "bias_dropout_residual_norm", "attention", "rope", "glu", "cross_entropy"}),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_embd=64, n_head=4, n_layer=2, vocab_size=VOCAB, rotary_dim=8,
+                                                   n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+             {"layer_norm", "bias_dropout_residual_norm", "attention", "rope", "bias_act_dropout", "cross_entropy"}),
     "olmo": ("OlmoConfig", "OlmoForCausalLM", _DEC,
              {"layer_norm", "bias_dropout_residual_norm", "attention", "rope", "glu", "cross_entropy"}),
     "nemotron": ("NemotronConfig", "NemotronForCausalLM", dict(_DEC, head_dim=16),

@@ -41,3 +41,103 @@ def test_rope_alone_or_wrong_halves_is_left_alone():
 
     gm, ctx = rewrite(swapped, q, q.clone(), cos.unsqueeze(1), sin.unsqueeze(1))
     assert "rope" not in ctx.fired
+
+
+def rotate_every_two(x):  # GPT-J's and Cohere's
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def apply_rope_interleaved(q, k, cos, sin):  # Cohere's apply_rotary_pos_emb
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_every_two(q) * sin, k * cos + rotate_every_two(k) * sin
+
+
+def _interleaved_tables(B, S, D):
+    ang = torch.randn(B, S, D // 2)
+    return ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+
+
+def test_interleaved_rope_pairs_q_and_k():
+    B, S, D = 2, 6, 8
+    q = torch.randn(B, S, 4, D).transpose(1, 2)
+    k = torch.randn(B, S, 2, D).transpose(1, 2)
+    cos, sin = _interleaved_tables(B, S, D)
+    gm, ctx = rewrite(apply_rope_interleaved, q, k, cos, sin)
+    assert ctx.fired.get("rope") == 1, ctx.missed
+    assert not {aten.stack.default, aten.neg.default, aten.slice.Tensor} & set(targets(gm))
+    (rope,) = [n for n in gm.graph.nodes if n.target is torch.ops.dmfx.rope.default]
+    assert rope.args[5] is True
+    check_same(apply_rope_interleaved, gm, q, k, cos, sin)
+    # halves-equal tables are not enough to hide a wrong pairing: the tables here are random
+    cos, sin = torch.randn(B, S, D), torch.randn(B, S, D)
+    check_same(apply_rope_interleaved, gm, q, k, cos, sin)
+
+
+def test_gptj_rope_with_its_tables_computed_once_per_tensor():
+    """GPT-J (HF's GPTJAttention) repeats its sin/cos tables inside apply_rotary_pos_emb, once for k and
+    again for q, and rotates only the first rotary_dim features of each head, in [B, S, H, D] before
+    the transpose: the equal tables pair the two sites."""
+    rot = 4
+
+    def apply_rotary_pos_emb(x, sin, cos):
+        sin = torch.repeat_interleave(sin[:, :, None, :], 2, 3)
+        cos = torch.repeat_interleave(cos[:, :, None, :], 2, 3)
+        return (x * cos) + (rotate_every_two(x) * sin)
+
+    def gptj(q, k, table, pos):
+        sin, cos = torch.split(table[pos], rot // 2, dim=-1)
+        k_rot, k_pass, q_rot, q_pass = k[..., :rot], k[..., rot:], q[..., :rot], q[..., rot:]
+        k_rot = apply_rotary_pos_emb(k_rot, sin, cos)
+        q_rot = apply_rotary_pos_emb(q_rot, sin, cos)
+        return torch.cat([k_rot, k_pass], dim=-1).transpose(1, 2), torch.cat([q_rot, q_pass], dim=-1).transpose(1, 2)
+
+    B, S, H, D = 2, 5, 4, 8
+    q, k = torch.randn(B, S, H, D), torch.randn(B, S, H, D)
+    table, pos = torch.randn(16, rot), torch.arange(S).expand(B, S)
+    gm, ctx = rewrite(gptj, q, k, table, pos)
+    assert ctx.fired.get("rope") == 1, ctx.missed
+    assert aten.stack.default not in targets(gm)
+    check_same(gptj, gm, q, k, table, pos)
+
+    def late_k(q, k, table, pos):  # k's rotated half is read (by its cat) before q is rotated: left alone
+        sin, cos = torch.split(table[pos], rot // 2, dim=-1)
+        key = torch.cat([apply_rotary_pos_emb(k[..., :rot], sin, cos), k[..., rot:]], dim=-1).transpose(1, 2)
+        query = torch.cat([apply_rotary_pos_emb(q[..., :rot], sin, cos), q[..., rot:]], dim=-1).transpose(1, 2)
+        return key, query
+
+    gm, ctx = rewrite(late_k, q, k, table, pos)
+    assert "rope" not in ctx.fired and any("a reader of q' or k' comes before" in m for m in ctx.missed), ctx.missed
+    check_same(late_k, gm, q, k, table, pos)
+
+
+def test_interleaved_rope_near_misses_are_left_alone():
+    B, S, D = 2, 6, 8
+    q, k = torch.randn(B, 4, S, D), torch.randn(B, 2, S, D)
+    cos, sin = _interleaved_tables(B, S, D)
+
+    def wrong_order(q, k, cos, sin):  # stack((x1, -x2)): the transposed rotation, not rotate_every_two
+        r = lambda x: torch.stack((x[..., ::2], -x[..., 1::2]), -1).flatten(-2)  # noqa: E731
+        return q * cos.unsqueeze(1) + r(q) * sin.unsqueeze(1), k * cos.unsqueeze(1) + r(k) * sin.unsqueeze(1)
+
+    def other_dim(q, k, cos, sin):  # stacked on dim -2, then flattened: not an interleaving
+        r = lambda x: torch.stack((-x[..., 1::2], x[..., ::2]), -2).flatten(-2)  # noqa: E731
+        return q * cos.unsqueeze(1) + r(q) * sin.unsqueeze(1), k * cos.unsqueeze(1) + r(k) * sin.unsqueeze(1)
+
+    def mixed(q, k, cos, sin):  # q interleaved, k by halves: two different rotations do not pair
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * c + rotate_every_two(q) * s, k * c + rotate_half(k) * s
+
+    def random_tables(q, k, cos, sin):  # tables computed twice by random ops are not the same values
+        def emb(x):
+            noise = torch.rand_like(cos)
+            return x * (cos + noise).unsqueeze(1) + rotate_every_two(x) * sin.unsqueeze(1)
+
+        return emb(q), emb(k)
+
+    for fn in (wrong_order, other_dim, mixed):
+        gm, ctx = rewrite(fn, q, k, cos, sin)
+        assert "rope" not in ctx.fired, fn.__name__
+        check_same(fn, gm, q, k, cos, sin)
+    gm, ctx = rewrite(random_tables, q, k, cos, sin)
+    assert "rope" not in ctx.fired
+    assert sum("rope" in m for m in ctx.missed) == 2, ctx.missed
