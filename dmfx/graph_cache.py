@@ -24,7 +24,9 @@ On a hit no dmfx compiler runs, so the record of what the backward passes did (d
 read back from a small JSON file written when the graph was first compiled, in the kernel cache
 directory (``DMFX_CACHE_DIR``), under ``graph_records/``; the record then says ``cache="hit"``, and
 its compiled forward and backward GraphModules are not at hand (``record.rewritten_graph`` is: the
-graph the forward passes made). A lost JSON file only loses that record's backward statistics.
+graph the forward passes made). A lost JSON file only loses that record's backward statistics. The
+tag names that directory too, so two dmfx cache directories sharing one Inductor cache never read
+each other's entries (a hit whose record sits in the other directory).
 
 Off with ``options={"cache": False}``, with PyTorch's ``torch.compiler.config.force_disable_caches``
 (env ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``), and where AOTAutograd's cache is off
@@ -117,9 +119,13 @@ def constants_digest(gm: torch.fx.GraphModule) -> str:
 
 def tag(opts: Any, gm: torch.fx.GraphModule | None = None) -> str:
     """dmfx's part of the cache tag for compiling `gm` (the forward passes' graph) under `opts`: its
-    fingerprint, the options and the values of the graph's tensor constants."""
+    fingerprint, the options, the values of the graph's tensor constants, and the directory of the
+    graph records. (Two dmfx cache directories may share one Inductor cache, e.g. two virtual
+    environments or a changed ``DMFX_CACHE_DIR``: each then keys its own entries, so a hit always
+    finds the record its compile wrote beside it.)"""
     constants = constants_digest(gm) if gm is not None else ""
-    return "dmfx-" + hashlib.sha256(f"{fingerprint()}\n{opts!r}\n{constants}".encode()).hexdigest()[:32]
+    text = f"{fingerprint()}\n{opts!r}\n{constants}\n{_records_dir()}"
+    return "dmfx-" + hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 @contextlib.contextmanager

@@ -167,6 +167,21 @@ def test_a_hit_without_its_record_file_says_so(fresh_cache):
     assert set(rec2.fired) < set(rec1.fired)  # (the forward passes' counts only)
 
 
+def test_two_dmfx_cache_dirs_sharing_one_inductor_cache_do_not_share_entries(fresh_cache, monkeypatch):
+    """Two dmfx cache directories (two virtual environments, a changed DMFX_CACHE_DIR) over one Inductor
+    cache: each keys its own entries, so a hit always has the record its compile wrote (before, the
+    second directory got the first one's entries as hits whose records it did not have)."""
+    base = mlm()
+    *_, rec1 = train_step(copy.deepcopy(base), INDUCTOR)
+    monkeypatch.setattr(graph_cache, "_records_dir", lambda: fresh_cache / "other" / "graph_records")
+    monkeypatch.setattr(graph_cache, "_lowered_dir", lambda: fresh_cache / "other" / "lowered_graphs")
+    *_, rec2 = train_step(copy.deepcopy(base), INDUCTOR)
+    assert rec1.cache == rec2.cache == "miss"
+    assert rec2.fired == rec1.fired and not any("without the record" in m for m in rec2.missed)
+    *_, rec3 = train_step(copy.deepcopy(base), INDUCTOR)
+    assert rec3.cache == "hit" and rec3.fired == rec1.fired
+
+
 def test_fingerprint_hashes_every_source_file(monkeypatch, tmp_path):
     (tmp_path / "sub").mkdir()
     kernel = tmp_path / "sub" / "kernel.cpp"
