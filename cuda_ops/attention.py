@@ -43,7 +43,7 @@ Ops (``torch.library`` fragment of the ``dmfx::`` namespace)
     The gradient of the stacked projection in one contiguous ``[B, L, 3 * heads * D]`` tensor: the
     three GEMMs write dq, dk and dv straight into its column blocks, so the stacked weight's backward
     is one GEMM for dX, one for dW and one bias reduction, with no concatenation.
-``dmfx::flash_attention(q, k, v, mask, scale, causal, seed, p) -> (Tensor out, Tensor stats)`` and
+``dmfx::flash_attention(q, k, v, mask, scale, causal, seed, p, softcap=0.0) -> (Tensor out, Tensor stats)`` and
 ``dmfx::qkv_flash_attention(qkv, heads, mask, scale, causal, seed, p) -> (Tensor out, Tensor stats)``
     The same attention in the fused form (csrc/attention_cpu.cpp): per block of query rows the
     scores stay in cache and never reach memory; ``stats`` ``[2, B, H, Lq]`` holds each row's max and
@@ -55,7 +55,10 @@ Ops (``torch.library`` fragment of the ``dmfx::`` namespace)
     mask as the unfused form. No mask gradient (it raises). Fused kernels: CPU float32/float64
     (csrc/attention_cpu.cpp), CUDA float32/float16/bfloat16 with head dims up to 128
     (csrc/attention_cuda.cu, stats float32); elsewhere the same ops run the unfused form
-    (``flash_supported``).
+    (``flash_supported``). ``softcap > 0`` (``flash_attention`` and its backward only): the scores
+    are soft-capped before the mask, ``softcap * tanh(q·kᵀ * scale / softcap) + mask`` (Gemma 2's
+    ``attn_logit_softcapping``), and the backward multiplies dS by the tanh's derivative; only the
+    fused kernels compute it (elsewhere the ops raise).
 
 ``dmfx::varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, float scale, bool causal, Tensor? seed,
     float p) -> (Tensor out, Tensor stats)``
@@ -101,6 +104,7 @@ count fixed (ATen's batched GEMMs, and the softmax kernels, which are thread-cou
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch import Tensor
@@ -135,12 +139,12 @@ _lib.define(
 )
 
 _lib.define(
-    "flash_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, Tensor? seed, float p) "
-    "-> (Tensor out, Tensor stats)"
+    "flash_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, Tensor? seed, float p, "
+    "float softcap=0.0) -> (Tensor out, Tensor stats)"
 )
 _lib.define(
     "flash_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor stats, Tensor? mask, float scale, "
-    "bool causal, Tensor? seed, float p, bool bias_grad=False) "
+    "bool causal, Tensor? seed, float p, bool bias_grad=False, float softcap=0.0) "
     "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dbq, Tensor dbk, Tensor dbv)"
 )
 _lib.define(
@@ -304,6 +308,18 @@ def varlen_supported(device: torch.device, dtype: torch.dtype, head_dim=None, va
     return flash_supported(device, dtype, head_dim, value_dim)
 
 
+def _check_softcap(op: str, softcap: float, q: Tensor, v: Tensor) -> None:
+    """Soft-capped scores only the fused kernels compute (csrc/attention_ops.h check_softcap_runs)."""
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise RuntimeError(f"dmfx::{op}: softcap must be finite and >= 0 (0: no soft-capping), got {softcap}")
+    if softcap and not flash_supported(q.device, q.dtype, q.shape[-1], v.shape[-1]):
+        raise RuntimeError(
+            f"dmfx::{op}: softcap (soft-capped scores) needs dmfx's fused kernel, which takes float32/float64 on the "
+            f"CPU and float32/float16/bfloat16 with head dims up to 128 on CUDA; got {q.dtype} on {q.device} "
+            f"with head dims {q.shape[-1]} and {v.shape[-1]} (dmfx's attention pass leaves such soft-capped "
+            "attention to PyTorch)")
+
+
 def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -352,12 +368,14 @@ def _qkv_attention_backward_fake(grad_out, qkv, heads, probs, dropped, seed, p, 
 
 
 @torch.library.register_fake("dmfx::flash_attention")
-def _flash_attention_fake(q, k, v, mask, scale, causal, seed, p):
+def _flash_attention_fake(q, k, v, mask, scale, causal, seed, p, softcap=0.0):
+    _check_softcap("flash_attention", softcap, q, v)
     return _fake_flash_outputs("flash_attention", q, k, v, mask, causal, seed, p)
 
 
 @torch.library.register_fake("dmfx::flash_attention_backward")
-def _flash_attention_backward_fake(grad_out, q, k, v, stats, mask, scale, causal, seed, p, bias_grad=False):
+def _flash_attention_backward_fake(grad_out, q, k, v, stats, mask, scale, causal, seed, p, bias_grad=False, softcap=0.0):
+    _check_softcap("flash_attention_backward", softcap, q, v)
     _check_qkv("flash_attention_backward", q, k, v)
     _check_p("flash_attention_backward", p, seed)
     vec = lambda t: q.new_empty((t.shape[1] * t.shape[3] if bias_grad else 0,))  # noqa: E731
@@ -401,13 +419,17 @@ def attention(
     return torch.ops.dmfx.attention(q, k, v, mask, scale, bool(causal), seed, p)[0]
 
 
-def reference_attention(q, k, v, mask=None, scale=1.0, causal=False, seed=None, p=0.0):
-    """(out, probs, dropped) of dmfx::attention in pure PyTorch (float32 math; float64 stays float64)."""
+def reference_attention(q, k, v, mask=None, scale=1.0, causal=False, seed=None, p=0.0, softcap=0.0):
+    """(out, probs, dropped) of dmfx::attention in pure PyTorch (float32 math; float64 stays float64);
+    with `softcap`, dmfx::flash_attention's soft-capped scores (Gemma 2's): the logits are
+    ``softcap * tanh(q·kᵀ * scale / softcap) + mask``."""
     g = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(g, dim=1) for t in (k, v))
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scores = (q.to(acc) @ k.to(acc).transpose(-2, -1)).to(q.dtype)
-    first, probs = R.reference_softmax(scores, mask, scale, causal, seed, p)
+    scores = q.to(acc) @ k.to(acc).transpose(-2, -1)
+    if softcap:
+        scores, scale = softcap * torch.tanh(scores * (scale / softcap)), 1.0
+    first, probs = R.reference_softmax(scores.to(q.dtype), mask, scale, causal, seed, p)
     if p == 0:
         probs, dropped = first, first.new_empty((0,))
     else:

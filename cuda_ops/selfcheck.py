@@ -511,9 +511,10 @@ def _check_rope(r: _Runner, reference_rope, dtype, interleaved: bool) -> None:
 def _check_attention(r: _Runner) -> None:
     # the dtypes the fused kernels take (the CPU's: float32/float64; CUDA's: float32/float16/bfloat16)
     low = torch.bfloat16 if r.kernels == "cuda" else torch.float32
-    # (B, Hq, Hk, Lq, Lk, D, dtype, mask kind, causal, p)
+    # (B, Hq, Hk, Lq, Lk, D, dtype, mask kind, causal, p[, softcap])
     for case in ((2, 2, 1, 5, 7, 8, torch.float32, "padding", False, 0.0), (1, 2, 2, 6, 9, 24, torch.float32, "bool", True, 0.2),
-                 (2, 2, 2, 7, 7, 16, low, "none", True, 0.0), (1, 4, 2, 5, 11, 8, low, "padding", False, 0.25)):
+                 (2, 2, 2, 7, 7, 16, low, "none", True, 0.0), (1, 4, 2, 5, 11, 8, low, "padding", False, 0.25),
+                 (2, 2, 1, 6, 9, 16, torch.float32, "padding", True, 0.2, 0.5), (1, 2, 2, 5, 7, 8, low, "none", False, 0.0, 0.7)):
         _check_flash_case(r, *case)
     # the varlen form: (sequence lengths, Hq, Hk, D, dtype, causal, p); empty sequences, length 1, a
     # sequence over several 64-row tiles (the CUDA tile map)
@@ -542,23 +543,23 @@ def _check_varlen_case(r: _Runner, lengths, Hq, Hk, D, dtype, causal, p) -> None
     r.expect_grads(what.replace("varlen_fwd", "varlen_bwd"), {"q": dq, "k": dk, "v": dv}, g, dtype)
 
 
-def _check_flash_case(r: _Runner, B, Hq, Hk, Lq, Lk, D, dtype, kind, causal, p) -> None:
+def _check_flash_case(r: _Runner, B, Hq, Hk, Lq, Lk, D, dtype, kind, causal, p, softcap=0.0) -> None:
     from .attention import _context, _grads_like, reference_attention
 
     ins = {"q": r.blhd(B, Hq, Lq, D, dtype), "k": r.blhd(B, Hk, Lk, D, dtype), "v": r.blhd(B, Hk, Lk, D, dtype)}
     mask = _softmax_mask(r, kind, (B, Hq, Lq, Lk), dtype)
     scale, seed = D ** -0.5, _seed_tensor() if p > 0 else None
-    what = f"flash_fwd q {_shape(ins['q'])} k {_shape(ins['k'])} mask={kind} causal={causal} p={p}"
+    what = f"flash_fwd q {_shape(ins['q'])} k {_shape(ins['k'])} mask={kind} causal={causal} p={p} softcap={softcap}"
     out = _context(ins["q"], ins["v"])
-    stats = r.m.flash_fwd(*ins.values(), mask, scale, causal, SEED, OFFSET, p, out)
+    stats = r.m.flash_fwd(*ins.values(), mask, scale, causal, SEED, OFFSET, p, out, softcap)
     go = r.randn(*out.shape, dtype=dtype)
     m_cpu = None if mask is None else mask.cpu()
-    outs, g = _reference(lambda q, k, v: reference_attention(q, k, v, m_cpu, scale, causal, seed, p), ins, [go],
-                         grads=["q", "k", "v"])
+    outs, g = _reference(lambda q, k, v: reference_attention(q, k, v, m_cpu, scale, causal, seed, p, softcap), ins,
+                         [go], grads=["q", "k", "v"])
     r.expect(f"{what} out", out, outs[0], dtype)
     dq, dk, dv = _grads_like(*ins.values())
     part = out.new_empty((3, B, Hq, D)) if Hq == Hk else None  # per-(batch, head) bias gradients
-    r.m.flash_bwd(go, *ins.values(), stats, mask, scale, causal, SEED, OFFSET, p, dq, dk, dv, part)
+    r.m.flash_bwd(go, *ins.values(), stats, mask, scale, causal, SEED, OFFSET, p, dq, dk, dv, part, softcap)
     bwd = what.replace("flash_fwd", "flash_bwd")
     r.expect_grads(bwd, {"q": dq, "k": dk, "v": dv}, g, dtype)
     for i, name in enumerate(("q", "k", "v") if part is not None else ()):

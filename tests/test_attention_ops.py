@@ -265,6 +265,56 @@ def test_flash_gradcheck_float64(Hk, causal, p):
     assert torch.autograd.gradcheck(lambda q, k, v: flash(q, k, v, mask, 0.7, causal, seed, p)[0], (q, k, v))
 
 
+@pytest.mark.parametrize("mask_kind", ["none", "padding", "bool", "bias"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_flash_softcap_matches_reference(mask_kind, causal, p):
+    """Gemma 2's soft-capped scores, softcap * tanh(q·kᵀ * scale / softcap) + mask, against the pure
+    PyTorch reference: the output and every gradient (random cotangent), grouped-query k/v, a length
+    that splits the query rows into blocks, the same dropout mask. The cap (0.5, against scores of
+    about 1) bends most scores, so a kernel that skipped it, or its factor in the backward, fails."""
+    for L, Hk in ((24, 2), (300, 1)):
+        B, H, D = 2, 2, 8
+        q = _heads(B, L, H, D).requires_grad_()
+        k, v = (_heads(B, L, Hk, D).requires_grad_() for _ in range(2))
+        mask = _mask(mask_kind, B, H, L, L)
+        seed = new_seed() if p else None
+        out = flash(q, k, v, mask, 0.3, causal, seed, p, 0.5)[0]
+        ref = reference_attention(q, k, v, mask, 0.3, causal, seed, p, softcap=0.5)[0]
+        assert rel_err(out, ref) < 1e-5
+        assert rel_err(flash(q, k, v, mask, 0.3, causal, seed, p)[0], ref) > 1e-2  # (the cap matters here)
+        R = torch.randn_like(ref)
+        got = torch.autograd.grad((out * R).sum(), (q, k, v))
+        exp = torch.autograd.grad((ref * R).sum(), (q, k, v))
+        for a, b in zip(got, exp):
+            assert rel_err(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_flash_softcap_gradcheck_float64_and_opcheck(causal, p):
+    B, H, Hk, Lq, Lk, D = 2, 2, 1, 5, 7, 3
+    q = _heads(B, Lq, H, D, torch.float64).requires_grad_()
+    k, v = (_heads(B, Lk, Hk, D, torch.float64).requires_grad_() for _ in range(2))
+    mask = torch.randn(B, 1, 1, Lk, dtype=torch.float64)
+    seed = new_seed()
+    assert torch.autograd.gradcheck(lambda q, k, v: flash(q, k, v, mask, 0.7, causal, seed, p, 0.8)[0], (q, k, v))
+    opcheck(flash.default, (q, k, v, mask, 0.7, causal, seed, p, 0.8))
+
+
+def test_flash_softcap_errors():
+    q = _heads(1, 4, 2, 8)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(RuntimeError, match="softcap must be finite and >= 0"):
+            flash(q, q, q, None, 1.0, False, None, 0.0, bad)
+    # only the fused kernels cap: bfloat16 on the CPU runs the unfused form, which would not
+    with pytest.raises(RuntimeError, match=r"softcap \(soft-capped scores\) needs dmfx's fused kernel"):
+        flash(q.bfloat16(), q.bfloat16(), q.bfloat16(), None, 1.0, False, None, 0.0, 2.0)
+    with pytest.raises(RuntimeError, match=r"softcap \(soft-capped scores\) needs dmfx's fused kernel"):
+        torch.ops.dmfx.flash_attention_backward(q.bfloat16(), q.bfloat16(), q.bfloat16(), q.bfloat16(),
+                                                torch.zeros(2, 1, 2, 4), None, 1.0, False, None, 0.0, False, 2.0)
+
+
 def test_qkv_flash_gradient_is_one_stacked_tensor():
     B, L, H, D = 2, 9, 3, 4
     qkv = torch.randn(B, L, 3 * H * D, dtype=torch.float64, requires_grad=True)

@@ -88,24 +88,24 @@ def _mask(kind, B, H, Lq, Lk, dtype, gen):
     raise ValueError(kind)
 
 
-def _run(dev, dtype, bq, bk, bv, mask, scale, causal, seed, p, go, layout="blhd"):
+def _run(dev, dtype, bq, bk, bv, mask, scale, causal, seed, p, go, layout="blhd", softcap=0.0):
     """(out, stats, dq, dk, dv) of dmfx::flash_attention and its autograd backward on `dev`, all
     returned on the CPU in float32 (stats as they are)."""
     q, k, v = (_put(t, dev, dtype, layout) for t in (bq, bk, bv))
     if mask is not None:
         mask = mask.to(dev) if mask.dtype == torch.bool else mask.to(dev, mask.dtype if dev == DEV else torch.float32)
-    out, stats = flash(q, k, v, mask, scale, causal, seed, p)
+    out, stats = flash(q, k, v, mask, scale, causal, seed, p, softcap)
     grads = torch.autograd.grad(out, (q, k, v), go.to(dev, dtype))
     return (out.detach().float().cpu(), stats.cpu(), *(g.float().cpu() for g in grads))
 
 
-def _compare_with_cpu(dtype, bq, bk, bv, mask, scale, causal, seed, p, layout="blhd", what=""):
+def _compare_with_cpu(dtype, bq, bk, bv, mask, scale, causal, seed, p, layout="blhd", what="", softcap=0.0):
     B, Lq, H, _ = bq.shape
     go = torch.randn(B, H, Lq, bv.shape[3])
     # the CPU kernel (fp32) reads the values the CUDA kernel reads (rounded to dtype)
     rq, rk, rv, rgo = (t.to(dtype).float() for t in (bq, bk, bv, go))
-    got = _run(DEV, dtype, bq, bk, bv, mask, scale, causal, seed, p, go.to(dtype), layout)
-    exp = _run("cpu", torch.float32, rq, rk, rv, mask, scale, causal, seed, p, rgo, layout)
+    got = _run(DEV, dtype, bq, bk, bv, mask, scale, causal, seed, p, go.to(dtype), layout, softcap)
+    exp = _run("cpu", torch.float32, rq, rk, rv, mask, scale, causal, seed, p, rgo, layout, softcap)
     assert got[1].dtype == torch.float32 and got[1].shape == exp[1].shape
     for name, a, b in zip(("out", "stats", "dq", "dk", "dv"), got, exp):
         assert a.shape == b.shape, (what, name)
@@ -150,6 +150,19 @@ def test_matches_the_cpu_kernel(dtype, mask_kind, p):
     mask = _mask(mask_kind, B, H, L, L, dtype, gen)
     seed = new_seed() if p else None
     _compare_with_cpu(dtype, bq, bk, bv, mask, 0.125, False, seed, p, what=f"{dtype} {mask_kind} p={p}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mask_kind", ["none", "padding", "full"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_soft_capped_scores_match_the_cpu_kernel(dtype, mask_kind, causal):
+    """Gemma 2's soft cap (softcap * tanh(s * scale / softcap) before the mask) and its factor in dS."""
+    gen = torch.Generator().manual_seed(2)
+    B, H, L, D = 2, 3, 70, 64
+    bq, bk, bv = (_base(B, L, H, D) for _ in range(3))
+    mask = _mask(mask_kind, B, H, L, L, dtype, gen)
+    _compare_with_cpu(dtype, bq, bk, bv, mask, 0.125, causal, new_seed(), 0.1, what=f"{dtype} {mask_kind} softcap",
+                      softcap=0.5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -66,3 +66,8 @@ def test_norm_gradients_against_autograd(on_cpu, rms, combo):
 @pytest.mark.parametrize("name, autocast", [("bert-mlm", False), ("llama-lm", True)])
 def test_whole_models(on_cpu, name, autocast):
     on_cpu("test_cuda_models").test_a_whole_model_trains_as_eager_does_on_the_gpu(name, autocast)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "padding", "full"])
+def test_soft_capped_flash_attention(on_cpu, mask_kind):
+    on_cpu("test_cuda_attention").test_soft_capped_scores_match_the_cpu_kernel(torch.float32, mask_kind, True)

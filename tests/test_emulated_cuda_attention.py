@@ -80,7 +80,8 @@ def _mask(kind, B, H, Lq, Lk, dtype, gen):
     raise ValueError(kind)
 
 
-def _case(emu, cpu, B, Hq, Hk, Lq, Lk, D, Dv, kind="none", causal=False, p=0.0, dtype=F32, pad=4, order=0, grid=3):
+def _case(emu, cpu, B, Hq, Hk, Lq, Lk, D, Dv, kind="none", causal=False, p=0.0, dtype=F32, pad=4, order=0, grid=3,
+          softcap=0.0):
     gen = torch.Generator().manual_seed(B * 1000 + Lq * 7 + Lk)
     scale, (s, o) = D ** -0.5, (1234, 5678)
     vq, vk, vv = (torch.randn(B, L, H, d, generator=gen).to(dtype) for L, H, d in ((Lq, Hq, D), (Lk, Hk, D), (Lk, Hk, Dv)))
@@ -93,21 +94,22 @@ def _case(emu, cpu, B, Hq, Hk, Lq, Lk, D, Dv, kind="none", causal=False, p=0.0, 
     v, *_ = _guarded(B, Lk, Hk, Dv, dtype, pad, vv)
     g, *_ = _guarded(B, Lq, Hq, Dv, dtype, pad, go)
     out, fo, io = _guarded(B, Lq, Hq, Dv, dtype, pad)
-    stats = emu.flash_fwd(q, k, v, mask, scale, causal, s, o, p, out)
+    stats = emu.flash_fwd(q, k, v, mask, scale, causal, s, o, p, out, softcap=softcap)
     dq, fdq, idq = _guarded(B, Lq, Hq, D, dtype, pad)
     dk, fdk, idk = _guarded(B, Lk, Hk, D, dtype, pad)
     dv, fdv, idv = _guarded(B, Lk, Hk, Dv, dtype, pad)
-    emu.flash_bwd(g, q, k, v, stats, mask, scale, causal, s, o, p, dq, dk, dv)
-    what = f"B={B} Hq={Hq} Hk={Hk} Lq={Lq} Lk={Lk} D={D} Dv={Dv} {kind} causal={causal} p={p} {dtype} pad={pad}"
+    emu.flash_bwd(g, q, k, v, stats, mask, scale, causal, s, o, p, dq, dk, dv, softcap=softcap)
+    what = (f"B={B} Hq={Hq} Hk={Hk} Lq={Lq} Lk={Lk} D={D} Dv={Dv} {kind} causal={causal} p={p} {dtype} pad={pad} "
+            f"softcap={softcap}")
     for flat, inside, name in ((fo, io, "out"), (fdq, idq, "dq"), (fdk, idk, "dk"), (fdv, idv, "dv")):
         assert torch.isnan(flat[~inside]).all(), f"{what}: {name} written outside the tensor"
     # the CPU kernels, in float32, on the same values (same seed: the same dropout mask)
     cq, ck, cv, cg = (t.float().transpose(1, 2) for t in (vq, vk, vv, go))
     cmask = None if mask is None else (mask if mask.dtype == torch.bool else mask.float())
     cout = torch.empty(B, Lq, Hq, Dv).transpose(1, 2)
-    cstats = cpu.flash_fwd(cq, ck, cv, cmask, scale, causal, s, o, p, cout)
+    cstats = cpu.flash_fwd(cq, ck, cv, cmask, scale, causal, s, o, p, cout, softcap=softcap)
     cdq, cdk, cdv = torch.empty_like(cq), torch.empty_like(ck), torch.empty_like(cv)
-    cpu.flash_bwd(cg, cq, ck, cv, cstats, cmask, scale, causal, s, o, p, cdq, cdk, cdv)
+    cpu.flash_bwd(cg, cq, ck, cv, cstats, cmask, scale, causal, s, o, p, cdq, cdk, cdv, softcap=softcap)
     for name, a, b in (("out", out, cout), ("dq", dq, cdq), ("dk", dk, cdk), ("dv", dv, cdv)):
         assert not torch.isnan(a).any(), f"{what}: NaN in {name}"
         if b.numel():
@@ -126,6 +128,16 @@ def _case(emu, cpu, B, Hq, Hk, Lq, Lk, D, Dv, kind="none", causal=False, p=0.0, 
 @pytest.mark.parametrize("p", [0.0, 0.2])
 def test_masks_dtypes_dropout(emu, cpu, dtype, kind, p):
     _case(emu, cpu, 2, 3, 3, 37, 37, 64, 64, kind, False, p, dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("kind", ["none", "padding", "full"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_soft_capped_scores(emu, cpu, dtype, kind, causal):
+    """Gemma 2's soft cap, softcap * tanh(s * scale / softcap) before the mask, and its factor in the
+    backward's dS: as the CPU kernels compute them, over several key tiles, grouped-query, with dropout
+    (a cap of 0.5 against scores of about 1: most of them in the tanh's curved part)."""
+    _case(emu, cpu, 2, 4, 2, 70, 130, 64, 64, kind, causal, 0.1, dtype, softcap=0.5)
 
 
 @pytest.mark.parametrize("lengths", [(1, 1), (1, 37), (37, 1), (64, 64), (65, 129), (130, 37), (37, 130), (130, 130)])

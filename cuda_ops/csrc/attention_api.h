@@ -78,8 +78,10 @@ inline void check_backward(const Shapes& s, const at::Tensor& grad_out, const at
 }
 
 inline softmax_impl::SoftmaxArgs row_args(const Shapes& s, double scale, bool causal, int64_t seed, int64_t offset,
-                                          double p) {
+                                          double p, double softcap = 0.0) {
   TORCH_CHECK(std::isfinite(scale), "dmfx::attention: scale must be finite, got ", scale);
+  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, "dmfx::flash_attention: softcap must be finite and >= 0 "
+              "(0: no soft-capping), got ", softcap);
   check_p("attention", p);
   softmax_impl::SoftmaxArgs a;
   a.Sk = s.Lk;
@@ -89,6 +91,7 @@ inline softmax_impl::SoftmaxArgs row_args(const Shapes& s, double scale, bool ca
   a.causal = causal;
   a.dropout = make_dropout_params(p, seed, offset);
   a.keep_scale = a.dropout.scale;
+  a.softcap = softcap;
   return a;
 }
 

@@ -12,6 +12,8 @@
 //              dP = dO · Vᵀ, dS = scale * P * (dropout(dP) - rowsum(dropout(dP) * P)),
 //              dQ_blk = dS · K, dK += dSᵀ · Q_blk. dq, dk, dv are written in place (strided views:
 //              the stacked QKV gradient's column blocks, or [B, L, H, D] tensors).
+//   softcap > 0 (Gemma 2's soft-capped scores): the logits are softcap * tanh(S * scale / softcap) + mask,
+//              the scores capped in place in the row buffer, and dS gains the factor 1 - (capped / softcap)^2.
 //   Both skip the keys an HF padding mask hides from a whole batch element (key_lengths below):
 //   padded positions cost no GEMM work and no row work.
 //   varlen_fwd / varlen_bwd: the same loops (fwd_block, bwd_task) over packed variable-length
@@ -166,9 +168,13 @@ inline Shapes check(const char* op, const at::Tensor& q, const at::Tensor& k, co
 
 // Logits of score row `r` (global row index R) into z; returns (max, number of unmasked columns).
 template <typename acc_t, typename mask_t>
-inline acc_t row_logits(const SoftmaxArgs& a, const MaskView& mv, int64_t R, const acc_t* srow, int64_t n,
-                        acc_t* z) {
-  const acc_t scale = static_cast<acc_t>(a.scale);
+inline acc_t row_logits(const SoftmaxArgs& a, const MaskView& mv, int64_t R, acc_t* srow, int64_t n, acc_t* z) {
+  acc_t scale = static_cast<acc_t>(a.scale);
+  if (a.softcap > 0) {  // srow keeps the capped scores: the backward's dS reads them
+    const acc_t cap = static_cast<acc_t>(a.softcap), inner = static_cast<acc_t>(a.scale / a.softcap);
+    for (int64_t j = 0; j < n; ++j) srow[j] = cap * std::tanh(srow[j] * inner);
+    scale = acc_t(1);
+  }
   if constexpr (std::is_same<mask_t, NoMask>::value) {
     return load_logits<acc_t>(srow, static_cast<const NoMask*>(nullptr), n, scale, acc_t(0), z);
   } else {
@@ -250,7 +256,7 @@ struct DenseRows {
   uint64_t drop(int64_t h, int64_t i) const { return static_cast<uint64_t>(row(h, i)) * static_cast<uint64_t>(Lk); }
   int64_t limit(int64_t h, int64_t i, int64_t nk) const { return std::min(causal_limit(a, row(h, i)), nk); }
   template <typename acc_t>
-  acc_t logits(int64_t h, int64_t i, const acc_t* srow, int64_t n, acc_t* z) const {
+  acc_t logits(int64_t h, int64_t i, acc_t* srow, int64_t n, acc_t* z) const {
     return row_logits<acc_t, mask_t>(a, mv, row(h, i), srow, n, z);
   }
 };
@@ -265,7 +271,7 @@ struct VarlenRows {
   }
   int64_t limit(int64_t, int64_t i, int64_t nk) const { return causal ? std::min(i + 1, nk) : nk; }
   template <typename acc_t>
-  acc_t logits(int64_t, int64_t, const acc_t* srow, int64_t n, acc_t* z) const {
+  acc_t logits(int64_t, int64_t, acc_t* srow, int64_t n, acc_t* z) const {
     return load_logits<acc_t>(srow, static_cast<const NoMask*>(nullptr), n, static_cast<acc_t>(scale), acc_t(0), z);
   }
 };
@@ -337,10 +343,11 @@ void fwd(const Shapes& s, const SoftmaxArgs& a, const MaskView& mv, const at::Te
 
 // One row of the backward, with z the row's logits and drow its dP = dO · Vᵀ (kDrop: mult holds the
 // row's dropout multipliers). P = exp(z - max) / sum; g = dropout(dP); writes dS = scale * P *
-// (g - rowsum(g * P)) into srow and the dropped P (P * mult) into drow, for the dV GEMM.
+// (g - rowsum(g * P)) into srow and the dropped P (P * mult) into drow, for the dV GEMM. With cap > 0
+// srow holds the capped scores (row_logits) and dS gains the tanh's derivative, 1 - (srow / cap)^2.
 template <bool kDrop, typename acc_t>
 inline void backward_row(acc_t* z, acc_t* srow, acc_t* drow, const acc_t* mult, int64_t n, acc_t mx, acc_t inv,
-                         acc_t scale) {
+                         acc_t scale, acc_t cap) {
   constexpr int kLanes = softmax_impl::kLanes;
   acc_t ps[kLanes] = {};
   int64_t j = 0;
@@ -362,6 +369,14 @@ inline void backward_row(acc_t* z, acc_t* srow, acc_t* drow, const acc_t* mult, 
   }
   acc_t dot = 0;
   for (int l = 0; l < kLanes; ++l) dot += ps[l];
+  if (cap > 0) {
+    for (int64_t c = 0; c < n; ++c) {
+      const acc_t p = z[c], t = srow[c] / cap;
+      srow[c] = scale * p * (drow[c] - dot) * (acc_t(1) - t * t);
+      drow[c] = kDrop ? p * mult[c] : p;
+    }
+    return;
+  }
   for (int64_t c = 0; c < n; ++c) {
     const acc_t p = z[c];
     srow[c] = scale * p * (drow[c] - dot);
@@ -380,7 +395,7 @@ bool bwd_task(const Rows& rows, const SoftmaxArgs& a, int64_t hk, int64_t groups
               const Rowed<acc_t>& DQ, const acc_t* kb, int64_t ldk, const acc_t* vb, int64_t ldv, acc_t* dkb,
               int64_t lddk, acc_t* dvb, int64_t lddv, acc_t* sp, acc_t* pp, int64_t lds, RowScratch<acc_t>& scratch,
               const acc_t* max_p, const acc_t* inv_p) {
-  const acc_t scale = static_cast<acc_t>(a.scale);
+  const acc_t scale = static_cast<acc_t>(a.scale), cap = static_cast<acc_t>(a.softcap);
   const int64_t nblocks = (Lq + block - 1) / block;
   bool first = true;
   for (int64_t h = hk * groups; h < (hk + 1) * groups; ++h) {
@@ -402,9 +417,9 @@ bool bwd_task(const Rows& rows, const SoftmaxArgs& a, int64_t hk, int64_t groups
           rows.logits(h, i, row, n, z);
           if (a.dropout.active) {  // one Philox pass per row serves dP and the dropped P
             fill_mult(a.dropout, a.keep_scale, rows.drop(h, i), n, scratch);
-            backward_row<true>(z, row, drow, scratch.mult.data(), n, mx, inv, scale);
+            backward_row<true>(z, row, drow, scratch.mult.data(), n, mx, inv, scale, cap);
           } else {
-            backward_row<false>(z, row, drow, static_cast<const acc_t*>(nullptr), n, mx, inv, scale);
+            backward_row<false>(z, row, drow, static_cast<const acc_t*>(nullptr), n, mx, inv, scale, cap);
           }
           done = n;
         }
@@ -605,11 +620,11 @@ void with_mask(const MaskView& mv, F&& f) {
 
 at::Tensor flash_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const c10::optional<at::Tensor>& mask, double scale, bool causal, int64_t seed,
-                         int64_t offset, double p, at::Tensor out) {
+                         int64_t offset, double p, at::Tensor out, double softcap) {
   using namespace attention_impl;
   const Shapes s = check("flash_fwd", q, k, v);
   check_out("flash_fwd", "out", out, {s.B, s.Hq, s.Lq, s.Dv}, q);
-  const SoftmaxArgs a = row_args(s, scale, causal, seed, offset, p);
+  const SoftmaxArgs a = row_args(s, scale, causal, seed, offset, p, softcap);
   at::Tensor stats = at::empty({2, s.B, s.Hq, s.Lq}, q.options());
   if (flash_fwd_trivial(s, out, stats)) return stats;
   const MaskView mv = mask_view("flash_fwd", mask, s, q);
@@ -622,11 +637,11 @@ at::Tensor flash_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
 void flash_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& stats, const c10::optional<at::Tensor>& mask, double scale, bool causal,
                    int64_t seed, int64_t offset, double p, at::Tensor dq, at::Tensor dk, at::Tensor dv,
-                   const c10::optional<at::Tensor>& bias_part) {
+                   const c10::optional<at::Tensor>& bias_part, double softcap) {
   using namespace attention_impl;
   const Shapes s = check("flash_bwd", q, k, v);
   check_backward(s, grad_out, q, k, v, stats, q.scalar_type(), dq, dk, dv, bias_part);  // (stats in q's dtype)
-  const SoftmaxArgs a = row_args(s, scale, causal, seed, offset, p);
+  const SoftmaxArgs a = row_args(s, scale, causal, seed, offset, p, softcap);
   if (flash_bwd_trivial(s, dq, dk, dv, bias_part)) return;
   const MaskView mv = mask_view("flash_bwd", mask, s, q);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dmfx_flash_bwd", [&] {
@@ -689,12 +704,12 @@ void bind_attention(pybind11::module_& m) {
         "fused attention forward that keeps the scores in cache (CPU); writes out, returns the row statistics",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"), pybind11::arg("scale"),
         pybind11::arg("causal"), pybind11::arg("seed"), pybind11::arg("offset"), pybind11::arg("p"),
-        pybind11::arg("out"));
+        pybind11::arg("out"), pybind11::arg("softcap") = 0.0);
   m.def("flash_bwd", &flash_bwd_cpu, "fused attention backward (CPU); writes dq, dk and dv in place",
         pybind11::arg("grad_out"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("stats"),
         pybind11::arg("mask"), pybind11::arg("scale"), pybind11::arg("causal"), pybind11::arg("seed"),
         pybind11::arg("offset"), pybind11::arg("p"), pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"),
-        pybind11::arg("bias_part") = pybind11::none());
+        pybind11::arg("bias_part") = pybind11::none(), pybind11::arg("softcap") = 0.0);
   m.def("varlen_fwd", &varlen_fwd_cpu,
         "fused attention over packed variable-length sequences (CPU); writes out [T, Hq, Dv], returns the row "
         "statistics [2, Hq, T]",
@@ -822,8 +837,9 @@ struct QkvAttentionFn : public torch::autograd::Function<QkvAttentionFn> {
 // The fused form's Functions: the backward recomputes the scores from the row statistics (not
 // differentiable); no mask gradient (the attention pass uses dmfx::attention for a mask that needs one).
 void save_flash(AutogradContext* ctx, variable_list tensors, const variable_list& out, const Opt& mask, double scale,
-                bool causal, const Opt& seed, double p) {
+                bool causal, const Opt& seed, double p, double softcap = 0.0) {
   ctx->saved_data["scale"] = scale;
+  ctx->saved_data["softcap"] = softcap;
   ctx->saved_data["causal"] = causal;
   ctx->saved_data["p"] = p;
   ctx->set_materialize_grads(false);
@@ -847,20 +863,21 @@ struct FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
   static constexpr const char* name = "dmfx::flash_attention";
   using Sig = decltype(flash_attention<CpuAttention>);
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, const Opt& mask,
-                               double scale, bool causal, const Opt& seed, double p) {
-    auto out = AutogradKernel<FlashAttentionFn>::below(q, k, v, mask, scale, causal, seed, p);
+                               double scale, bool causal, const Opt& seed, double p, double softcap) {
+    auto out = AutogradKernel<FlashAttentionFn>::below(q, k, v, mask, scale, causal, seed, p, softcap);
     ctx->saved_data["needs"] = needs_bits(q, k, v, mask);
-    save_flash(ctx, {q, k, v}, out, mask, scale, causal, seed, p);
+    save_flash(ctx, {q, k, v}, out, mask, scale, causal, seed, p, softcap);
     return out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    if (!flash_grads_needed(ctx, 3, g)) return variable_list(8);
+    if (!flash_grads_needed(ctx, 3, g)) return variable_list(9);
     const auto s = ctx->get_saved_variables();  // q, k, v, stats, mask, seed
     static const auto backward_op =
         dmfx_op<decltype(flash_attention_backward<CpuAttention>)>("dmfx::flash_attention_backward");
     auto r = backward_op.call(g[0], s[0], s[1], s[2], s[3], opt(s[4]), saved_double(ctx, "scale"),
-                              ctx->saved_data["causal"].toBool(), opt(s[5]), saved_double(ctx, "p"), false);
-    return {std::get<0>(r), std::get<1>(r), std::get<2>(r), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+                              ctx->saved_data["causal"].toBool(), opt(s[5]), saved_double(ctx, "p"), false,
+                              saved_double(ctx, "softcap"));
+    return {std::get<0>(r), std::get<1>(r), std::get<2>(r), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 

@@ -383,11 +383,23 @@ __device__ __forceinline__ void fill_rows(const Params<scalar_t>& P, const RowTa
 
 // Logit of score `s` at key j of the probability row whose mask row starts at moff (j below the
 // row's causal limit).
+// With a soft cap (Gemma 2): softcap * tanh(s * scale / softcap) before the mask.
 template <typename scalar_t>
 __device__ __forceinline__ float logit(const Params<scalar_t>& P, float s, float scale, int64_t moff, int64_t j) {
   float z = s * scale;
+  if (P.a.softcap > 0) {
+    const float cap = static_cast<float>(P.a.softcap);
+    z = cap * tanhf(z / cap);
+  }
   if (P.mask.data) z += softmax_impl::sm_mask_at<scalar_t, float>(P.mask, moff, j);
   return z;
+}
+
+// The soft cap's factor in dS, the tanh's derivative 1 - tanh(s * scale / softcap)^2 (1 without a cap).
+__device__ __forceinline__ float cap_grad(const SoftmaxArgs& a, float s, float scale) {
+  if (a.softcap <= 0) return 1.f;
+  const float t = tanhf(s * scale / static_cast<float>(a.softcap));
+  return 1.f - t * t;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -570,7 +582,7 @@ __global__ void __launch_bounds__(kThreads, 2) flash_bwd_dq_kernel(const Params<
             const float p = softmax_impl::sm_exp(logit(P, s[r][c], scale, moff, j) - mx) * inv;
             const float g =
                 dropout ? dp[r][c] * drop_mult(P.a, keep_scale, drop_index(sq, R0 + r, j)) : dp[r][c];
-            ds = scale * p * (g - dl);
+            ds = scale * p * (g - dl) * cap_grad(P.a, s[r][c], scale);
           }
           Ss[x * LDS + tx + 16 * c] = ds;
         }
@@ -653,7 +665,7 @@ __global__ void __launch_bounds__(kThreads, 2) flash_bwd_dkdv_kernel(const Param
               const float p = softmax_impl::sm_exp(logit(P, s[r][c], scale, moff, j) - mx) * inv;
               const float mult = dropout ? drop_mult(P.a, keep_scale, drop_index(sq, R, j)) : 1.f;
               pd = p * mult;
-              ds = scale * p * (dp[r][c] * mult - dl);
+              ds = scale * p * (dp[r][c] * mult - dl) * cap_grad(P.a, s[r][c], scale);
             }
             Ts[(ty * RM + r) * LDT + x] = pd;
             s[r][c] = ds;  // kept for the dK product
@@ -943,11 +955,11 @@ bool flash_supported_cuda(const at::Tensor& q, const at::Tensor& v) {
 
 at::Tensor flash_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const c10::optional<at::Tensor>& mask, double scale, bool causal, int64_t seed,
-                          int64_t offset, double p, at::Tensor out) {
+                          int64_t offset, double p, at::Tensor out, double softcap) {
   using namespace attention_impl;
   const Shapes s = check("flash_fwd", q, k, v);
   check_out("flash_fwd", "out", out, {s.B, s.Hq, s.Lq, s.Dv}, q);
-  const SoftmaxArgs a = row_args(s, scale, causal, seed, offset, p);
+  const SoftmaxArgs a = row_args(s, scale, causal, seed, offset, p, softcap);
   const c10::cuda::CUDAGuard device_guard(q.device());
   at::Tensor stats = at::empty({2, s.B, s.Hq, s.Lq}, q.options().dtype(at::kFloat));
   if (flash_fwd_trivial(s, out, stats)) return stats;
@@ -965,11 +977,11 @@ at::Tensor flash_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
 void flash_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& stats, const c10::optional<at::Tensor>& mask, double scale, bool causal,
                     int64_t seed, int64_t offset, double p, at::Tensor dq, at::Tensor dk, at::Tensor dv,
-                    const c10::optional<at::Tensor>& bias_part) {
+                    const c10::optional<at::Tensor>& bias_part, double softcap) {
   using namespace attention_impl;
   const Shapes s = check("flash_bwd", q, k, v);
   check_backward(s, grad_out, q, k, v, stats, at::kFloat, dq, dk, dv, bias_part);  // (stats float32)
-  const SoftmaxArgs a = row_args(s, scale, causal, seed, offset, p);
+  const SoftmaxArgs a = row_args(s, scale, causal, seed, offset, p, softcap);
   const c10::cuda::CUDAGuard device_guard(q.device());
   if (flash_bwd_trivial(s, dq, dk, dv, bias_part)) return;
   const MaskView mv = mask_view("flash_bwd", mask, s, q);

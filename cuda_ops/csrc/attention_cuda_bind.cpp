@@ -8,12 +8,12 @@ namespace dmfx {
 
 at::Tensor flash_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const c10::optional<at::Tensor>& mask, double scale, bool causal, int64_t seed,
-                          int64_t offset, double p, at::Tensor out);
+                          int64_t offset, double p, at::Tensor out, double softcap);
 
 void flash_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& stats, const c10::optional<at::Tensor>& mask, double scale, bool causal,
                     int64_t seed, int64_t offset, double p, at::Tensor dq, at::Tensor dk, at::Tensor dv,
-                    const c10::optional<at::Tensor>& bias_part);
+                    const c10::optional<at::Tensor>& bias_part, double softcap);
 
 bool flash_supported_cuda(const at::Tensor& q, const at::Tensor& v);
 
@@ -29,12 +29,12 @@ void bind_attention(pybind11::module_& m) {
         "fused attention forward, scores kept on chip (CUDA); writes out, returns the row statistics",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"), pybind11::arg("scale"),
         pybind11::arg("causal"), pybind11::arg("seed"), pybind11::arg("offset"), pybind11::arg("p"),
-        pybind11::arg("out"));
+        pybind11::arg("out"), pybind11::arg("softcap") = 0.0);
   m.def("flash_bwd", &flash_bwd_cuda, "fused attention backward (CUDA); writes dq, dk and dv in place",
         pybind11::arg("grad_out"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("stats"),
         pybind11::arg("mask"), pybind11::arg("scale"), pybind11::arg("causal"), pybind11::arg("seed"),
         pybind11::arg("offset"), pybind11::arg("p"), pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"),
-        pybind11::arg("bias_part") = pybind11::none());
+        pybind11::arg("bias_part") = pybind11::none(), pybind11::arg("softcap") = 0.0);
   m.def("varlen_fwd", &varlen_fwd_cuda,
         "fused attention over packed variable-length sequences (CUDA); writes out [T, Hq, Dv], returns the row "
         "statistics [2, Hq, T]",

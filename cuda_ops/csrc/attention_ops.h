@@ -202,13 +202,23 @@ inline Tensor gemm_backward(const Tensor& grad_out, const Tensor& q, const Tenso
 
 // The fused forward into `out` where K's kernels take the operands, else the GEMM form (whose
 // probabilities are dropped: the fused backward recomputes them). Returns (out, stats).
+// Soft-capped scores (softcap > 0) only the fused kernels compute: elsewhere a clear error.
+inline void check_softcap_runs(const char* op, bool fused, double softcap, const Tensor& q, const Tensor& v) {
+  TORCH_CHECK(softcap == 0 || fused, "dmfx::", op, ": softcap (soft-capped scores) needs dmfx's fused kernel, which "
+              "takes float32/float64 on the CPU and float32/float16/bfloat16 with head dims up to 128 on CUDA; got ",
+              q.scalar_type(), " on ", q.device(), " with head dims ", q.size(-1), " and ", v.size(-1),
+              " (dmfx's attention pass leaves such soft-capped attention to PyTorch)");
+}
+
 template <class K>
 std::tuple<Tensor, Tensor> flash_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Opt& mask,
-                                         double scale, bool causal, const Opt& seed, double p, const Tensor& out) {
+                                         double scale, bool causal, const Opt& seed, double p, const Tensor& out,
+                                         double softcap = 0.0) {
+  check_softcap_runs("flash_attention", K::flash_ok(q, v), softcap, q, v);
   if (K::flash_ok(q, v)) {
     const auto [s, o] = seed_values("flash_attention", seed);
     Tensor stats = K::flash_fwd(rows(q), rows(k), rows(v), kernel_mask(mask, q.scalar_type()), scale, causal, s, o, p,
-                                out);
+                                out, softcap);
     return {out, std::move(stats)};
   }
   gemm_forward(q, k, v, mask, scale, causal, seed, p, out);
@@ -224,11 +234,12 @@ std::tuple<Tensor, Tensor> flash_forward(const Tensor& q, const Tensor& k, const
 template <class K>
 void flash_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& stats,
                     const Opt& mask, double scale, bool causal, const Opt& seed, double p, const Tensor& dq,
-                    const Tensor& dk, const Tensor& dv, const Opt& bias_part) {
+                    const Tensor& dk, const Tensor& dv, const Opt& bias_part, double softcap = 0.0) {
+  check_softcap_runs("flash_attention_backward", K::flash_ok(q, v), softcap, q, v);
   if (K::flash_ok(q, v)) {
     const auto [s, o] = seed_values("flash_attention_backward", seed);
     K::flash_bwd(rows(grad_out), rows(q), rows(k), rows(v), stats.contiguous(), kernel_mask(mask, q.scalar_type()),
-                 scale, causal, s, o, p, dq, dk, dv, bias_part);
+                 scale, causal, s, o, p, dq, dk, dv, bias_part, softcap);
     return;
   }
   // unfused: recompute the probabilities (and the dropped ones) once, then the GEMM backward
@@ -291,9 +302,9 @@ inline std::tuple<Tensor, Tensor> qkv_attention_backward(const Tensor& grad_out,
 
 template <class K>
 std::tuple<Tensor, Tensor> flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Opt& mask,
-                                           double scale, bool causal, const Opt& seed, double p) {
+                                           double scale, bool causal, const Opt& seed, double p, double softcap) {
   check_forward("flash_attention", q, k, v, mask, causal, seed, p);
-  return flash_forward<K>(q, k, v, mask, scale, causal, seed, p, context(q, v));
+  return flash_forward<K>(q, k, v, mask, scale, causal, seed, p, context(q, v), softcap);
 }
 
 // The bias gradients ([H * D] each) of the projections that produced q, k, v ([B, H, L, D] views of
@@ -311,13 +322,13 @@ inline Tensor3 head_bias_grads(const Opt& part, const Tensor& dq, const Tensor& 
 template <class K>
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> flash_attention_backward(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& stats, const Opt& mask,
-    double scale, bool causal, const Opt& seed, double p, bool bias_grad) {
+    double scale, bool causal, const Opt& seed, double p, bool bias_grad, double softcap) {
   const char* op = "flash_attention_backward";
   check_qkv(op, q, k, v);
   check_dropout(op, p, seed);
   Tensor dq = grad_like(q), dk = grad_like(k), dv = grad_like(v);
   const Opt part = bias_part<K>(bias_grad, q, k, v);
-  flash_backward<K>(grad_out, q, k, v, stats, mask, scale, causal, seed, p, dq, dk, dv, part);
+  flash_backward<K>(grad_out, q, k, v, stats, mask, scale, causal, seed, p, dq, dk, dv, part, softcap);
   if (!bias_grad) {
     Tensor none = at::empty({0}, dq.options());
     return {dq, dk, dv, none, none.clone(), none.clone()};

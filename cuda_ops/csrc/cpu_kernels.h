@@ -48,10 +48,12 @@ Tensors rope_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos
 
 // attention family (attention_cpu.cpp)
 at::Tensor flash_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask,
-                         double scale, bool causal, int64_t seed, int64_t offset, double p, at::Tensor out);
+                         double scale, bool causal, int64_t seed, int64_t offset, double p, at::Tensor out,
+                         double softcap);
 void flash_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& stats, const OptTensor& mask, double scale, bool causal, int64_t seed,
-                   int64_t offset, double p, at::Tensor dq, at::Tensor dk, at::Tensor dv, const OptTensor& bias_part);
+                   int64_t offset, double p, at::Tensor dq, at::Tensor dk, at::Tensor dv, const OptTensor& bias_part,
+                   double softcap);
 at::Tensor varlen_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens,
                           double scale, bool causal, int64_t seed, int64_t offset, double p, at::Tensor out);
 void varlen_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -36,6 +36,9 @@ struct SoftmaxArgs {
   double keep_scale = 1.0;  // dropout multiplier of kept elements, 1 / (1 - p), in double (fp64 kernels)
   bool causal = false;
   DropoutParams dropout;
+  // flash attention only: the scores soft-capped before the mask, z = softcap * tanh(s * scale / softcap)
+  // (Gemma 2's attn_logit_softcapping); 0: none. The softmax kernels leave it 0.
+  double softcap = 0.0;
 };
 
 inline void check_scores(const char* op, const char* name, const at::Tensor& t,
