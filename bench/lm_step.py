@@ -16,6 +16,8 @@ Models (random weights from HF configs, eager attention unless ``--attn sdpa``, 
   encoder and decoder layers, B=8 L=128 (labels: the inputs; the decoder reads them shifted);
 * ``gptj-lm``: ``GPTJForCausalLM`` (hidden 512, 8 heads of 64, rotary embedding on the first 32
   features of each head, interleaved pairs; parallel attention and MLP; vocab 32000), B=4 L=256;
+* ``gemma2-lm``: ``Gemma2ForCausalLM`` (hidden 512, 8 heads / 4 kv heads of 64, soft-capped attention
+  scores and logits, vocab 32000), B=4 L=256;
 * ``clip-cls``: ``CLIPForImageClassification``, CLIP ViT-B/32's image tower (QuickGELU MLPs), 1000
   classes, B=32 images of 224x224 (50 tokens).
 
@@ -61,6 +63,11 @@ MODELS = {
     # interleaved pairs: rotate_every_two) at LLaMA-lm's width, labels
     "gptj-lm": ("GPTJConfig", "GPTJForCausalLM", dict(n_embd=512, n_head=8, rotary_dim=32, vocab_size=32000,
                                                       use_cache=False), 4, 256),
+    # Gemma 2's layer (soft-capped attention scores, cap 50; sandwich norms; GeGLU; logits soft-capped at 30)
+    # at LLaMA-lm's width, labels
+    "gemma2-lm": ("Gemma2Config", "Gemma2ForCausalLM", dict(hidden_size=512, intermediate_size=1376,
+                                                            num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                                                            vocab_size=32000, use_cache=False), 4, 256),
     # CLIP ViT-B/32's image tower (QuickGELU MLPs, no dropout) with a classification head, labels
     "clip-cls": ("CLIPConfig", "CLIPForImageClassification", dict(vision_config=dict(patch_size=32), num_labels=1000),
                  32, None),

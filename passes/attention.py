@@ -23,6 +23,10 @@ takes 3-D operands; dmfx's ops read q4, k4 and v4 through their strides and writ
 layout.
 Grouped-query k and v are read before ``repeat_kv``'s copies. Readers of the probabilities (returned
 attention weights) get the fused op's, which only the GEMM form has.
+Soft-capped scores (Gemma 2's ``tanh(s * scaling / cap) * cap`` before the mask, whose ``* cap``
+the softmax took as its scale) become ``dmfx::flash_attention(..., softcap=cap)``, the one form that
+applies a cap; where it cannot run (a dtype or device without the fused kernel, a decode step, the
+probabilities read) the chain is left to the GEMMs around the fused softmax, as before.
 
 QKV stacking, which reads these ops afterwards, is passes/qkv_attention.py.
 """
@@ -142,6 +146,45 @@ def _head_dim_scale(c: Node, D: object) -> float | None:
     if v is None or not (isinstance(D, int) and D > 0) or not number_near(c, D ** -0.5, rel=1e-6):
         return None
     return float(v.node.hint)
+
+
+def _softcapped(scores: Node) -> tuple[Node, float, list[Node]] | None:
+    """scores = tanh(s * c1 / c2 ...) with constant factors: Gemma 2's soft cap, ``tanh(s * scaling /
+    cap)``, whose ``* cap`` after it the softmax took as its scale. Returns (s, the product of the
+    factors, the nodes from the tanh down to s, with a detach of the tanh nothing reads)."""
+    if not is_op(scores, aten.tanh) or not isinstance(scores.args[0], Node):
+        return None
+    dead = [u for u in scores.users if is_op(u, aten.detach) and not u.users]
+    if len(scores.users) - len(dead) != 1:
+        return None
+    n, factor, chain = scores.args[0], 1.0, [scores, *dead]
+    while (is_op(n, aten.mul, aten.div) and len(n.users) == 1 and isinstance(n.args[0], Node)
+           and isinstance(n.args[1], (int, float)) and not isinstance(n.args[1], bool) and n.args[1] != 0):
+        factor = factor * n.args[1] if is_op(n, aten.mul) else factor / n.args[1]
+        chain.append(n)
+        n = n.args[0]
+    return n, float(factor), chain
+
+
+def _softcap_miss(ctx: PassContext, q4: Node, v4: Node, probs_read: bool, mask: Node | None) -> str | None:
+    """Why soft-capped attention cannot take dmfx::flash_attention (the one form with a soft cap) here."""
+    from ..cuda_ops import flash_supported
+
+    qm = tensor_meta(q4)
+    if not flash_supported(qm.device, qm.dtype, qm.shape[3], tensor_meta(v4).shape[3]):
+        return f"soft-capped scores need dmfx's fused kernel, which does not take {qm.dtype} on {qm.device.type} here"
+    if qm.device.type == "cuda" and ctx.attention != "flash":
+        return "soft-capped scores on CUDA: dmfx's CUDA flash kernel has not run on a GPU yet (attention='flash' asks for it)"
+    if ctx.attention in ("gemm", "sdpa"):
+        return f"soft-capped scores run only in the flash form, and option attention={ctx.attention!r} asks for another"
+    if isinstance(qm.shape[2], int) and qm.shape[2] == 1 and not ctx.needs_grad(q4):
+        return ("soft-capped scores over one query row (a decode step): dmfx's kernel, built for blocks of query "
+                "rows, is about 3x slower than a single-row kernel there (bench/generate.py)")
+    if probs_read:
+        return "soft-capped scores with the probabilities read elsewhere (only the GEMM form hands them out)"
+    if mask is not None and ctx.needs_grad(mask):
+        return "soft-capped scores with a mask that requires grad (the flash form computes no mask gradient)"
+    return None
 
 
 def _bmm_of(s: Node) -> Node | None:
@@ -279,8 +322,15 @@ def match_attention(sm: Node, ctx: PassContext) -> Match | Miss | None:
     if sm_val is None or sm_val.dim() != 4:
         return None
     B, H, Lq, Lk = sm_val.shape
-    bmm1, q_scale, score_views = _bmm_of(scores), None, [scores]
-    if bmm1 is None and _runtime_scale(scores):
+    bmm1, q_scale, score_views, softcap = _bmm_of(scores), None, [scores], 0.0
+    capped = _softcapped(scores) if bmm1 is None else None
+    if capped is not None and _bmm_of(capped[0]) is not None:
+        # softmax(tanh(s * f) * cap + mask): flash_attention's softcap * tanh(s * scale / softcap)
+        if not (isinstance(scale, float) and scale > 0):
+            return Miss("soft-capped scores with a cap that is not a positive constant")
+        s, factor, chain = capped
+        bmm1, score_views, softcap, scale = _bmm_of(s), [*chain, s], scale, factor * scale
+    elif bmm1 is None and _runtime_scale(scores):
         # the scale is a run-time scalar (torch.compile(dynamic=True) makes HF's 1/sqrt(d) one):
         # it cannot be the ops' float argument, so it moves onto q (one pass over q, not the scores)
         bmm1, q_scale, score_views = _bmm_of(scores.args[0]), scores.args[1], [scores, scores.args[0]]
@@ -318,9 +368,13 @@ def match_attention(sm: Node, ctx: PassContext) -> Match | Miss | None:
 
     # the softmax's outputs read elsewhere (returned attention weights): only the GEMM form has them
     read_elsewhere = [g for g in outs if g is not o or len(g.users) > 1]
+    if softcap:
+        why = _softcap_miss(ctx, q4, v4, bool(read_elsewhere or probs_outs), mask)
+        if why is not None:
+            return Miss(why)
     nodes = {"softmax": sm, "q4": q4, "kt4": kt4, "k_src": k_src, "v4": v4, "mask": mask, "scale": scale,
              "causal": causal, "seed": seed, "p": p, "q_scale": q_scale, "context": ctx4,
-             "outs_read": read_elsewhere, "probs_read": probs_outs}
+             "outs_read": read_elsewhere, "probs_read": probs_outs, "softcap": softcap}
     chain = [sm, *outs, *probs_outs, *path, bmm2, ctx4, *score_views, bmm1]
     return Match(nodes, chain, returned=(ctx4, *read_elsewhere, *probs_outs))
 
@@ -337,12 +391,16 @@ def rewrite_attention(graph: Graph, m: Match, ctx: PassContext) -> Replacement:
         if m["q_scale"] is not None:
             q4 = insert_call(graph, ctx, aten.mul.Tensor, (q4, m["q_scale"]))
         probs_read = bool(m["outs_read"] or m["probs_read"])
-        form, why = choose_form(ctx, q4, k4, v4, mask, causal, p, scale, probs_read)
+        if m["softcap"]:  # (match_attention checked that it can run)
+            form, why = "flash", "soft-capped scores: only dmfx's fused kernel applies the cap inside the attention"
+        else:
+            form, why = choose_form(ctx, q4, k4, v4, mask, causal, p, scale, probs_read)
         if form == "sdpa":
             fused = out = _insert_sdpa(graph, ctx, q4, k4, v4, mask, scale, causal, p)
         else:
             op = torch.ops.dmfx.flash_attention if form == "flash" else torch.ops.dmfx.attention
-            fused = insert_call(graph, ctx, op.default, (q4, k4, v4, mask, scale, causal, m["seed"], p))
+            args = (q4, k4, v4, mask, scale, causal, m["seed"], p) + ((m["softcap"],) if m["softcap"] else ())
+            fused = insert_call(graph, ctx, op.default, args)
             out, *rest = insert_getitems(graph, fused, 2 if form == "flash" else 3)
     uses = {m["context"]: out}
     if form == "gemm":  # readers of the softmax's outputs elsewhere (returned attention weights)

@@ -121,6 +121,9 @@ def stack_qkv(gm: GraphModule, ctx: PassContext) -> None:
     for att in list(graph.nodes):
         if not is_op(att, *ATTENTION_OPS):
             continue
+        if len(att.args) > 8 and att.args[8]:  # (the packed ops have no soft cap)
+            ctx.miss("qkv_attention", att, "soft-capped scores: the stacked-projection attention has no soft cap")
+            continue
         q4, k4, v4, mask, scale, causal, seed, p = att.args
         packed = _split_source(q4, k4, v4)
         if packed is not None:  # GPT-2: one GEMM already, split into q, k and v

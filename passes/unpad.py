@@ -271,6 +271,8 @@ def attention_call(n: Node) -> AttentionCall | str | None:
             qkv, heads, mask, scale, causal, seed, p = n.args[:7]
             return AttentionCall(n, out, {"qkv": qkv}, heads, mask, scale, causal, seed, p)
         q, k, v, mask, scale, causal, seed, p = n.args[:8]
+        if len(n.args) > 8 and n.args[8]:
+            return "soft-capped scores (the varlen kernels have no soft cap)"
         return AttentionCall(n, out, {"q": q, "k": k, "v": v}, None, mask, scale, causal, seed, p)
     call = sdpa_call(n)
     if call is None:

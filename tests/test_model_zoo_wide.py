@@ -34,7 +34,7 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_DEC, head_dim=16),
               {"rms_norm", "bias_dropout_residual_norm", "attention", "rope", "glu", "cross_entropy"}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_DEC, head_dim=16, sliding_window=8),
-               {"rms_norm", "bias_dropout_residual_norm", "attention_softmax", "rope", "glu", "cross_entropy"}),
+               {"rms_norm", "bias_dropout_residual_norm", "attention", "rope", "glu", "cross_entropy"}),
     "phi": ("PhiConfig", "PhiForCausalLM", dict(_DEC, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
             {"layer_norm", "bias_dropout_residual_norm", "attention", "rope", "bias_act_dropout", "cross_entropy"}),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(_H, hidden_dropout=0.0, attention_dropout=0.0,

@@ -276,3 +276,68 @@ def test_dynamic_true_head_dim_scale_is_read_under_a_guard():
         (ref(x)[0] * R).sum().backward()
         assert rel_err(gx, x.grad) < 1e-5
     assert any(r.fired.get("attention") for r in dmfx.records()), [r.missed for r in dmfx.records()]
+
+
+def gemma2_attention(q, k, v, mask, cap=2.0):
+    """HF Gemma 2's eager attention with attn_logit_softcapping: scale, soft cap, mask, fp32 softmax."""
+    s = torch.matmul(q, k.transpose(2, 3)) * D ** -0.5
+    s = torch.tanh(s / cap) * cap
+    s = s + mask
+    return torch.matmul(torch.softmax(s, -1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _gemma2_inputs(Lq=L, dtype=torch.float32):
+    q = (3 * torch.randn(B, L, H, D)).transpose(1, 2)[:, :, :Lq]  # scores of about 3: the cap bends them
+    k, v = ((3 * torch.randn(B, L, H, D)).transpose(1, 2) for _ in range(2))
+    mask = torch.zeros(B, 1, Lq, L)
+    mask[0, ..., -2:] = torch.finfo(torch.float32).min
+    return tuple(t.to(dtype) for t in (q, k, v, mask))
+
+
+def test_soft_capped_attention_is_one_flash_attention_with_its_cap():
+    """Gemma 2's soft cap (tanh(s * scale / cap) * cap before the mask) is dmfx::flash_attention's
+    softcap: one op, no [B, H, L, L] score tensor, the same values and gradients as eager."""
+    inputs = _gemma2_inputs()
+    for training in (False, True):
+        args = [t.detach().requires_grad_(training and i < 3) for i, t in enumerate(inputs)]
+        gm, ctx = rewrite(gemma2_attention, *args)
+        assert ctx.fired.get("attention") == 1, ctx.missed
+        (att,) = [n for n in gm.graph.nodes if n.target is dmfx_ops.flash_attention.default]
+        assert att.args[8] == 2.0 and math.isclose(att.args[4], D ** -0.5, rel_tol=1e-12)
+        assert not {aten.tanh.default, aten.bmm.default, aten.mm.default} & set(targets(gm))
+        check_same(gemma2_attention, gm, *args)
+    out, want = gm(*args)[0], gemma2_attention(*args)
+    R = torch.randn_like(want)
+    got = torch.autograd.grad((out * R).sum(), args[:3])
+    exp = torch.autograd.grad((want * R).sum(), args[:3])
+    scale = max(g.abs().max() for g in exp)
+    assert all(((a - b).abs().max() / scale) < 1e-5 for a, b in zip(got, exp))
+
+
+def test_soft_capped_attention_near_misses_keep_the_fused_softmax():
+    """Where the flash form cannot take the cap, the attention is left to the GEMMs around the fused
+    softmax (as before the soft cap was fused), with the reason recorded."""
+    def missed(fn, *args, why, **settings):
+        gm, ctx = rewrite(fn, *args, **settings)
+        assert "attention" not in ctx.fired and ctx.fired.get("attention_softmax") == 1, ctx.fired
+        assert any(m.startswith("attention at") and why in m for m in ctx.missed), ctx.missed
+        check_same(fn, gm, *args, tol=1e-2 if args[0].dtype == torch.bfloat16 else 1e-5)
+
+    missed(gemma2_attention, *_gemma2_inputs(Lq=1), why="one query row (a decode step)")
+    missed(gemma2_attention, *_gemma2_inputs(dtype=torch.bfloat16), why="need dmfx's fused kernel")
+    missed(gemma2_attention, *_gemma2_inputs(), why="option attention='gemm'", attention="gemm")
+
+    def weights_returned(q, k, v, mask):
+        s = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * D ** -0.5 / 2.0) * 2.0
+        p = torch.softmax(s + mask, -1)
+        return torch.matmul(p, v), p
+
+    missed(weights_returned, *_gemma2_inputs(), why="probabilities read elsewhere")
+
+    def tanh_read_twice(q, k, v, mask):  # the capped scores are an output too: nothing to fuse them into
+        t = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * 0.25)
+        return torch.matmul(torch.softmax(t * 2.0 + mask, -1), v), t
+
+    gm, ctx = rewrite(tanh_read_twice, *_gemma2_inputs())
+    assert "attention" not in ctx.fired
+    check_same(tanh_read_twice, gm, *_gemma2_inputs())
