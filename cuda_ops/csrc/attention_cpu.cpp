@@ -44,6 +44,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Dispatch.h>
+#include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <atomic>
@@ -167,12 +168,23 @@ inline Shapes check(const char* op, const at::Tensor& q, const at::Tensor& k, co
 
 
 // Logits of score row `r` (global row index R) into z; returns (max, number of unmasked columns).
+// s[j] = cap * tanh(s[j] * inner) for j < n, vectorized (ATen's Vectorized tanh: a scalar libm tanh per
+// score costs more than the rest of the row pass).
+template <typename acc_t>
+inline void soft_cap(acc_t* s, int64_t n, acc_t inner, acc_t cap) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  constexpr int64_t kW = Vec::size();
+  const Vec vi(inner), vc(cap);
+  int64_t j = 0;
+  for (; j + kW <= n; j += kW) (vc * (Vec::loadu(s + j) * vi).tanh()).store(s + j);
+  if (j < n) (vc * (Vec::loadu(s + j, n - j) * vi).tanh()).store(s + j, n - j);
+}
+
 template <typename acc_t, typename mask_t>
 inline acc_t row_logits(const SoftmaxArgs& a, const MaskView& mv, int64_t R, acc_t* srow, int64_t n, acc_t* z) {
   acc_t scale = static_cast<acc_t>(a.scale);
   if (a.softcap > 0) {  // srow keeps the capped scores: the backward's dS reads them
-    const acc_t cap = static_cast<acc_t>(a.softcap), inner = static_cast<acc_t>(a.scale / a.softcap);
-    for (int64_t j = 0; j < n; ++j) srow[j] = cap * std::tanh(srow[j] * inner);
+    soft_cap<acc_t>(srow, n, static_cast<acc_t>(a.scale / a.softcap), static_cast<acc_t>(a.softcap));
     scale = acc_t(1);
   }
   if constexpr (std::is_same<mask_t, NoMask>::value) {
@@ -276,6 +288,15 @@ struct VarlenRows {
   }
 };
 
+// The keys the query rows i0 .. i0 + m - 1 of head h read, of the first nk: those below the last row's
+// causal limit (all nk without a causal mask: a causal block skips the keys past its diagonal, half of
+// the scores' GEMM work over a square), and at least one where there are any (a row that sees none
+// still runs its row pass, which writes zeros).
+template <typename Rows>
+inline int64_t block_keys(const Rows& rows, int64_t h, int64_t i0, int64_t m, int64_t nk) {
+  return std::max<int64_t>(rows.limit(h, i0 + m - 1, nk), std::min<int64_t>(nk, 1));
+}
+
 // Rows i0 .. i0 + m - 1 of query head h against keys 0 .. nk - 1: S = Q_blk · Kᵀ into sp (row stride
 // lds), the row pass (logits, max, exp, sum, dropout; the statistics of each row), out_blk = P_dropped · V.
 template <typename acc_t, typename Rows>
@@ -284,6 +305,7 @@ void fwd_block(const Rows& rows, const SoftmaxArgs& a, int64_t h, int64_t i0, in
                acc_t* ob, int64_t ldo, acc_t* sp, int64_t lds, RowScratch<acc_t>& scratch, acc_t* max_p,
                acc_t* inv_p) {
   acc_t* z = scratch.z.data();
+  nk = block_keys(rows, h, i0, m, nk);
   gemm_rm<acc_t>(false, true, m, nk, D, 1, qb, ldq, kb, ldk, 0, sp, lds);
   for (int64_t r = 0; r < m; ++r) {
     const int64_t i = i0 + r, R = rows.row(h, i);
@@ -399,15 +421,23 @@ bool bwd_task(const Rows& rows, const SoftmaxArgs& a, int64_t hk, int64_t groups
   const int64_t nblocks = (Lq + block - 1) / block;
   bool first = true;
   for (int64_t h = hk * groups; h < (hk + 1) * groups; ++h) {
-    for (int64_t blk = 0; blk < nblocks; ++blk) {
-      const int64_t i0 = blk * block, m = std::min(block, Lq - i0);
+    // last block first: it reads the most keys (all of them), so the first write of dk and dv covers
+    // every row the later, causally shorter blocks add to
+    for (int64_t blk = nblocks - 1; blk >= 0; --blk) {
+      const int64_t i0 = blk * block, m = std::min(block, Lq - i0), nkb = block_keys(rows, h, i0, m, nk);
+      if (first && nkb < nk) {  // (not reached: the last block's last row sees every key)
+        for (int64_t j = nkb; j < nk; ++j) {
+          std::fill_n(dkb + j * lddk, D, acc_t(0));
+          std::fill_n(dvb + j * lddv, Dv, acc_t(0));
+        }
+      }
       const acc_t* qb = Q.at(h, i0);
       const acc_t* gb = G.at(h, i0);
-      gemm_rm<acc_t>(false, true, m, nk, D, 1, qb, Q.sl, kb, ldk, 0, sp, lds);     // the scores again
-      gemm_rm<acc_t>(false, true, m, nk, Dv, 1, gb, G.sl, vb, ldv, 0, pp, lds);    // dP = dO · Vᵀ
+      gemm_rm<acc_t>(false, true, m, nkb, D, 1, qb, Q.sl, kb, ldk, 0, sp, lds);     // the scores again
+      gemm_rm<acc_t>(false, true, m, nkb, Dv, 1, gb, G.sl, vb, ldv, 0, pp, lds);    // dP = dO · Vᵀ
       for (int64_t r = 0; r < m; ++r) {
         const int64_t i = i0 + r, R = rows.row(h, i);
-        const int64_t n = rows.limit(h, i, nk);
+        const int64_t n = rows.limit(h, i, nkb);
         acc_t* row = sp + r * lds;
         acc_t* drow = pp + r * lds;
         const acc_t mx = max_p[R], inv = inv_p[R];
@@ -423,14 +453,14 @@ bool bwd_task(const Rows& rows, const SoftmaxArgs& a, int64_t hk, int64_t groups
           }
           done = n;
         }
-        for (int64_t j = done; j < nk; ++j) row[j] = drow[j] = acc_t(0);
+        for (int64_t j = done; j < nkb; ++j) row[j] = drow[j] = acc_t(0);
       }
       const acc_t beta = first ? 0 : 1;
       // dV (+)= P_droppedᵀ · dO (the dropped P is in pp now)
-      gemm_rm<acc_t>(true, false, nk, Dv, m, 1, pp, lds, gb, G.sl, beta, dvb, lddv);
+      gemm_rm<acc_t>(true, false, nkb, Dv, m, 1, pp, lds, gb, G.sl, beta, dvb, lddv);
       // dQ_blk = dS · K, dK (+)= dSᵀ · Q_blk
-      gemm_rm<acc_t>(false, false, m, D, nk, 1, sp, lds, kb, ldk, 0, DQ.at(h, i0), DQ.sl);
-      gemm_rm<acc_t>(true, false, nk, D, m, 1, sp, lds, qb, Q.sl, beta, dkb, lddk);
+      gemm_rm<acc_t>(false, false, m, D, nkb, 1, sp, lds, kb, ldk, 0, DQ.at(h, i0), DQ.sl);
+      gemm_rm<acc_t>(true, false, nkb, D, m, 1, sp, lds, qb, Q.sl, beta, dkb, lddk);
       first = false;
     }
   }
