@@ -203,6 +203,12 @@ def _bmm_of(s: Node) -> Node | None:
 #: 2.8x SDPA at L=128, 1.6x at 256, 0.88x at 384, 0.79x at 512, where its [B, H, L, L] scores leave the cache).
 GEMM_FORM_MAX_KEYS = 256
 
+#: causal float32 attention on the CPU takes dmfx's fused kernel from this many keys, PyTorch's SDPA below
+#: (bench/attention.py --mask causal, B=4 H=8 D=64, 1 thread: 0.97x / 1.03x SDPA at L=256 in training /
+#: inference, 1.35x / 1.34x at L=512, 1.27x training at L=1024, B=2: each block of query rows reads only
+#: the keys up to its diagonal; below it a tie, where SDPA stays).
+CAUSAL_FLASH_MIN_KEYS = 512
+
 
 def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | None, causal: bool, p: float,
                 scale: float, probs_read: bool) -> tuple[str, str]:
@@ -225,11 +231,12 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | Non
 
     * "sdpa": PyTorch's own scaled_dot_product_attention, for one query row in inference (a decode
       step: dmfx's kernel, built for blocks of query rows, is about 3x slower there), for causal
-      attention without dropout (a tie at best for dmfx's kernel, which gains nothing there: no bias
-      to fold in the models that use it), for bf16/fp16 on the CPU in inference (about 2x faster than
-      the "gemm" form) or over longer keys, and on CUDA (its flash / efficient / cuDNN kernels run on tensor cores;
-      dmfx's CUDA flash kernel, csrc/attention_cuda.cu, on CUDA cores, and it has not run on a GPU
-      yet: only attention="flash" picks it). Not with a causal mask over different query and
+      attention without dropout over fewer than CAUSAL_FLASH_MIN_KEYS keys (a tie there; from that
+      many keys dmfx's kernel, which skips the keys past each block's diagonal, is 1.3x faster),
+      for bf16/fp16 on the CPU in inference (about 2x faster than the "gemm" form) or over longer
+      keys, and on CUDA (its flash / efficient / cuDNN kernels run on tensor cores; dmfx's CUDA flash
+      kernel, csrc/attention_cuda.cu, on CUDA cores, and it has not run on a GPU yet: only
+      attention="flash" picks it). Not with a causal mask over different query and
       key lengths (SDPA aligns it top-left, dmfx and HF bottom-right).
 
     With ``options={"tune": True}`` the feasible forms are timed instead (passes/tuning.py).
@@ -284,6 +291,11 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | Non
                              "gradients fold into its backward")
         return "flash", ("inference on the CPU: dmfx's fused kernel is 0.99-1.11x SDPA's "
                          "(bench/attention.py --mode infer) and writes the context in the layout the next GEMM reads")
+    if (qm.device.type == "cpu" and qm.dtype == torch.float32 and causal and flash_auto and isinstance(keys, int)
+            and keys >= CAUSAL_FLASH_MIN_KEYS):
+        return "flash", (f"causal attention over at least {CAUSAL_FLASH_MIN_KEYS} keys on the CPU: dmfx's fused kernel "
+                         "skips the keys past each block's diagonal and is about 1.3x PyTorch's SDPA there "
+                         "(bench/attention.py --mask causal: 1.35x training, 1.34x inference at L=512)")
     if sdpa_ok:
         return "sdpa", _why_sdpa(qm, causal)
     if flash_auto:
@@ -300,7 +312,8 @@ def _why_sdpa(qm: torch.Tensor, causal: bool) -> str:
                 "kernel is faster than dmfx's GEMM form (bf16, 1 thread, B=8 H=12: inference 2.1 vs 4.0 ms at "
                 "L=128; training 145 vs 184 ms at L=512; dmfx's fused kernel runs float32 only)")
     if causal:
-        return "causal attention without dropout: PyTorch's SDPA skips the masked half as dmfx's kernel would"
+        return (f"causal attention without dropout over fewer than {CAUSAL_FLASH_MIN_KEYS} keys: PyTorch's SDPA ties "
+                "dmfx's kernel there (both skip the masked half)")
     return "PyTorch's SDPA kernel is the fastest here"
 
 
