@@ -33,6 +33,7 @@ from .graph_utils import (
     is_impure,
     is_op,
     kernel_friendly,
+    same_shape,
     tensor_meta,
 )
 
@@ -63,10 +64,6 @@ def _slice_of(n: object, x: Node, start: int, end: int | None, D: int, step: int
     return e == end or (end is None and (e is None or e in _END or e >= D))
 
 
-def _last_dim(n: Node, dim: object, rank: int) -> bool:
-    return dim in (-1, rank - 1)
-
-
 def _rotation_of(rot: object) -> tuple[Node, bool, list[Node]] | None:
     """rot = rotate_half(x) (a cat) or rotate_every_two(x) (a stack flattened by a view): (x,
     interleaved, the nodes the rotation is made of)."""
@@ -90,7 +87,7 @@ def _rotation_of(rot: object) -> tuple[Node, bool, list[Node]] | None:
         return None
     x = _whole(hi.args[0])
     xm, rm = tensor_meta(x), tensor_meta(rot)
-    if xm is None or rm is None or rm.shape != xm.shape:
+    if xm is None or rm is None or not same_shape(rm.shape, xm.shape):
         return None
     D = xm.shape[-1]
     if not isinstance(D, int) or D % 2:
@@ -99,7 +96,7 @@ def _rotation_of(rot: object) -> tuple[Node, bool, list[Node]] | None:
         # the stacked dim is new and last (dim -1 or rank of the slices), then flattened into D
         ok = dim in (-1, xm.dim()) and _slice_of(hi, x, 1, None, D, 2) and _slice_of(lo, x, 0, None, D, 2)
         return (x, True, [rot, rot.args[0], parts[0], hi, lo]) if ok else None
-    if _last_dim(x, dim, xm.dim()) and _slice_of(hi, x, D // 2, None, D) and _slice_of(lo, x, 0, D // 2, D):
+    if dim in (-1, xm.dim() - 1) and _slice_of(hi, x, D // 2, None, D) and _slice_of(lo, x, 0, D // 2, D):
         return x, False, [rot, parts[0], hi, lo]
     return None
 
@@ -136,11 +133,14 @@ def _same_value(a: object, b: object, depth: int = 16) -> bool:
         return not isinstance(a, Node) and not isinstance(b, Node) and type(a) is type(b) and a == b
     if depth == 0 or a.op != "call_function" or b.op != "call_function" or a.target != b.target:
         return False
-    if is_impure(a) or (isinstance(a.target, torch._ops.OpOverload)
-                        and torch.Tag.nondeterministic_seeded in a.target.tags):
+    seeded = isinstance(a.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in a.target.tags
+    if is_impure(a) or seeded:
         return False
-    return (_same_value(a.args, b.args, depth - 1) and a.kwargs.keys() == b.kwargs.keys()
-            and all(_same_value(a.kwargs[key], b.kwargs[key], depth - 1) for key in a.kwargs))
+    return (
+        _same_value(a.args, b.args, depth - 1)
+        and a.kwargs.keys() == b.kwargs.keys()
+        and all(_same_value(a.kwargs[key], b.kwargs[key], depth - 1) for key in a.kwargs)
+    )
 
 
 def _sites_sharing(
@@ -158,8 +158,8 @@ def _sites_sharing(
                 site = _rope_site(add) if is_op(add, aten.add) and add not in found else None
                 if site is None or site[4] != interleaved:
                     continue
-                if (site[1] is cos and site[2] is sin) or (equal_tables and _same_value(site[1], cos)
-                                                           and _same_value(site[2], sin)):
+                shared = site[1] is cos and site[2] is sin
+                if shared or (equal_tables and _same_value(site[1], cos) and _same_value(site[2], sin)):
                     found[add] = (add, site[0], site[3])
     order = {n: i for i, n in enumerate(graph.nodes)}
     return sorted(found.values(), key=lambda site: order[site[0]])
@@ -195,9 +195,8 @@ def match_rope(qa: Node, ctx: PassContext) -> Match | Miss | None:
 def rewrite_rope(graph: Graph, m: Match, ctx: PassContext) -> Replacement:
     qa, ka = m.returned
     with graph.inserting_before(m["last"].next):
-        fused = insert_call(
-            graph, ctx, torch.ops.dmfx.rope.default, (m["q"], m["k"], m["cos"], m["sin"], False, m["interleaved"])
-        )
+        args = (m["q"], m["k"], m["cos"], m["sin"], False) + ((True,) if m["interleaved"] else ())
+        fused = insert_call(graph, ctx, torch.ops.dmfx.rope.default, args)
         q_out, k_out = insert_getitems(graph, fused, 2)
     return Replacement(fused, {qa: q_out, ka: k_out})
 
