@@ -26,7 +26,7 @@ with other work (these 2-core machines often run at a load of 4-8) the wall cloc
 queue, CPU time measures the work; use it with ``--threads 1``. Report which clock a number used.
 
 Usage: ``python -m bench.lm_step [--models llama-small,bert-mlm] [--layers 4] [--train/--infer]
-[--rounds 5] [--threads 2] [--clock wall|cpu] [--autocast bf16|fp16] [--device cpu|cuda]
+[--rounds 5] [--threads 2] [--clock wall|cpu] [--autocast bf16|fp16] [--device cpu|cuda] [--batch B] [--seq L]
 [--candidates eager,inductor,dmfx,dmfx-fx,dmfx-all,floor]``;
 ``dmfx-skip-<pass>[+<pass>...]`` is dmfx's default with those passes skipped (an ablation, e.g.
 ``dmfx-skip-accumulate_embedding_grad``); ``dmfx-all-skip-<pass>+<pass>...`` / ``dmfx-fx-skip-...`` the same
@@ -171,9 +171,10 @@ def candidates(names, base, kwargs, train: bool, autocast: torch.dtype | None = 
 
 
 def run(name: str, layers: int, train: bool, names: list[str], rounds: int, clock,
-        autocast: torch.dtype | None = None, attn: str = "eager", device: str = "cpu", dynamic: bool | None = None) -> dict:
+        autocast: torch.dtype | None = None, attn: str = "eager", device: str = "cpu", dynamic: bool | None = None,
+        batch: int | None = None, seq: int | None = None) -> dict:
     torch._dynamo.reset()
-    base, kwargs = build(name, layers, attn=attn)
+    base, kwargs = build(name, layers, batch=batch, seq=seq, attn=attn)
     base, kwargs = base.to(device), {k: v.to(device) for k, v in kwargs.items()}
     steps = candidates(names, base, kwargs, train, autocast, device, dynamic)
     first = {}
@@ -220,6 +221,8 @@ def main() -> None:
                    help="cuda: the model on the GPU, timed by the wall clock after a device synchronize")
     p.add_argument("--attn", choices=("eager", "sdpa"), default="eager", help="HF's attention implementation")
     p.add_argument("--dynamic", action="store_true", help="torch.compile(..., dynamic=True) for every compiled candidate")
+    p.add_argument("--batch", type=int, default=None, help="batch size (default: the model's own)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length of a text model (default: the model's own)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[a.autocast]
@@ -230,7 +233,7 @@ def main() -> None:
     out = {"env": {**environment(a.device), "clock": a.clock}, "results": []}
     for name in a.models.split(","):
         r = run(name, a.layers, not a.infer, a.candidates.split(","), a.rounds, clock, autocast, a.attn, a.device,
-                a.dynamic or None)
+                a.dynamic or None, a.batch, a.seq)
         out["results"].append(r)
         for n, t in r["median_ms"].items():
             lo, hi = r["range_ms"][n]
