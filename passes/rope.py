@@ -40,12 +40,18 @@ from .graph_utils import (
 _END = (2**63 - 1,)
 
 
+def _slice_args(n: Node) -> tuple[object, object, object, object]:
+    """(dim, start, end, step) of ``aten.slice(x, dim=0, start=None, end=None, step=1)``, defaults filled."""
+    dim, start, end, step = list(n.args[1:]) + [0, None, None, 1][len(n.args) - 1:]
+    return dim, start or 0, end, step
+
+
 def _whole(n: object) -> object:
     """`n` without the slices that keep all of a dim (``x[:, :, :, ::2]`` traced with dynamic shapes
     slices dims 0 and 1 whole first)."""
     while is_op(n, aten.slice):
-        args = list(n.args[1:]) + [None] * (5 - len(n.args))  # dim, start, end, step
-        if (args[1] or 0) != 0 or args[2] not in (None, *_END) or (args[3] or 1) != 1:
+        _, start, end, step = _slice_args(n)
+        if start != 0 or end not in (None, *_END) or step != 1:
             break
         n = n.args[0]
     return n
@@ -55,9 +61,7 @@ def _slice_of(n: object, x: Node, start: int, end: int | None, D: int, step: int
     """n = x[..., start:end:step] along the last dim (end None: to the end)."""
     if not is_op(n, aten.slice) or _whole(n.args[0]) is not x or len(n.users) != 1:
         return False
-    args = list(n.args[1:]) + [None] * (4 - len(n.args))
-    dim, s, e = args[0], args[1] or 0, args[2]
-    st = n.args[4] if len(n.args) > 4 else 1
+    dim, s, e, st = _slice_args(n)
     xm = tensor_meta(x)
     if dim not in (-1, xm.dim() - 1) or st != step or s != start:
         return False
@@ -144,10 +148,10 @@ def _same_value(a: object, b: object, depth: int = 16) -> bool:
 
 
 def _sites_sharing(
-    graph: Graph, cos: Node, sin: Node, interleaved: bool, equal_tables: bool
+    graph: Graph, order: dict[Node, int], cos: Node, sin: Node, interleaved: bool, equal_tables: bool
 ) -> list[tuple[Node, Node, list[Node]]]:
     """The rope sites (add, x, absorbed nodes) that rotate a tensor the same way with `cos` and `sin`
-    (`equal_tables`: or with tables of the same values), in graph order."""
+    (`equal_tables`: or with tables of the same values), in graph order (`order`: each node's place)."""
     tables = [cos]
     if equal_tables and cos.op == "call_function":
         tables = [n for n in graph.nodes if n.target == cos.target and _same_value(n, cos)]
@@ -161,7 +165,6 @@ def _sites_sharing(
                 shared = site[1] is cos and site[2] is sin
                 if shared or (equal_tables and _same_value(site[1], cos) and _same_value(site[2], sin)):
                     found[add] = (add, site[0], site[3])
-    order = {n: i for i, n in enumerate(graph.nodes)}
     return sorted(found.values(), key=lambda site: order[site[0]])
 
 
@@ -173,8 +176,9 @@ def match_rope(qa: Node, ctx: PassContext) -> Match | Miss | None:
     if site is None:
         return None
     q, cos, sin, q_chain, interleaved = site
+    order = {n: j for j, n in enumerate(qa.graph.nodes)}
     for equal_tables in (False, True):
-        sites = _sites_sharing(qa.graph, cos, sin, interleaved, equal_tables)
+        sites = _sites_sharing(qa.graph, order, cos, sin, interleaved, equal_tables)
         i = next(j for j, (add, _, _) in enumerate(sites) if add is qa)
         if i % 2:
             return None
@@ -184,7 +188,6 @@ def match_rope(qa: Node, ctx: PassContext) -> Match | Miss | None:
         return Miss("no second tensor (q or k) rotated with the same cos/sin to pair it with")
     ka, k, k_chain = sites[i + 1]
     # the fused op goes right after its last input; every reader of q' and k' must follow it
-    order = {n: j for j, n in enumerate(qa.graph.nodes)}
     last = max((q, k, cos, sin), key=order.__getitem__)
     if any(order[u] <= order[last] for u in (*qa.users, *ka.users)):
         return Miss("a reader of q' or k' comes before k or q is computed")

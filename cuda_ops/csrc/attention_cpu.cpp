@@ -167,7 +167,6 @@ inline Shapes check(const char* op, const at::Tensor& q, const at::Tensor& k, co
 }
 
 
-// Logits of score row `r` (global row index R) into z; returns (max, number of unmasked columns).
 // s[j] = cap * tanh(s[j] * inner) for j < n, vectorized (ATen's Vectorized tanh: a scalar libm tanh per
 // score costs more than the rest of the row pass).
 template <typename acc_t>
@@ -180,6 +179,7 @@ inline void soft_cap(acc_t* s, int64_t n, acc_t inner, acc_t cap) {
   if (j < n) (vc * (Vec::loadu(s + j, n - j) * vi).tanh()).store(s + j, n - j);
 }
 
+// Logits of score row `r` (global row index R) into z; returns (max, number of unmasked columns).
 template <typename acc_t, typename mask_t>
 inline acc_t row_logits(const SoftmaxArgs& a, const MaskView& mv, int64_t R, acc_t* srow, int64_t n, acc_t* z) {
   acc_t scale = static_cast<acc_t>(a.scale);
@@ -425,12 +425,7 @@ bool bwd_task(const Rows& rows, const SoftmaxArgs& a, int64_t hk, int64_t groups
     // every row the later, causally shorter blocks add to
     for (int64_t blk = nblocks - 1; blk >= 0; --blk) {
       const int64_t i0 = blk * block, m = std::min(block, Lq - i0), nkb = block_keys(rows, h, i0, m, nk);
-      if (first && nkb < nk) {  // (not reached: the last block's last row sees every key)
-        for (int64_t j = nkb; j < nk; ++j) {
-          std::fill_n(dkb + j * lddk, D, acc_t(0));
-          std::fill_n(dvb + j * lddv, Dv, acc_t(0));
-        }
-      }
+      TORCH_INTERNAL_ASSERT_DEBUG_ONLY(!first || nkb == nk);  // (the last row's causal limit is every key)
       const acc_t* qb = Q.at(h, i0);
       const acc_t* gb = G.at(h, i0);
       gemm_rm<acc_t>(false, true, m, nkb, D, 1, qb, Q.sl, kb, ldk, 0, sp, lds);     // the scores again

@@ -381,25 +381,32 @@ __device__ __forceinline__ void fill_rows(const Params<scalar_t>& P, const RowTa
   }
 }
 
-// Logit of score `s` at key j of the probability row whose mask row starts at moff (j below the
-// row's causal limit).
-// With a soft cap (Gemma 2): softcap * tanh(s * scale / softcap) before the mask.
-template <typename scalar_t>
-__device__ __forceinline__ float logit(const Params<scalar_t>& P, float s, float scale, int64_t moff, int64_t j) {
-  float z = s * scale;
-  if (P.a.softcap > 0) {
-    const float cap = static_cast<float>(P.a.softcap);
-    z = cap * tanhf(z / cap);
-  }
-  if (P.mask.data) z += softmax_impl::sm_mask_at<scalar_t, float>(P.mask, moff, j);
-  return z;
+// Score `s` scaled, and soft-capped where there is a cap (Gemma 2): softcap * tanh(s * scale / softcap).
+__device__ __forceinline__ float capped(const SoftmaxArgs& a, float s, float scale) {
+  const float z = s * scale;
+  if (a.softcap <= 0) return z;
+  const float cap = static_cast<float>(a.softcap);
+  return cap * tanhf(z / cap);
 }
 
-// The soft cap's factor in dS, the tanh's derivative 1 - tanh(s * scale / softcap)^2 (1 without a cap).
-__device__ __forceinline__ float cap_grad(const SoftmaxArgs& a, float s, float scale) {
+// The soft cap's factor in dS, the tanh's derivative 1 - (z / softcap)^2 of the capped score z (1 without a cap).
+__device__ __forceinline__ float cap_grad(const SoftmaxArgs& a, float z) {
   if (a.softcap <= 0) return 1.f;
-  const float t = tanhf(s * scale / static_cast<float>(a.softcap));
+  const float t = z / static_cast<float>(a.softcap);
   return 1.f - t * t;
+}
+
+// The capped score z plus the mask at key j of the probability row whose mask row starts at moff.
+template <typename scalar_t>
+__device__ __forceinline__ float masked(const Params<scalar_t>& P, float z, int64_t moff, int64_t j) {
+  return P.mask.data ? z + softmax_impl::sm_mask_at<scalar_t, float>(P.mask, moff, j) : z;
+}
+
+// Logit of score `s` at key j of the probability row whose mask row starts at moff (j below the
+// row's causal limit).
+template <typename scalar_t>
+__device__ __forceinline__ float logit(const Params<scalar_t>& P, float s, float scale, int64_t moff, int64_t j) {
+  return masked(P, capped(P.a, s, scale), moff, j);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -579,10 +586,11 @@ __global__ void __launch_bounds__(kThreads, 2) flash_bwd_dq_kernel(const Params<
           const int64_t j = j0 + tx + 16 * c;
           float ds = 0.f;
           if (j < lim) {
-            const float p = softmax_impl::sm_exp(logit(P, s[r][c], scale, moff, j) - mx) * inv;
+            const float z = capped(P.a, s[r][c], scale);
+            const float p = softmax_impl::sm_exp(masked(P, z, moff, j) - mx) * inv;
             const float g =
                 dropout ? dp[r][c] * drop_mult(P.a, keep_scale, drop_index(sq, R0 + r, j)) : dp[r][c];
-            ds = scale * p * (g - dl) * cap_grad(P.a, s[r][c], scale);
+            ds = scale * p * (g - dl) * cap_grad(P.a, z);
           }
           Ss[x * LDS + tx + 16 * c] = ds;
         }
@@ -662,10 +670,11 @@ __global__ void __launch_bounds__(kThreads, 2) flash_bwd_dkdv_kernel(const Param
             const int64_t j = j0 + ty * RM + r;
             float pd = 0.f, ds = 0.f;
             if (j < lim) {  // lim <= Lk: keys past Lk, rows past Lq and fully masked rows skip
-              const float p = softmax_impl::sm_exp(logit(P, s[r][c], scale, moff, j) - mx) * inv;
+              const float z = capped(P.a, s[r][c], scale);
+              const float p = softmax_impl::sm_exp(masked(P, z, moff, j) - mx) * inv;
               const float mult = dropout ? drop_mult(P.a, keep_scale, drop_index(sq, R, j)) : 1.f;
               pd = p * mult;
-              ds = scale * p * (dp[r][c] * mult - dl) * cap_grad(P.a, s[r][c], scale);
+              ds = scale * p * (dp[r][c] * mult - dl) * cap_grad(P.a, z);
             }
             Ts[(ty * RM + r) * LDT + x] = pd;
             s[r][c] = ds;  // kept for the dK product

@@ -200,8 +200,6 @@ inline Tensor gemm_backward(const Tensor& grad_out, const Tensor& q, const Tenso
 
 // ----------------------------------------------------------------------------------------- fused form
 
-// The fused forward into `out` where K's kernels take the operands, else the GEMM form (whose
-// probabilities are dropped: the fused backward recomputes them). Returns (out, stats).
 // Soft-capped scores (softcap > 0) only the fused kernels compute: elsewhere a clear error.
 inline void check_softcap_runs(const char* op, bool fused, double softcap, const Tensor& q, const Tensor& v) {
   TORCH_CHECK(softcap == 0 || fused, "dmfx::", op, ": softcap (soft-capped scores) needs dmfx's fused kernel, which "
@@ -210,6 +208,8 @@ inline void check_softcap_runs(const char* op, bool fused, double softcap, const
               " (dmfx's attention pass leaves such soft-capped attention to PyTorch)");
 }
 
+// The fused forward into `out` where K's kernels take the operands, else the GEMM form (whose
+// probabilities are dropped: the fused backward recomputes them). Returns (out, stats).
 template <class K>
 std::tuple<Tensor, Tensor> flash_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Opt& mask,
                                          double scale, bool causal, const Opt& seed, double p, const Tensor& out,
