@@ -166,27 +166,6 @@ def _softcapped(scores: Node) -> tuple[Node, float, list[Node]] | None:
     return n, float(factor), chain
 
 
-def _softcap_miss(ctx: PassContext, q4: Node, v4: Node, probs_read: bool, mask: Node | None) -> str | None:
-    """Why soft-capped attention cannot take dmfx::flash_attention (the one form with a soft cap) here."""
-    from ..cuda_ops import flash_supported
-
-    qm = tensor_meta(q4)
-    if not flash_supported(qm.device, qm.dtype, qm.shape[3], tensor_meta(v4).shape[3]):
-        return f"soft-capped scores need dmfx's fused kernel, which does not take {qm.dtype} on {qm.device.type} here"
-    if qm.device.type == "cuda" and ctx.attention != "flash":
-        return "soft-capped scores on CUDA: dmfx's CUDA flash kernel has not run on a GPU yet (attention='flash' asks for it)"
-    if ctx.attention in ("gemm", "sdpa"):
-        return f"soft-capped scores run only in the flash form, and option attention={ctx.attention!r} asks for another"
-    if isinstance(qm.shape[2], int) and qm.shape[2] == 1 and not ctx.needs_grad(q4):
-        return ("soft-capped scores over one query row (a decode step): dmfx's kernel, built for blocks of query "
-                "rows, is about 3x slower than a single-row kernel there (bench/generate.py)")
-    if probs_read:
-        return "soft-capped scores with the probabilities read elsewhere (only the GEMM form hands them out)"
-    if mask is not None and ctx.needs_grad(mask):
-        return "soft-capped scores with a mask that requires grad (the flash form computes no mask gradient)"
-    return None
-
-
 def _bmm_of(s: Node) -> Node | None:
     """s = view(bmm(a, b), 4-D): the bmm."""
     if not is_op(s, *RESHAPES) or len(s.users) != 1:
@@ -208,6 +187,63 @@ GEMM_FORM_MAX_KEYS = 256
 #: inference, 1.35x / 1.34x at L=512, 1.27x training at L=1024, B=2: each block of query rows reads only
 #: the keys up to its diagonal; below it a tie, where SDPA stays).
 CAUSAL_FLASH_MIN_KEYS = 512
+
+
+def _flash_kernels(q4: Node, v4: Node) -> tuple[bool, bool]:
+    """(dmfx's fused kernel takes these q / v here, the cost model may pick it on its own). dmfx's CUDA
+    flash kernel has run on a CPU emulation of CUDA (tests/test_emulated_cuda_flash.py) but not yet on
+    a GPU: until bench/gpu_check.sh has passed on one, only attention="flash" runs it (neither the rules
+    nor tuning, which would time it but not check its results)."""
+    from ..cuda_ops import flash_supported
+
+    qm = tensor_meta(q4)
+    ok = flash_supported(qm.device, qm.dtype, qm.shape[3], tensor_meta(v4).shape[3])
+    return ok, ok and qm.device.type != "cuda"
+
+
+def _decode_step(ctx: PassContext, q4: Node) -> bool:
+    """One query row in inference: a decode step against a cache."""
+    rows = tensor_meta(q4).shape[2]
+    return isinstance(rows, int) and rows == 1 and not ctx.needs_grad(q4)
+
+
+def _required_form(ctx: PassContext, mask: Node | None, probs_read: bool, flash_ok: bool,
+                   sdpa_ok: bool) -> tuple[str, str] | None:
+    """The form what the graph reads or the user's option demands, before any cost: the GEMM form for the
+    probabilities read elsewhere or a mask that requires grad (only it hands them out), else the form
+    option ``attention`` names where it can run; None where the cost decides."""
+    if probs_read:
+        return "gemm", "the attention probabilities are read elsewhere (returned attention weights)"
+    if mask is not None and ctx.needs_grad(mask):
+        return "gemm", "the mask requires grad (a learned position bias): only the unfused form computes its gradient"
+    forced = ctx.attention
+    if forced == "gemm" or (forced == "flash" and flash_ok) or (forced == "sdpa" and sdpa_ok):
+        return forced, f"option attention={forced!r}"
+    return None
+
+
+def softcap_form(ctx: PassContext, q4: Node, v4: Node, mask: Node | None, probs_read: bool) -> tuple[str | None, str]:
+    """choose_form for soft-capped scores (Gemma 2). dmfx::flash_attention is the one form that applies the
+    cap inside the attention, so the choice is ("flash", why) or (None, why not), and None leaves the
+    attention to the GEMMs around the fused softmax: where the fused kernel does not run, where the graph
+    or option ``attention`` demands another form (the same _required_form as choose_form's), on CUDA
+    unless asked for, and in a decode step (where choose_form would take SDPA's single-row kernel)."""
+    flash_ok, flash_auto = _flash_kernels(q4, v4)
+    qm = tensor_meta(q4)
+    if not flash_ok:
+        return None, f"soft-capped scores need dmfx's fused kernel, which does not take {qm.dtype} on {qm.device.type} here"
+    required = _required_form(ctx, mask, probs_read, flash_ok, sdpa_ok=False)
+    if required is not None:
+        if required[0] == "flash":
+            return required
+        return None, f"soft-capped scores run only in the flash form, and {required[1]}"
+    if not flash_auto:
+        return None, ("soft-capped scores on CUDA: dmfx's CUDA flash kernel has not run on a GPU yet "
+                      "(attention='flash' asks for it)")
+    if _decode_step(ctx, q4):
+        return None, ("soft-capped scores over one query row (a decode step): dmfx's kernel, built for blocks of "
+                      "query rows, is about 3x slower than a single-row kernel there (bench/generate.py)")
+    return "flash", "soft-capped scores: only dmfx's fused kernel applies the cap inside the attention"
 
 
 def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | None, causal: bool, p: float,
@@ -241,19 +277,12 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | Non
 
     With ``options={"tune": True}`` the feasible forms are timed instead (passes/tuning.py).
     """
-    from ..cuda_ops import flash_supported
-
     qm = tensor_meta(q4)
-    flash_ok = flash_supported(qm.device, qm.dtype, qm.shape[3], tensor_meta(v4).shape[3])
-    # dmfx's CUDA flash kernel has run on a CPU emulation of CUDA (tests/test_emulated_cuda_flash.py)
-    # but not yet on a GPU: until bench/gpu_check.sh has passed on one, only attention="flash" runs it
-    # (neither the rules below nor tuning, which would time it but not check its results).
-    flash_auto = flash_ok and qm.device.type != "cuda"
-    if probs_read:
-        return "gemm", "the attention probabilities are read elsewhere (returned attention weights)"
-    if mask is not None and ctx.needs_grad(mask):
-        return "gemm", "the mask requires grad (a learned position bias): only the unfused form computes its gradient"
+    flash_ok, flash_auto = _flash_kernels(q4, v4)
     sdpa_ok = not causal or qm.shape[2] == tensor_meta(k4).shape[2]
+    required = _required_form(ctx, mask, probs_read, flash_ok, sdpa_ok)
+    if required is not None:
+        return required
     if ctx.tune and ctx.attention == "auto":
         from .tuning import attention_case, tuned_attention_form
 
@@ -263,18 +292,11 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | Non
         if tuned is not None:
             best, ms = tuned
             return best, "tuned: " + ", ".join(f"{f} {t:.2f} ms" for f, t in sorted(ms.items(), key=lambda kv: kv[1]))
-    forced = ctx.attention
-    if forced == "gemm":
-        return "gemm", "option attention='gemm'"
-    if forced == "flash" and flash_ok:
-        return "flash", "option attention='flash'"
-    if forced == "sdpa" and sdpa_ok:
-        return "sdpa", "option attention='sdpa'"
     if qm.device.type == "cpu" and p > 0:
         if flash_auto:
             return "flash", "dropout on the CPU: no fused PyTorch kernel"
         return "gemm", f"dropout on the CPU in {qm.dtype}: no fused kernel"
-    if qm.device.type == "cpu" and isinstance(qm.shape[2], int) and qm.shape[2] == 1 and not ctx.needs_grad(q4) and sdpa_ok:
+    if qm.device.type == "cpu" and _decode_step(ctx, q4) and sdpa_ok:
         return "sdpa", ("one query row (a decode step): PyTorch's SDPA kernel is about 3x faster than dmfx's "
                         "here (0.10 vs 0.28 ms per call, LLaMA hidden 512 with a 64-row static cache: bench/generate.py)")
     keys = tensor_meta(k4).shape[2]
@@ -382,8 +404,8 @@ def match_attention(sm: Node, ctx: PassContext) -> Match | Miss | None:
     # the softmax's outputs read elsewhere (returned attention weights): only the GEMM form has them
     read_elsewhere = [g for g in outs if g is not o or len(g.users) > 1]
     if softcap:
-        why = _softcap_miss(ctx, q4, v4, bool(read_elsewhere or probs_outs), mask)
-        if why is not None:
+        form, why = softcap_form(ctx, q4, v4, mask, bool(read_elsewhere or probs_outs))
+        if form is None:
             return Miss(why)
     nodes = {"softmax": sm, "q4": q4, "kt4": kt4, "k_src": k_src, "v4": v4, "mask": mask, "scale": scale,
              "causal": causal, "seed": seed, "p": p, "q_scale": q_scale, "context": ctx4,
@@ -405,7 +427,7 @@ def rewrite_attention(graph: Graph, m: Match, ctx: PassContext) -> Replacement:
             q4 = insert_call(graph, ctx, aten.mul.Tensor, (q4, m["q_scale"]))
         probs_read = bool(m["outs_read"] or m["probs_read"])
         if m["softcap"]:  # (match_attention checked that it can run)
-            form, why = "flash", "soft-capped scores: only dmfx's fused kernel applies the cap inside the attention"
+            form, why = softcap_form(ctx, q4, v4, mask, probs_read)
         else:
             form, why = choose_form(ctx, q4, k4, v4, mask, causal, p, scale, probs_read)
         if form == "sdpa":

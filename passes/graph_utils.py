@@ -339,6 +339,33 @@ def is_impure(n: Node) -> bool:
         return n.is_impure()
 
 
+def same_value(a: Any, b: Any, depth: int = 16) -> bool:
+    """a and b (nodes, constants, or lists of them) are the same value: the same node, or the same pure op
+    applied to the same values, looked up to `depth` ops deep (functionalization records a separate
+    ``view(x, shape)`` for each reader of x; GPT-J computes its rotary tables once per tensor). Random
+    and impure ops are never the same value twice. SymInts compare by their expressions, which records
+    no guard (``==`` on them would)."""
+    if a is b:
+        return True
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y, depth) for x, y in zip(a, b))
+    sym = (torch.SymInt, torch.SymFloat, torch.SymBool)
+    if isinstance(a, sym) or isinstance(b, sym):
+        return type(a) is type(b) and a.node.expr == b.node.expr
+    if not isinstance(a, Node) or not isinstance(b, Node):
+        return not isinstance(a, Node) and not isinstance(b, Node) and type(a) is type(b) and a == b
+    if depth == 0 or a.op != "call_function" or b.op != "call_function" or a.target != b.target:
+        return False
+    seeded = isinstance(a.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in a.target.tags
+    if is_impure(a) or seeded:
+        return False
+    return (
+        same_value(a.args, b.args, depth - 1)
+        and a.kwargs.keys() == b.kwargs.keys()
+        and all(same_value(a.kwargs[key], b.kwargs[key], depth - 1) for key in a.kwargs)
+    )
+
+
 def dead_code_elimination(gm: GraphModule) -> None:
     gm.graph.eliminate_dead_code(is_impure_node=is_impure)
 

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from .attention import ATTENTION_OPS
 from .fusion import absorbed_ops, dying, erase, record
-from .graph_utils import RESHAPES, PassContext, aten, concrete_int, insert_call, is_op, is_transpose, same_shape, tensor_meta
+from .graph_utils import RESHAPES, PassContext, aten, concrete_int, insert_call, is_op, is_transpose, same_shape, same_value, tensor_meta
 
 log = logging.getLogger("dmfx")
 _PACKED = {torch.ops.dmfx.attention.default: torch.ops.dmfx.qkv_attention.default,
@@ -47,20 +47,6 @@ def _head_view_of(t: Node):
     if not is_op(h, aten.addmm, aten.mm) or len(h.users) != 1:
         return None
     return h, v.args[1]
-
-
-def _same_value(a: object, b: object) -> bool:
-    """a and b are the same node, or the same view of the same value (functionalization records a
-    separate ``view(x, shape)`` for each reader of x)."""
-    if a is b:
-        return True
-    return (
-        is_op(a, *RESHAPES)
-        and is_op(b, *RESHAPES)
-        and a.target is b.target
-        and list(a.args[1]) == list(b.args[1])
-        and _same_value(a.args[0], b.args[0])
-    )
 
 
 def _split_source(q4: Node, k4: Node, v4: Node) -> Node | None:
@@ -136,7 +122,7 @@ def stack_qkv(gm: GraphModule, ctx: PassContext) -> None:
             continue
         lins = [lin for lin, _ in heads]
         parts = [_linear_parts(lin) for lin in lins]
-        if any(x is None for x in parts) or not all(_same_value(parts[0][0], x) for x, _, _ in parts[1:]):
+        if any(x is None for x in parts) or not all(same_value(parts[0][0], x) for x, _, _ in parts[1:]):
             ctx.miss("qkv_attention", att, "q, k and v are not projections of the same input")
             continue
         ws = [w for _, w, _ in parts]

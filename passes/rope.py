@@ -30,10 +30,10 @@ from .graph_utils import (
     commuted,
     insert_call,
     insert_getitems,
-    is_impure,
     is_op,
     kernel_friendly,
     same_shape,
+    same_value,
     tensor_meta,
 )
 
@@ -124,29 +124,6 @@ def _rope_site(add: Node) -> tuple[Node, Node, Node, list[Node], bool] | None:
     return None
 
 
-def _same_value(a: object, b: object, depth: int = 16) -> bool:
-    """a and b are the same value: the same node, or the same pure op applied to the same values
-    (looked up to `depth` ops deep)."""
-    if a is b:
-        return True
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same_value(x, y, depth) for x, y in zip(a, b))
-    if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):  # comparing would guard on a size
-        return False
-    if not isinstance(a, Node) or not isinstance(b, Node):
-        return not isinstance(a, Node) and not isinstance(b, Node) and type(a) is type(b) and a == b
-    if depth == 0 or a.op != "call_function" or b.op != "call_function" or a.target != b.target:
-        return False
-    seeded = isinstance(a.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in a.target.tags
-    if is_impure(a) or seeded:
-        return False
-    return (
-        _same_value(a.args, b.args, depth - 1)
-        and a.kwargs.keys() == b.kwargs.keys()
-        and all(_same_value(a.kwargs[key], b.kwargs[key], depth - 1) for key in a.kwargs)
-    )
-
-
 def _sites_sharing(
     graph: Graph, order: dict[Node, int], cos: Node, sin: Node, interleaved: bool, equal_tables: bool
 ) -> list[tuple[Node, Node, list[Node]]]:
@@ -154,7 +131,7 @@ def _sites_sharing(
     (`equal_tables`: or with tables of the same values), in graph order (`order`: each node's place)."""
     tables = [cos]
     if equal_tables and cos.op == "call_function":
-        tables = [n for n in graph.nodes if n.target == cos.target and _same_value(n, cos)]
+        tables = [n for n in graph.nodes if n.target == cos.target and same_value(n, cos)]
     found = {}
     for c in tables:
         for m1 in c.users:
@@ -163,7 +140,7 @@ def _sites_sharing(
                 if site is None or site[4] != interleaved:
                     continue
                 shared = site[1] is cos and site[2] is sin
-                if shared or (equal_tables and _same_value(site[1], cos) and _same_value(site[2], sin)):
+                if shared or (equal_tables and same_value(site[1], cos) and same_value(site[2], sin)):
                     found[add] = (add, site[0], site[3])
     return sorted(found.values(), key=lambda site: order[site[0]])
 

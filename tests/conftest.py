@@ -208,6 +208,15 @@ def softmax_mask(kind: str, shape, dtype: torch.dtype, gen: torch.Generator):
     raise ValueError(kind)
 
 
+def rotate_half(x):  # HF LLaMA's rotary rotation: the halves (i, i + D/2) rotate
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_every_two(x):  # GPT-J's and Cohere's: the pairs (2i, 2i + 1) rotate
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
 def tiny_bert_layer(dropout=0.0):
     """dmfx.models.tiny_bert_layer (an HF BertLayer of hidden size 32 in train mode, and a copy); the
     test skips without transformers."""

@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import rel_err
+from conftest import rel_err, rotate_every_two, rotate_half
 from torch import nn
 
 import dmfx
@@ -208,16 +208,6 @@ class SwiGLU(nn.Module):
         else:
             gate, up = self.gate(x), self.up(x)
         return self.down(F.silu(gate) * up)
-
-
-def rotate_half(x):
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2:]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def rotate_every_two(x):  # Cohere's and GPT-J's: the pairs (2i, 2i + 1) rotate
-    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, rotate=rotate_half):

@@ -326,13 +326,17 @@ def test_soft_capped_attention_near_misses_keep_the_fused_softmax():
     missed(gemma2_attention, *_gemma2_inputs(Lq=1), why="one query row (a decode step)")
     missed(gemma2_attention, *_gemma2_inputs(dtype=torch.bfloat16), why="need dmfx's fused kernel")
     missed(gemma2_attention, *_gemma2_inputs(), why="option attention='gemm'", attention="gemm")
+    # option attention="flash" overrides the decode-step rule, as it does for attention without a cap
+    gm, ctx = rewrite(gemma2_attention, *_gemma2_inputs(Lq=1), attention="flash")
+    assert ctx.fired.get("attention") == 1 and [f for f, _ in ctx.forms.values()] == ["flash"], ctx.missed
+    check_same(gemma2_attention, gm, *_gemma2_inputs(Lq=1))
 
     def weights_returned(q, k, v, mask):
         s = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * D ** -0.5 / 2.0) * 2.0
         p = torch.softmax(s + mask, -1)
         return torch.matmul(p, v), p
 
-    missed(weights_returned, *_gemma2_inputs(), why="probabilities read elsewhere")
+    missed(weights_returned, *_gemma2_inputs(), why="probabilities are read elsewhere")
 
     def tanh_read_twice(q, k, v, mask):  # the capped scores are an output too: nothing to fuse them into
         t = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * 0.25)

@@ -2,14 +2,9 @@
 unpaired or wrongly split rotation is left alone."""
 
 import torch
-from conftest import check_same, rewrite, targets
+from conftest import check_same, rewrite, rotate_every_two, rotate_half, targets
 
 aten = torch.ops.aten
-
-
-def rotate_half(x):
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def apply_rope(q, k, cos, sin):  # HF LLaMA's apply_rotary_pos_emb
@@ -41,10 +36,6 @@ def test_rope_alone_or_wrong_halves_is_left_alone():
 
     gm, ctx = rewrite(swapped, q, q.clone(), cos.unsqueeze(1), sin.unsqueeze(1))
     assert "rope" not in ctx.fired
-
-
-def rotate_every_two(x):  # GPT-J's and Cohere's
-    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
 
 
 def apply_rope_interleaved(q, k, cos, sin):  # Cohere's apply_rotary_pos_emb
