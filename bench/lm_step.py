@@ -27,7 +27,8 @@ queue, CPU time measures the work; use it with ``--threads 1``. Report which clo
 
 Usage: ``python -m bench.lm_step [--models llama-small,bert-mlm] [--layers 4] [--train/--infer]
 [--rounds 5] [--threads 2] [--clock wall|cpu] [--autocast bf16|fp16] [--device cpu|cuda] [--batch B] [--seq L]
-[--candidates eager,inductor,dmfx,dmfx-fx,dmfx-all,floor]``;
+[--saved] [--candidates eager,inductor,dmfx,dmfx-fx,dmfx-all,floor]``; ``--saved`` also reports each candidate's
+bytes kept from the forward for the backward (kept_for_backward);
 ``dmfx-skip-<pass>[+<pass>...]`` is dmfx's default with those passes skipped (an ablation, e.g.
 ``dmfx-skip-accumulate_embedding_grad``); ``dmfx-all-skip-<pass>+<pass>...`` / ``dmfx-fx-skip-...`` the same
 from ``fuse="all"`` / ``compiler="fx"``
@@ -167,12 +168,32 @@ def candidates(names, base, kwargs, train: bool, autocast: torch.dtype | None = 
         elif name != "eager":
             m = torch.compile(m, backend="dmfx", dynamic=dynamic, options=dmfx_options(name))
         steps[name] = step_of(m, kwargs, train, autocast, device)
+        steps[name].module = m
     return steps
+
+
+def kept_for_backward(step) -> int:
+    """Bytes of the distinct storages one training step's autograd keeps from its forward for its backward
+    (``saved_tensors_hooks``: eager's saved tensors and each compiled graph's alike), the module's
+    parameters and buffers left out. Includes what the step returns, where the backward saved it too."""
+    own = {t.untyped_storage().data_ptr() for t in (*step.module.parameters(), *step.module.buffers())}
+    kept: dict[int, int] = {}
+
+    def pack(x):
+        ptr = x.untyped_storage().data_ptr()
+        if ptr not in own:
+            kept[ptr] = x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        step()
+    step.module.zero_grad(set_to_none=True)
+    return sum(kept.values())
 
 
 def run(name: str, layers: int, train: bool, names: list[str], rounds: int, clock,
         autocast: torch.dtype | None = None, attn: str = "eager", device: str = "cpu", dynamic: bool | None = None,
-        batch: int | None = None, seq: int | None = None) -> dict:
+        batch: int | None = None, seq: int | None = None, saved: bool = False) -> dict:
     torch._dynamo.reset()
     base, kwargs = build(name, layers, batch=batch, seq=seq, attn=attn)
     base, kwargs = base.to(device), {k: v.to(device) for k, v in kwargs.items()}
@@ -195,6 +216,8 @@ def run(name: str, layers: int, train: bool, names: list[str], rounds: int, cloc
            "autocast": str(autocast).replace("torch.", "") if autocast else None, "attn": attn, "dynamic": dynamic, "median_ms": med,
            "range_ms": {n: (min(t["total"]), max(t["total"])) for n, t in times.items()},
            "first_call_s": first}
+    if saved and train:
+        res["kept_mb"] = {n: kept_for_backward(s) / 2**20 for n, s in steps.items() if n != "floor"}
     for ref in ("eager", "inductor", "floor"):
         if ref in med:
             res[f"vs_{ref}"] = {n: (med[ref] / t if ref != "floor" else t / med[ref]) for n, t in med.items()}
@@ -223,6 +246,8 @@ def main() -> None:
     p.add_argument("--dynamic", action="store_true", help="torch.compile(..., dynamic=True) for every compiled candidate")
     p.add_argument("--batch", type=int, default=None, help="batch size (default: the model's own)")
     p.add_argument("--seq", type=int, default=None, help="sequence length of a text model (default: the model's own)")
+    p.add_argument("--saved", action="store_true",
+                   help="also each candidate's bytes kept from the forward for the backward (training)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[a.autocast]
@@ -233,14 +258,15 @@ def main() -> None:
     out = {"env": {**environment(a.device), "clock": a.clock}, "results": []}
     for name in a.models.split(","):
         r = run(name, a.layers, not a.infer, a.candidates.split(","), a.rounds, clock, autocast, a.attn, a.device,
-                a.dynamic or None, a.batch, a.seq)
+                a.dynamic or None, a.batch, a.seq, a.saved)
         out["results"].append(r)
         for n, t in r["median_ms"].items():
             lo, hi = r["range_ms"][n]
             extra = "  ".join(f"{k} {v[n]:.3f}" for k, v in r.items() if k.startswith(("vs_", "paired_")) and n in v)
             mode = f"{r['mode']} {a.autocast}" if a.autocast else r["mode"]
+            kept = f"  kept for backward {r['kept_mb'][n]:.0f} MB" if n in r.get("kept_mb", {}) else ""
             print(f"{name} x{a.layers} {mode} {n:9s} {t:9.1f} ms [{lo:.0f}-{hi:.0f}]  {extra}  "
-                  f"first call {r['first_call_s'].get(n, float('nan')):.1f} s", flush=True)
+                  f"first call {r['first_call_s'].get(n, float('nan')):.1f} s{kept}", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

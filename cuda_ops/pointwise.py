@@ -1,4 +1,4 @@
-"""dmfx's fused pointwise ops: bias + activation + dropout, gated activations, rotary embedding.
+"""dmfx's fused pointwise ops: bias + activation + dropout, gated activations, rotary embedding, soft cap.
 
 The ops' schemas and fake implementations (for tracing) are here; their CPU and CUDA kernels, their
 argument checks and their autograd formulas (each backward is itself a fused op) are registered in
@@ -25,23 +25,35 @@ Ops
     ``rotate_every_two``: ``stack(-x[..., 1::2], x[..., ::2], -1).flatten(-2)``). ``inverse=True``
     applies the transpose map (the backward). cos/sin broadcast to q and k through strides (never
     materialized).
+``dmfx::softcap(x, cap) -> out``: Gemma 2's soft-capped logits, ``cap * tanh(x / cap)``, one pass. x of
+    any shape and strides (read in place where its last dim has unit stride); out is contiguous, x's
+    shape and dtype, computed in float32 (float64 for float64 x) and rounded once. cap must be positive
+    and finite: else ValueError ("dmfx::softcap: cap must be positive and finite, got ..."), from the
+    kernels and from the fake (tracing) alike. Its autograd saves the OUTPUT only (not x): a loss over the
+    capped logits keeps them anyway, where eager's chain also keeps the tanh's output, a second tensor
+    of the logits' size.
+``dmfx::softcap_backward(grad_out, out, cap) -> dx``: ``grad_out * (1 - (out / cap)^2)``, out softcap's
+    output; grad_out and out of one shape, dtype and device (else an error naming the tensor and what
+    was expected); dx contiguous, in their dtype, float32 (float64) math.
 
 Activations (``act``): "identity", "relu", "gelu" (erf form), "gelu_tanh" (tanh approximation),
 "silu", "tanh" (BERT's pooler), "quick_gelu" (``x * sigmoid(1.702 x)``, CLIP's), "relu_squared"
 (``relu(x)^2``, Nemotron's and Primer's). Dropout seeds are int64 CPU tensors ``[seed, offset]`` (``new_seed()``,
 _library.py); the mask of element i (row-major logical index in x's shape) is the Philox mask of
 dmfx_common.h. Autograd: double backward through ``bias_act_dropout_backward`` or ``glu_backward``
-raises NotImplementedError; ``rope``'s backward is ``rope`` again (differentiable).
+raises NotImplementedError; ``rope``'s backward is ``rope`` again (differentiable); ``softcap_backward`` is
+differentiable (for grad_out it is itself, for out ``-2 grad_out * out / cap^2`` in plain ATen).
 
-Determinism (CPU; tests/test_determinism.py): every op is bit-reproducible run to run with the
-thread count fixed; all outputs but ``bias_act_dropout_backward``'s dbias are also independent of
-the thread count (element-wise math, Philox of the element index). That dbias is summed per thread
+Determinism (CPU; tests/test_determinism.py, softcap's in tests/test_pointwise_ops.py): every op is
+bit-reproducible run to run with the thread count fixed; all outputs but ``bias_act_dropout_backward``'s
+dbias are also independent of the thread count (element-wise math, Philox of the element index). That dbias is summed per thread
 over the thread's fixed share of the rows, then across threads in order: reproducible for a given
 count, not across counts.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -62,8 +74,10 @@ _lib.define(
     "glu_backward(Tensor grad_out, Tensor gate, Tensor up, str act, bool[] output_mask) -> (Tensor dgate, Tensor dup)"
 )
 _lib.define("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool inverse, bool interleaved=False) -> (Tensor, Tensor)")
+_lib.define("softcap(Tensor x, float cap) -> Tensor")
+_lib.define("softcap_backward(Tensor grad_out, Tensor out, float cap) -> Tensor")
 
-OPS = ("bias_act_dropout", "bias_act_dropout_backward", "glu", "glu_backward", "rope")
+OPS = ("bias_act_dropout", "bias_act_dropout_backward", "glu", "glu_backward", "rope", "softcap", "softcap_backward")
 kernels_in_cxx(OPS)
 
 
@@ -140,6 +154,25 @@ def _glu_backward_fake(grad_out, gate, up, act, output_mask):
     return (_like(gate) if m[0] else _nothing(gate)), (_like(gate) if m[1] else _nothing(gate))
 
 
+def _check_cap(op: str, cap: float) -> None:
+    """The kernels' check of softcap's cap (csrc/pointwise_api.h check_cap), with the same message, so
+    that tracing fails as a call does."""
+    if not (math.isfinite(cap) and cap > 0):
+        raise ValueError(f"dmfx::{op}: cap must be positive and finite, got {cap:g}")
+
+
+@torch.library.register_fake("dmfx::softcap")
+def _softcap_fake(x, cap):
+    _check_cap("softcap", cap)
+    return _like(x)  # (contiguous, as the kernels make it)
+
+
+@torch.library.register_fake("dmfx::softcap_backward")
+def _softcap_backward_fake(grad_out, out, cap):
+    _check_cap("softcap_backward", cap)
+    return _like(grad_out)
+
+
 @torch.library.register_fake("dmfx::rope")
 def _rope_fake(q, k, cos, sin, inverse, interleaved=False):
     order = _rope_layout(q, k)
@@ -178,6 +211,12 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = Fal
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         _check_tensor("rope", name, t)
     return torch.ops.dmfx.rope(q, k, cos, sin, False, bool(interleaved))
+
+
+def softcap(x: Tensor, cap: float) -> Tensor:
+    """``cap * tanh(x / cap)`` (Gemma 2's soft-capped logits); its backward reads the output only."""
+    _check_tensor("softcap", "x", x)
+    return torch.ops.dmfx.softcap(x, float(cap))
 
 
 # ----------------------------------------------------------------------------------------- references
@@ -251,6 +290,7 @@ __all__ = [
     "bias_act_dropout",
     "glu",
     "rope",
+    "softcap",
     "reference_act",
     "reference_bias_act_dropout",
     "reference_glu",

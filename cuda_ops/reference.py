@@ -148,3 +148,18 @@ def reference_softmax(
         out = dropout(probs, seed, p)
         return out.to(scores.dtype), probs.to(scores.dtype)
     return probs.to(scores.dtype), scores.new_empty((0,))
+
+
+def softcap(x: Tensor, cap: float) -> Tensor:
+    """dmfx::softcap in pure PyTorch: ``cap * tanh(x / cap)`` computed in float32 (float64 for float64 x),
+    rounded once to x's dtype."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (cap * torch.tanh(x.to(acc) / cap)).to(x.dtype)
+
+
+def softcap_backward(grad_out: Tensor, out: Tensor, cap: float) -> Tensor:
+    """dmfx::softcap_backward in pure PyTorch: ``grad_out * (1 - (out / cap)^2)`` from softcap's output,
+    in float32 (float64 for float64), rounded once to grad_out's dtype."""
+    acc = torch.float64 if grad_out.dtype == torch.float64 else torch.float32
+    t = out.to(acc) / cap
+    return (grad_out.to(acc) * (1 - t * t)).to(grad_out.dtype)

@@ -48,9 +48,9 @@ FAMILY_PASSES: dict[str, tuple[str, ...]] = {
              "fold_gradient_adds", "fold_bias_grads"),
     # softmax / softmax_backward; the attention pass's GEMM form and the flash ops' unfused path run them
     "softmax": ("attention_softmax", "attention", "lower_sdpa_calls", "qkv_attention", "aten_backward"),
-    # rope, glu, bias_act_dropout and their backwards (activation_idioms emits bias_act_dropout for
-    # QuickGELU and the squared ReLU; its GELU and SiLU rewrites only feed glu and bias_act_dropout)
-    "pointwise": ("activation_idioms", "rope", "glu", "bias_act_dropout", "aten_backward"),
+    # rope, glu, bias_act_dropout, softcap and their backwards (activation_idioms emits bias_act_dropout
+    # for QuickGELU and the squared ReLU; its GELU and SiLU rewrites only feed glu and bias_act_dropout)
+    "pointwise": ("activation_idioms", "rope", "glu", "bias_act_dropout", "softcap", "aten_backward"),
     # flash_attention, qkv_flash_attention and their backwards (with the bias gradients); the varlen ops
     # (unpad emits them)
     "attention": ("attention", "lower_sdpa_calls", "qkv_attention", "fold_bias_grads", "unpad"),
@@ -62,7 +62,7 @@ FAMILY_PASSES: dict[str, tuple[str, ...]] = {
 FAMILY_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "norm": ("norm_fwd", "norm_bwd", "dropout"),
     "softmax": ("softmax_fwd", "softmax_bwd"),
-    "pointwise": ("bias_act_fwd", "bias_act_bwd", "glu_fwd", "glu_bwd", "rope"),
+    "pointwise": ("bias_act_fwd", "bias_act_bwd", "glu_fwd", "glu_bwd", "rope", "softcap_fwd", "softcap_bwd"),
     "attention": ("flash_fwd", "flash_bwd", "varlen_fwd", "varlen_bwd"),
     "cross_entropy": ("cross_entropy_fwd", "cross_entropy_bwd"),
 }
@@ -489,6 +489,17 @@ def _check_pointwise(r: _Runner) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         for interleaved in (False, True):
             _check_rope(r, reference_rope, dtype, interleaved)
+    # the soft cap (logits of about 4 against a cap of 3: the tanh bends them), a strided x in fp32
+    for shape, dtype, cap in (((5, 37), torch.float32, 3.0), ((3, 4, 67), torch.bfloat16, 2.0)):
+        x, go = r.randn(*shape, dtype=dtype, scale=4.0), r.randn(*shape, dtype=dtype)
+        if dtype == torch.float32:
+            x = r.randn(shape[1], shape[0], dtype=dtype, scale=4.0).t()
+        what = f"softcap_fwd {_shape(x)} cap={cap}"
+        outs, g = _reference(lambda x: R.softcap(x, cap), {"x": x}, [go], grads=["x"])
+        r.expect(what, r.m.softcap_fwd(x, cap), outs[0], dtype)
+        # the backward from the reference output (checked on its own, whatever the forward's)
+        dx = r.m.softcap_bwd(go, outs[0].to(r.device, dtype), cap)
+        r.expect_grads(what.replace("fwd", "bwd"), {"x": dx}, g, dtype)
 
 
 def _check_rope(r: _Runner, reference_rope, dtype, interleaved: bool) -> None:

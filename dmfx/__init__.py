@@ -12,7 +12,7 @@ from .cuda_ops.attention import attention, varlen_attention
 from .cuda_ops.build import KernelBuildError
 from .cuda_ops.cross_entropy import cross_entropy, linear_cross_entropy
 from .cuda_ops.norm import bias_dropout_residual_layer_norm, dropout, layer_norm, rms_norm
-from .cuda_ops.pointwise import bias_act_dropout, glu, rope
+from .cuda_ops.pointwise import bias_act_dropout, glu, rope, softcap
 from .cuda_ops.softmax import attention_softmax
 from .explain import explain  # (the function; its package's parts: from dmfx.explain import ...)
 from .options import Options
@@ -56,6 +56,7 @@ __all__ = [
     "reset",
     "rms_norm",
     "rope",
+    "softcap",
     "attention_softmax",
     "varlen_attention",
 ]

@@ -86,7 +86,8 @@ LARGE_LOGITS = 1 << 20
 #: The forward pipeline's passes a graph rewritten only for its loss still runs: the losses' own and the
 #: passes that fuse nothing. Every other pass, a fusion added later included, is skipped (not_the_loss);
 #: the backward passes run (they fold the loss's gradients and find nothing else of theirs).
-LOSS_ONLY_PASSES = ("remove_metadata_asserts", "identity_clones", "noop_clones", "cross_entropy", "linear_cross_entropy", "unpad", "layout")
+LOSS_ONLY_PASSES = ("remove_metadata_asserts", "identity_clones", "noop_clones", "softcap", "cross_entropy",
+                    "linear_cross_entropy", "unpad", "layout")
 
 
 def not_the_loss() -> tuple[str, ...]:
@@ -149,10 +150,15 @@ def _reads_a_gemm(x: Any) -> bool:
     the logits' gradient does not take), ran 0.88-0.96x Inductor on a LLaMA step where the graph left to
     Inductor whole ran 1.005x (bench/RESULTS.md, 2026-12-04, transformers 4.46)."""
     from .passes.graph_utils import aten, is_op
+    from .passes.softcap import capped_logits
 
-    while is_op(x, aten.view, aten._unsafe_view, aten.reshape, aten.alias, aten._to_copy):
-        x = x.args[0]
-    return is_op(x, aten.mm, aten.addmm, aten.bmm, aten.baddbmm)
+    while True:
+        if is_op(x, aten.view, aten._unsafe_view, aten.reshape, aten.alias, aten._to_copy):
+            x = x.args[0]
+        elif capped_logits(x) is not None:  # Gemma 2's soft cap (passes/softcap.py fuses it with the loss's)
+            x = capped_logits(x)
+        else:
+            return is_op(x, aten.mm, aten.addmm, aten.bmm, aten.baddbmm)
 
 
 def _contiguous(v: Any) -> bool:

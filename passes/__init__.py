@@ -32,6 +32,7 @@ from .layout import choose_forward_layouts, choose_joint_layouts
 from .linear_cross_entropy import LINEAR_CROSS_ENTROPY
 from .qkv_attention import stack_qkv
 from .rope import ROPE
+from .softcap import SOFTCAP
 from .unpad import unpad
 
 Pass = Callable[[GraphModule, PassContext], None]
@@ -43,7 +44,8 @@ LOWERING: dict[str, Pass] = {
 
 # name -> pass, in pipeline order. Idioms become single ops first (normalizations give bdrln its
 # anchor, activation idioms give the activation fusions theirs); each chain fusion then takes the
-# dropout that belongs to it; whatever dropout is left runs on its own; the loss (log_softmax +
+# dropout that belongs to it; whatever dropout is left runs on its own; the soft cap of a loss's logits
+# becomes one op whose backward reads its output; the loss (log_softmax +
 # nll_loss, independent of the others) becomes one op, and then one with the LM head GEMM that feeds
 # it where nothing else reads the logits (so they never exist); the layout search runs on
 # the fused graph last (in training: on the joint forward+backward graph, see run_joint_layout).
@@ -63,6 +65,7 @@ PIPELINE: dict[str, Pass] = {
     "glu": GLU,
     "bias_act_dropout": BIAS_ACT_DROPOUT,
     "dropout": DROPOUT,
+    "softcap": SOFTCAP,
     "cross_entropy": CROSS_ENTROPY,
     "linear_cross_entropy": LINEAR_CROSS_ENTROPY,
     "unpad": unpad,

@@ -78,6 +78,21 @@ def test_lm_step_times_a_whole_model_with_its_loss_and_its_gemm_floor():
     assert r["first_call_s"]["dmfx-fx"] > 0
 
 
+def test_lm_step_counts_the_bytes_a_step_keeps_for_its_backward():
+    """kept_for_backward (``--saved``): the distinct storages autograd saves, parameters left out: here the
+    linear's input and the tanh's output, not its weight."""
+    from bench import lm_step
+
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.Tanh())
+    x = torch.randn(4, 8)
+
+    def step():
+        m(x).sum().backward()
+
+    step.module = m
+    assert lm_step.kept_for_backward(step) == (4 * 8 + 4 * 16) * 4
+    assert m[0].weight.grad is None  # (the step's gradients are not left behind)
+
 
 def test_lm_step_builds_vit_classification_with_labels():
     """The image model of bench/lm_step.py: pixels and class labels in, HF's own loss out."""

@@ -5,9 +5,10 @@ check that the CUDA extension
 
 * draws bit-identical dropout masks in bias_act_fwd / bias_act_bwd (same Philox mapping);
 * matches bias_act_fwd / bias_act_bwd (out, dx, dbias, partial output masks), glu_fwd / glu_bwd and
-  rope (forward and inverse) for every activation, N in {1, 7, 768, 1023, 4096} (odd sizes take the
-  scalar path, the others the 128-bit path), rows in {0, 1, 5, 64}, contiguous / permuted /
-  unaligned (scalar path) inputs, fp32, fp64, fp16 and bf16;
+  rope (forward and inverse) for every activation, and softcap_fwd / softcap_bwd (with its saturation
+  to exactly +-cap), N in {1, 7, 768, 1023, 4096} (odd sizes take the scalar path, the others the
+  128-bit path), rows in {0, 1, 5, 64}, contiguous / permuted / unaligned (scalar path) inputs, fp32,
+  fp64, fp16 and bf16;
 * reduces the bias gradient over many rows (grid-stride loop, partials + column sums), deterministically;
 * runs the torch.library ops with autograd on the GPU;
 * rejects tensors on the wrong device.
@@ -258,6 +259,35 @@ def test_rope_matches_cpu(cpu_ext, cuda_ext, dtype, inverse, interleaved):
 
 
 # ------------------------------------------------------------------------------------------------
+# soft cap
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("N", [1, 7, 768, 1023, 4096])
+def test_softcap_matches_cpu(cpu_ext, cuda_ext, dtype, N):
+    for rows in (0, 1, 5, 64):
+        for layout in ("contiguous", "unaligned") + (("permuted",) if rows % 2 == 0 else ()):
+
+            def run(device, dt):
+                gen = torch.Generator().manual_seed(rows * 131 + N)
+                x = (activation(rows, N, dtype, layout, gen, device) * 3).to(dt)
+                g = activation(rows, N, dtype, layout, gen, device).to(dt)
+                out = activation(rows, N, dtype, layout, gen, device).clamp_(-1.9, 1.9).to(dt)  # (|out| < cap)
+                ext = cuda_ext if device == DEVICE else cpu_ext
+                # (the backward's operands in different layouts each way: each read by its own strides)
+                return (ext.softcap_fwd(x, 2.0), ext.softcap_bwd(g, out.contiguous(), 2.0),
+                        ext.softcap_bwd(g.contiguous(), out, 2.0))
+
+            compare(*both(run, dtype), dtype, f"softcap N={N} rows={rows} {layout}")
+    # saturation: exactly +-cap, and a zero gradient there
+    x = torch.tensor([100.0, -100.0, float("inf"), float("-inf")]).to(dtype).to(DEVICE)
+    out = cuda_ext.softcap_fwd(x, 3.0)
+    assert torch.equal(out.cpu(), torch.tensor([3.0, -3.0, 3.0, -3.0]).to(dtype))
+    assert not cuda_ext.softcap_bwd(torch.ones_like(out), out, 3.0).cpu().any()
+
+
+# ------------------------------------------------------------------------------------------------
 # The ops with autograd on the GPU; device errors
 # ------------------------------------------------------------------------------------------------
 
@@ -279,7 +309,8 @@ def test_ops_autograd_on_gpu_match_cpu():
         cos = torch.linspace(-1, 1, 6 * 24, device=device).view(6, 24)
         sin = torch.linspace(1, -0.5, 6 * 24, device=device).view(6, 24)
         qo, ko = P.rope(q, k, cos, sin)
-        (qo.square().sum() + ko.sum()).backward()
+        capped = P.softcap(y * 4, 1.5)  # (its autograd saves its output only)
+        (qo.square().sum() + ko.sum() + capped.square().sum()).backward()
         grads[device] = (xd.grad.cpu(), bd.grad.cpu())
     for a, e in zip(grads[DEVICE], grads["cpu"]):
         assert_close(a, e, (1e-4, 1e-5), "end-to-end gradient")
@@ -296,5 +327,7 @@ def test_rejects_tensors_on_the_wrong_device(cuda_ext):
     q = torch.randn(1, 2, 3, 8, device=DEVICE)
     with pytest.raises(RuntimeError, match="cos is on cpu but q is on cuda"):
         torch.ops.dmfx.rope(q, q, torch.randn(3, 8), torch.randn(3, 8, device=DEVICE), False)
+    with pytest.raises(RuntimeError, match="dmfx::softcap_backward: out is on cpu but grad_out is on cuda"):
+        torch.ops.dmfx.softcap_backward(x, torch.randn(3, 8), 2.0)
     with pytest.raises(RuntimeError, match="this is the CUDA kernel but x is on cpu"):
         cuda_ext.bias_act_fwd(torch.randn(3, 8), None, 0, 0, 0, 0.0)

@@ -41,6 +41,12 @@ def test_pointwise_autograd(on_cpu):
     on_cpu("test_cuda_pointwise").test_ops_autograd_on_gpu_match_cpu()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcap_against_the_cpu_kernels(on_cpu, dtype):
+    cpu = build.load("cpu")  # (as the "CUDA" kernels too: the test's logic, not the kernels, is checked here)
+    on_cpu("test_cuda_pointwise").test_softcap_matches_cpu(cpu, cpu, dtype, 7)
+
+
 def test_softmax_autograd(on_cpu):
     on_cpu("test_cuda_softmax").test_ops_and_autograd_on_cuda()
 

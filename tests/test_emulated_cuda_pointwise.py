@@ -1,5 +1,5 @@
 """dmfx's CUDA pointwise kernels (cuda_ops/csrc/pointwise_cuda.cu: bias_act_fwd/bwd, glu_fwd/bwd,
-rope), run on the CPU through the emulation of tests/cuda_emu, against dmfx's CPU kernels on the same
+rope, softcap_fwd/bwd), run on the CPU through the emulation of tests/cuda_emu, against dmfx's CPU kernels on the same
 inputs: every activation, the 128-bit vector and the scalar paths, 2-D blocks and grids (chunks along
 x, a grid-stride loop over rows along y, q and k along z for rope), the bias-gradient partials and
 their column sums, Philox dropout masks (bit-identical: same seed and offset). Mirrors
@@ -77,7 +77,7 @@ def compare(fn, dtype, what):
 def test_functions_match_the_cuda_bindings(emu, cpu):
     names = lambda m: {n for n in dir(m) if not n.startswith("_")}  # noqa: E731
     hooks = {"set_order", "set_grid", "set_device", "rounds", "launches", "blocks_run"}
-    assert names(emu) - hooks == {"bias_act_fwd", "bias_act_bwd", "glu_fwd", "glu_bwd", "rope"}
+    assert names(emu) - hooks == {"bias_act_fwd", "bias_act_bwd", "glu_fwd", "glu_bwd", "rope", "softcap_fwd", "softcap_bwd"}
     assert names(emu) - hooks <= names(cpu)
     # and together the families are the CUDA module's functions: the CPU module's, less its CPU-only ones
     from cuda_emu import FAMILIES, load
@@ -283,6 +283,51 @@ def test_rope_matches_cpu(cpu, emu, dtype, inverse, interleaved):
         compare(run, dtype, f"rope {(B, S, Hq, Hk, D)} {form} inverse={inverse} interleaved={interleaved}")
 
 
+# ------------------------------------------------------------------------------------------------
+# soft cap
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_softcap_matches_cpu(cpu, emu, dtype):
+    """Forward and backward (from a given output) on the vector and scalar paths, permuted rows."""
+    for N in (1, 7, 768, 1030):
+        for rows in (1, 6):
+            for layout in ("contiguous", "unaligned", "permuted"):
+                if layout == "permuted" and rows % 2:
+                    continue
+
+                def run(kind, dt):
+                    gen = torch.Generator().manual_seed(rows * 131 + N)
+                    x = (activation(rows, N, dtype, layout, gen) * 3).to(dt)
+                    g = activation(rows, N, dtype, layout, gen).to(dt)
+                    out = activation(rows, N, dtype, layout, gen).clamp_(-1.9, 1.9).to(dt)  # (|out| < cap)
+                    ext = emu if kind == EMU else cpu
+                    # (the backward's operands in different layouts each way: each read by its own strides)
+                    return (ext.softcap_fwd(x, 2.0), ext.softcap_bwd(g, out.contiguous(), 2.0),
+                            ext.softcap_bwd(g.contiguous(), out, 2.0))
+
+                compare(run, dtype, f"softcap N={N} rows={rows} {layout}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_softcap_edges(cpu, emu, dtype):
+    """Saturation to exactly +-cap (and a zero gradient there), inf, an empty batch, a 0-dim x."""
+    x = torch.tensor([100.0, -100.0, float("inf"), float("-inf"), 0.5, -0.25, 3.0, 1e4]).to(dtype)
+    out = emu.softcap_fwd(x, 3.0)
+    assert torch.equal(out[:4], torch.tensor([3.0, -3.0, 3.0, -3.0]).to(dtype)), out
+    assert_close(out, cpu.softcap_fwd(x, 3.0), TOL[dtype], "softcap edges")
+    dx = emu.softcap_bwd(torch.ones_like(x), out, 3.0)
+    assert torch.equal(dx[:4], torch.zeros(4, dtype=dtype)) and torch.equal(dx[-1], torch.zeros((), dtype=dtype))
+    assert emu.softcap_fwd(torch.randn(0, 8).to(dtype), 3.0).shape == (0, 8)
+    assert emu.softcap_bwd(torch.randn(0, 8).to(dtype), torch.randn(0, 8).to(dtype), 3.0).shape == (0, 8)
+    s = torch.tensor(1.25).to(dtype)
+    assert emu.softcap_fwd(s, 3.0).shape == () and emu.softcap_bwd(s, s, 3.0).shape == ()
+    assert_close(emu.softcap_fwd(s, 3.0), cpu.softcap_fwd(s, 3.0), TOL[dtype], "softcap 0-dim")
+    with pytest.raises(ValueError, match="dmfx::softcap: cap must be positive and finite, got -1"):
+        emu.softcap_fwd(x, -1.0)
+
+
 def test_rejects_tensors_not_on_the_emulated_device(emu):
     x = torch.randn(3, 8)
     with pytest.raises(RuntimeError, match="bias is on meta but x is on cpu"):
@@ -291,3 +336,5 @@ def test_rejects_tensors_not_on_the_emulated_device(emu):
         emu.glu_fwd(x, torch.empty(3, 8, device="meta"), 4)
     with pytest.raises(RuntimeError, match="kernel but x is on meta"):
         emu.bias_act_fwd(torch.empty(3, 8, device="meta"), None, 0, 0, 0, 0.0)
+    with pytest.raises(RuntimeError, match="dmfx::softcap_backward: out is on meta but grad_out is on cpu"):
+        emu.softcap_bwd(x, torch.empty(3, 8, device="meta"), 2.0)

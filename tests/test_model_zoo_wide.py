@@ -4,7 +4,7 @@ to Inductor whole): the loss, the logits and every parameter's gradient match ea
 cotangent, a padded batch), no graph falls back, and the fusions that make the family's layer fire.
 
 Each family brings a shape of graph the original zoo lacks: normalized queries and keys (Qwen3,
-StableLM's per-head LayerNorms), soft-capped attention and sandwich norms (Gemma 2), partial rotary
+StableLM's per-head LayerNorms), soft-capped attention and logits and sandwich norms (Gemma 2), partial rotary
 embeddings and parallel attention/MLP blocks (Phi, GPT-NeoX, Cohere, GPT-J), rotary embeddings that
 rotate interleaved pairs (Cohere, GPT-J: its tables repeated once per tensor), LayerNorm without parameters
 (OLMo) or with ``1 + weight`` and a squared-ReLU MLP (Nemotron), scaled residuals and logits (Granite), a routed mixture of
@@ -34,7 +34,7 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_DEC, head_dim=16),
               {"rms_norm", "bias_dropout_residual_norm", "attention", "rope", "glu", "cross_entropy"}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_DEC, head_dim=16, sliding_window=8),
-               {"rms_norm", "bias_dropout_residual_norm", "attention", "rope", "glu", "cross_entropy"}),
+               {"rms_norm", "bias_dropout_residual_norm", "attention", "rope", "glu", "softcap", "cross_entropy"}),
     "phi": ("PhiConfig", "PhiForCausalLM", dict(_DEC, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
             {"layer_norm", "bias_dropout_residual_norm", "attention", "rope", "bias_act_dropout", "cross_entropy"}),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(_H, hidden_dropout=0.0, attention_dropout=0.0,

@@ -510,3 +510,178 @@ def test_rope_grouped_query_k_keeps_its_memory_order_too(inverse):
     rq, _ = torch.ops.dmfx.rope(q.contiguous(), q.contiguous(), cos, sin, inverse)
     rk, _ = torch.ops.dmfx.rope(k.contiguous(), k.contiguous(), cos, sin, inverse)
     assert torch.equal(qo, rq) and torch.equal(ko, rk)
+
+
+# ------------------------------------------------------------------------------------------------
+# soft cap
+# ------------------------------------------------------------------------------------------------
+
+
+def _softcap_cases(dtype):
+    """(x, what): odd and strided layouts, an empty batch, a 0-dim x, large |x| where the tanh saturates."""
+    for lead, N, layout in [((3,), 1023, "contiguous"), ((2, 5), 33, "permuted"), ((4,), 17, "sliced"),
+                            ((3, 4), 7, "last_strided"), ((0,), 7, "contiguous"), ((5,), 1, "contiguous")]:
+        yield _activation(lead, N, dtype, layout), f"{lead} N={N} {layout}"
+    yield torch.tensor(1.7).to(dtype), "0-dim"
+    yield (torch.randn(6, 37) * 200).to(dtype), "large |x|"
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64])
+def test_softcap_matches_reference(dtype):
+    cap = 2.5
+    for x, what in _softcap_cases(dtype):
+        what = f"{dtype} {what}"
+        out = torch.ops.dmfx.softcap(x, cap)
+        assert out.shape == x.shape and out.dtype == dtype and out.is_contiguous(), what
+        g = torch.randn(x.shape).to(dtype)
+        dx = torch.ops.dmfx.softcap_backward(g, out, cap)
+        assert dx.shape == x.shape and dx.dtype == dtype and dx.is_contiguous(), what
+        if x.numel() == 0:
+            continue
+        assert rel_err(out, R.softcap(x, cap)) < TOL[dtype], what
+        # the backward from the output it is given: against the reference formula on that output ...
+        assert rel_err(dx, R.softcap_backward(g, out, cap)) < TOL[dtype], what + " dx"
+        # ... and against autograd of the reference forward (in fp16 / bf16 the output's rounding moves
+        # 1 - (out / cap)^2 by far more than a rounding where the tanh bends, as eager's saved tanh does)
+        if dtype in (torch.float32, torch.float64):
+            (rdx,) = _ref_grads(lambda v: R.softcap(v, cap), [x], g)
+            assert rel_err(dx, rdx) < TOL[dtype], what + " dx vs autograd"
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64])
+def test_softcap_saturates_to_the_cap_exactly(dtype):
+    """Where tanh rounds to +-1 (|x / cap| > 20: in float64 too) the output is +-cap and the gradient
+    exactly 0; inf gives +-cap, NaN stays NaN."""
+    cap = 3.0
+    x = torch.tensor([100.0, -100.0, 1e4, -1e4, float("inf"), float("-inf"), 0.0, float("nan")]).to(dtype)
+    x = torch.cat([x, torch.randn(29).to(dtype)])  # (a vector tail too)
+    out = torch.ops.dmfx.softcap(x, cap)
+    assert torch.equal(out[:6], torch.tensor([cap, -cap] * 3).to(dtype)), out[:6]
+    assert out[6] == 0 and torch.isnan(out[7])
+    dx = torch.ops.dmfx.softcap_backward(torch.ones_like(x), out, cap)
+    assert torch.equal(dx[:6], torch.zeros(6, dtype=dtype)) and dx[6] == 1, dx[:7]
+    assert torch.isfinite(dx[8:]).all() and rel_err(out[8:], R.softcap(x[8:], cap)) < TOL[dtype]
+
+
+def test_softcap_formula_written_out():
+    x, g, cap = torch.randn(7, 45) * 6, torch.randn(7, 45), 4.0
+    out = torch.ops.dmfx.softcap(x, cap)
+    torch.testing.assert_close(out, cap * torch.tanh(x / cap), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.ops.dmfx.softcap_backward(g, out, cap), g * (1 - (out / cap) ** 2), rtol=1e-6,
+                               atol=1e-6)
+    # d/dx of cap * tanh(x / cap) = 1 - tanh(x / cap)^2
+    torch.testing.assert_close(torch.ops.dmfx.softcap_backward(g, out, cap), g / torch.cosh(x / cap) ** 2, rtol=1e-5,
+                               atol=1e-6)
+    # a few ulp of each element, the small ones too (where out ~ x: a tanh with an absolute error of
+    # 1e-7, e.g. 1 - 2 / (exp(2v) + 1), would be off by far more there)
+    small = torch.logspace(-6, 0, 301) * torch.tensor([1.0, -1.0]).repeat(151)[:301]
+    got, want = torch.ops.dmfx.softcap(small, cap).double(), cap * torch.tanh(small.double() / cap)
+    assert ((got - want).abs() / want.abs()).max() < 4e-7
+
+
+def test_softcap_gradcheck():
+    x = _activation((3, 2), 7, torch.float64, "permuted").requires_grad_()
+    assert torch.autograd.gradcheck(lambda v: torch.ops.dmfx.softcap(v, 1.7), (x,))
+    assert torch.autograd.gradgradcheck(lambda v: P.softcap(v, 1.7), (x,))
+    # softcap_backward on its own (out a free input): differentiable in grad_out and in out
+    g = torch.randn(4, 9, dtype=torch.float64, requires_grad=True)
+    o = (torch.rand(4, 9, dtype=torch.float64) * 3.2 - 1.6).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: torch.ops.dmfx.softcap_backward(a, b, 1.7), (g, o))
+    assert torch.autograd.gradgradcheck(lambda a, b: torch.ops.dmfx.softcap_backward(a, b, 1.7), (g, o))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcap_saves_its_output_and_nothing_else(dtype):
+    """The point of the op: autograd keeps softcap's output (which a loss keeps anyway), not x, and not
+    a tanh of x."""
+    base = (torch.randn(5, 33) * 4).to(dtype).requires_grad_()
+    x = base * 1.0  # (not a leaf: x may be written after the forward)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = P.softcap(x, 3.0)
+    assert len(saved) == 1, [tuple(t.shape) for t in saved]
+    assert saved[0].data_ptr() == out.data_ptr() and torch.equal(saved[0], out)
+    # x itself is not needed: writing it after the forward leaves the backward as it was
+    with torch.no_grad():
+        x.add_(100.0)
+    R_ = torch.randn(5, 33).to(dtype)
+    out.backward(R_)
+    (want,) = _ref_grads(lambda v: R.softcap(v, 3.0), [base], R_)
+    assert rel_err(base.grad, want) < TOL[dtype] * 2
+
+
+def test_softcap_opcheck():
+    x = torch.randn(6, 4, 10).transpose(0, 1).requires_grad_()  # (a permuted x: the output is contiguous)
+    opcheck(torch.ops.dmfx.softcap.default, (x, 2.0))
+    out = torch.ops.dmfx.softcap(x.detach(), 2.0)
+    g = torch.randn(4, 6, 10)
+    opcheck(torch.ops.dmfx.softcap_backward.default, (g.requires_grad_(), out.requires_grad_(), 2.0))
+    opcheck(torch.ops.dmfx.softcap.default, (torch.randn(0, 5), 0.5))
+    # the fake describes the kernel's output: x's shape, contiguous
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    fx = mode.from_tensor(x.detach())
+    with mode:
+        fake = torch.ops.dmfx.softcap(fx, 2.0)
+    real = torch.ops.dmfx.softcap(x.detach(), 2.0)
+    assert fake.shape == real.shape and fake.stride() == real.stride() and fake.dtype == real.dtype
+
+
+@pytest.mark.parametrize("cap", [0.0, -1.5, float("inf"), float("-inf"), float("nan")])
+def test_softcap_rejects_a_cap_that_is_not_positive_and_finite(cap):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.randn(3, 8)
+    mode = FakeTensorMode()
+    fx = mode.from_tensor(x)
+    message = rf"dmfx::softcap: cap must be positive and finite, got {cap:g}$"
+    with pytest.raises(ValueError, match=message):
+        torch.ops.dmfx.softcap(x, cap)
+    with pytest.raises(ValueError, match=message), mode:  # (and tracing: the fake checks it too)
+        torch.ops.dmfx.softcap(fx, cap)
+    with pytest.raises(ValueError, match=message):
+        torch.ops.dmfx.softcap(torch.empty(3, 8, device="meta"), cap)
+    message = rf"dmfx::softcap_backward: cap must be positive and finite, got {cap:g}$"
+    with pytest.raises(ValueError, match=message):
+        torch.ops.dmfx.softcap_backward(x, x, cap)
+    with pytest.raises(ValueError, match=message), mode:
+        torch.ops.dmfx.softcap_backward(fx, fx, cap)
+
+
+def test_softcap_errors():
+    g, out = torch.randn(3, 4), torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match=r"dmfx::softcap_backward: out must have the shape of grad_out \[3, 4\], got \[3, 5\]"):
+        torch.ops.dmfx.softcap_backward(g, torch.randn(3, 5), 2.0)
+    with pytest.raises(RuntimeError, match=r"dmfx::softcap_backward: out has dtype Half but grad_out has dtype Float"):
+        torch.ops.dmfx.softcap_backward(g, out.half(), 2.0)
+    with pytest.raises(RuntimeError, match=r"dmfx::softcap_backward: grad_out must be float32, float16, bfloat16 or float64"):
+        torch.ops.dmfx.softcap_backward(g.int(), out.int(), 2.0)
+    with pytest.raises(RuntimeError, match=r"dmfx::softcap: x must be float32, float16, bfloat16 or float64, got Int"):
+        torch.ops.dmfx.softcap(torch.ones(3, dtype=torch.int32), 2.0)
+    with pytest.raises(TypeError, match="dmfx::softcap: x must be a Tensor"):
+        P.softcap([1.0, 2.0], 2.0)
+    from dmfx.cuda_ops.build import kernels_for
+
+    K = kernels_for("cpu")  # the kernels' own device checks (the dispatcher would send a meta tensor elsewhere)
+    with pytest.raises(RuntimeError, match="dmfx::softcap_backward: out is on meta but grad_out is on cpu"):
+        K.softcap_bwd(g, torch.empty(3, 4, device="meta"), 2.0)
+    with pytest.raises(RuntimeError, match="dmfx::softcap: this is the CPU kernel but x is on meta"):
+        K.softcap_fwd(torch.empty(3, 4, device="meta"), 2.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcap_is_bit_reproducible_and_independent_of_the_thread_count(dtype):
+    rows, N = 1500, 72  # rows split in chunks of 32768 / N: several per thread
+    x, g = (torch.randn(rows, N) * 4).to(dtype), torch.randn(rows, N).to(dtype)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for n in (2, 2, 1):
+            torch.set_num_threads(n)
+            out = torch.ops.dmfx.softcap(x, 3.0)
+            results.append((out, torch.ops.dmfx.softcap_backward(g, out, 3.0)))
+    finally:
+        torch.set_num_threads(before)
+    for out, dx in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(dx, results[0][1])

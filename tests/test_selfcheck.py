@@ -67,7 +67,8 @@ FAMILY_OPS = {
     "norm": {"layer_norm", "rms_norm", "bias_dropout_residual_norm", "norm_backward", "dropout"},
     "softmax": {"attention_softmax", "attention_softmax_backward", "attention", "attention_backward", "qkv_attention",
                 "qkv_attention_backward", *FLASH_OPS},
-    "pointwise": {"bias_act_dropout", "bias_act_dropout_backward", "glu", "glu_backward", "rope"},
+    "pointwise": {"bias_act_dropout", "bias_act_dropout_backward", "glu", "glu_backward", "rope", "softcap",
+                  "softcap_backward"},
     "attention": FLASH_OPS | VARLEN_OPS,
     "cross_entropy": {"cross_entropy", "cross_entropy_backward", "linear_cross_entropy", "linear_cross_entropy_backward"},
 }

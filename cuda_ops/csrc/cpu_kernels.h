@@ -45,6 +45,8 @@ Tensors glu_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& gate, const at
                     std::vector<bool> output_mask);
 Tensors rope_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, bool inverse,
                  bool interleaved);
+at::Tensor softcap_fwd_cpu(const at::Tensor& x, double cap);
+at::Tensor softcap_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& out, double cap);
 
 // attention family (attention_cpu.cpp)
 at::Tensor flash_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask,
@@ -69,7 +71,7 @@ at::Tensor cross_entropy_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& 
 
 struct CpuKernels {
   // What a table must match to be used: its layout (the size) and this version of the list.
-  static constexpr int64_t kVersion = 4;
+  static constexpr int64_t kVersion = 5;
   int64_t size = sizeof(CpuKernels);
   int64_t version = kVersion;
   decltype(&norm_fwd_cpu) norm_fwd = &norm_fwd_cpu;
@@ -82,6 +84,8 @@ struct CpuKernels {
   decltype(&glu_fwd_cpu) glu_fwd = &glu_fwd_cpu;
   decltype(&glu_bwd_cpu) glu_bwd = &glu_bwd_cpu;
   decltype(&rope_cpu) rope = &rope_cpu;
+  decltype(&softcap_fwd_cpu) softcap_fwd = &softcap_fwd_cpu;
+  decltype(&softcap_bwd_cpu) softcap_bwd = &softcap_bwd_cpu;
   decltype(&flash_fwd_cpu) flash_fwd = &flash_fwd_cpu;
   decltype(&flash_bwd_cpu) flash_bwd = &flash_bwd_cpu;
   decltype(&varlen_fwd_cpu) varlen_fwd = &varlen_fwd_cpu;

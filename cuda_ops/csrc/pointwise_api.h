@@ -1,5 +1,6 @@
-// Per-element math of dmfx's pointwise family (bias + activation + dropout, gated activations),
-// shared by the CPU (C++) and CUDA kernels: the activation functions and their derivatives.
+// Per-element math of dmfx's pointwise family (bias + activation + dropout, gated activations, the
+// soft cap), shared by the CPU (C++) and CUDA kernels: the activation functions and their derivatives,
+// softcap_fwd / softcap_grad.
 //
 // Activation codes (enum Act below is the one table: cuda_ops/pointwise.py reads its names from it,
 // kGeluTanh -> "gelu_tanh"; kActNames beside it spells the same names for the ops' `str act`):
@@ -138,6 +139,19 @@ DMFX_HD void act_fwd_grad(T x, T* y, T* dy) {
   *dy = act_grad<ACT, T>(x);
 }
 
+// Gemma 2's soft cap, cap * tanh(x / cap) (the division as written, not x times 1 / cap).
+template <typename T>
+DMFX_HD T softcap_fwd(T x, T cap) {
+  return cap * PwMath<T>::tanh(x / cap);
+}
+
+// Its gradient from the OUTPUT out = cap * tanh(x / cap): g * (1 - (out / cap)^2).
+template <typename T>
+DMFX_HD T softcap_grad(T g, T out, T cap) {
+  const T t = out / cap;
+  return g * (PwMath<T>::c(1.0) - t * t);
+}
+
 // Calls f(std::integral_constant<int, ACT>) for a runtime activation code (checked by the caller).
 template <typename F>
 inline void dispatch_act(int act, F&& f) {
@@ -233,6 +247,27 @@ inline void check_glu(const char* op, const at::Tensor& gate, const at::Tensor& 
   TORCH_CHECK(gate.dim() >= 1, "dmfx::", op, ": gate must have at least one dimension, got a scalar");
   check_same_shape(op, "up", up, "gate", gate);
   check_act(op, act);
+}
+
+// softcap's cap: positive and finite (ValueError naming the op and the value).
+inline void check_cap(const char* op, double cap) {
+  TORCH_CHECK_VALUE(std::isfinite(cap) && cap > 0.0, "dmfx::", op, ": cap must be positive and finite, got ", cap);
+}
+
+// softcap (forward): x of any shape and strides. The checks name the ops (softcap, softcap_backward),
+// not the kernel functions, on the CPU and on CUDA alike.
+inline void check_softcap(const at::Tensor& x, double cap, c10::DeviceType device) {
+  check_float_tensor("softcap", "x", x, device);
+  check_cap("softcap", cap);
+}
+
+// softcap_backward: out (softcap's output) on grad_out's device, of its dtype and shape.
+inline void check_softcap_backward(const at::Tensor& grad_out, const at::Tensor& out, double cap,
+                                   c10::DeviceType device) {
+  const char* op = "softcap_backward";
+  check_float_tensor(op, "grad_out", grad_out, device);
+  check_same_shape(op, "out", out, "grad_out", grad_out);
+  check_cap(op, cap);
 }
 
 // rope: q and k (equal rank >= 2, same last two dims [S, D], D even) and cos/sin broadcast to each.

@@ -3,6 +3,8 @@
 //                                the bias gradient (per-thread column partials, one final reduction)
 //   glu_fwd / glu_bwd            out = act(gate) * up (SwiGLU, GeGLU)
 //   rope                         rotary position embedding of q and k (and its transpose map)
+//   softcap_fwd / softcap_bwd    out = cap * tanh(x / cap) (Gemma 2's soft-capped logits); the backward
+//                                reads the output only: grad * (1 - (out / cap)^2)
 //
 // Every tensor is seen as [rows, N] with unit stride along N; the leading dimensions may have any
 // strides (RowIndexer), so permuted or sliced activations are read in place. Outputs are contiguous.
@@ -129,6 +131,15 @@ inline Vec act_grad<kGelu, Vec>(Vec x) {
   const Vec erf = Vec::blendv(y, y.neg(), x < Vec(0.0f));
   const Vec cdf = Vec(0.5f) * (Vec(1.0f) + erf);
   return at::vec::fmadd(x, Vec(static_cast<float>(kInvSqrt2Pi)) * e, cdf);
+}
+
+// The soft cap with ATen's Vectorized tanh (SLEEF's, within 1 ulp), as attention_cpu.cpp's soft_cap
+// has it: not PwMath<Vec>::tanh, whose 1 - 2 / (exp(2|v|) + 1) is off by about 1e-7 absolute, so by far
+// more than float's rounding relative to tanh(v) where |v| = |x / cap| is small (most logits); not a
+// scalar tanh per element either (measured 4% slower on a whole Gemma 2 model in the attention's cap).
+template <>
+inline Vec softcap_fwd<Vec>(Vec x, Vec cap) {
+  return cap * (x / cap).tanh();
 }
 
 // Full vector or the first `c` lanes (the rest zero).
@@ -260,6 +271,26 @@ inline void glu_bwd_row(const double* g, const double* gate, const double* up, d
     if (dgate) dgate[j] = g[j] * up[j] * act_grad<ACT, double>(gate[j]);
     if (dup) dup[j] = g[j] * act_fwd<ACT, double>(gate[j]);
   }
+}
+
+// o = cap * tanh(x / cap)
+inline void softcap_fwd_row(const float* x, float cap, float* o, int64_t n) {
+  const Vec c(cap);
+  for_vectors(n, [&](int64_t j, int64_t l) { st(softcap_fwd<Vec>(ld(x + j, l), c), o + j, l); });
+}
+
+inline void softcap_fwd_row(const double* x, double cap, double* o, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) o[j] = softcap_fwd<double>(x[j], cap);
+}
+
+// dx = g * (1 - (out / cap)^2)
+inline void softcap_bwd_row(const float* g, const float* out, float cap, float* dx, int64_t n) {
+  const Vec c(cap);
+  for_vectors(n, [&](int64_t j, int64_t l) { st(softcap_grad<Vec>(ld(g + j, l), ld(out + j, l), c), dx + j, l); });
+}
+
+inline void softcap_bwd_row(const double* g, const double* out, double cap, double* dx, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dx[j] = softcap_grad<double>(g[j], out[j], cap);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -442,6 +473,47 @@ void glu_bwd_impl(const at::Tensor& grad_out, const at::Tensor& gate, const at::
 }
 
 // ------------------------------------------------------------------------------------------------
+// soft cap
+// ------------------------------------------------------------------------------------------------
+
+// out = cap * tanh(x / cap), row by row (x rowable, out contiguous).
+template <typename scalar_t>
+void softcap_fwd_impl(const at::Tensor& x, double cap, at::Tensor& out) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t N = x.size(-1), rows = num_rows(x);
+  const Rows<scalar_t> xr(x);
+  const acc_t c = static_cast<acc_t>(cap);
+  scalar_t* o = out.data_ptr<scalar_t>();
+  at::parallel_for(0, rows, grain_for(N), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> xbuf(Rows<scalar_t>::kDirect ? 0 : N), obuf(N);
+    for (int64_t r = begin; r < end; ++r) {
+      const OutRow<scalar_t> orow{o + r * N, obuf.data()};
+      softcap_fwd_row(xr.get(r, N, xbuf.data()), c, orow.ptr(), N);
+      orow.store(N);
+    }
+  });
+}
+
+// dx = grad_out * (1 - (out / cap)^2), row by row (grad_out and out rowable, dx contiguous).
+template <typename scalar_t>
+void softcap_bwd_impl(const at::Tensor& grad_out, const at::Tensor& out, double cap, at::Tensor& dx) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t N = out.size(-1), rows = num_rows(out);
+  const Rows<scalar_t> gr(grad_out), orr(out);
+  const acc_t c = static_cast<acc_t>(cap);
+  scalar_t* d = dx.data_ptr<scalar_t>();
+  at::parallel_for(0, rows, grain_for(N), [&](int64_t begin, int64_t end) {
+    const int64_t n = Rows<scalar_t>::kDirect ? 0 : N;
+    std::vector<acc_t> gbuf(n), obuf(n), dbuf(N);
+    for (int64_t r = begin; r < end; ++r) {
+      const OutRow<scalar_t> drow{d + r * N, dbuf.data()};
+      softcap_bwd_row(gr.get(r, N, gbuf.data()), orr.get(r, N, obuf.data()), c, drow.ptr(), N);
+      drow.store(N);
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------------------------
 // rotary embedding
 // ------------------------------------------------------------------------------------------------
 
@@ -594,6 +666,33 @@ std::vector<at::Tensor> glu_bwd_cpu(const at::Tensor& grad_out_in, const at::Ten
   return {dgate.defined() ? dgate : empty, dup.defined() ? dup : empty};
 }
 
+// A 0-dim x is computed as [1]; the output is contiguous whatever x's strides.
+at::Tensor softcap_fwd_cpu(const at::Tensor& x_in, double cap) {
+  using namespace pointwise_impl;
+  check_softcap(x_in, cap, at::kCPU);
+  at::Tensor out = at::empty(x_in.sizes(), x_in.options());
+  if (x_in.numel() == 0) return out;
+  const at::Tensor x = rowable(x_in.dim() == 0 ? x_in.reshape({1}) : x_in);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dmfx_softcap_fwd", [&] {
+    softcap_fwd_impl<scalar_t>(x, cap, out);
+  });
+  return out;
+}
+
+at::Tensor softcap_bwd_cpu(const at::Tensor& grad_out_in, const at::Tensor& out_in, double cap) {
+  using namespace pointwise_impl;
+  check_softcap_backward(grad_out_in, out_in, cap, at::kCPU);
+  at::Tensor dx = at::empty(grad_out_in.sizes(), grad_out_in.options());
+  if (grad_out_in.numel() == 0) return dx;
+  const bool scalar = grad_out_in.dim() == 0;
+  const at::Tensor grad_out = rowable(scalar ? grad_out_in.reshape({1}) : grad_out_in);
+  const at::Tensor out = rowable(scalar ? out_in.reshape({1}) : out_in);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_out.scalar_type(), "dmfx_softcap_bwd", [&] {
+    softcap_bwd_impl<scalar_t>(grad_out, out, cap, dx);
+  });
+  return dx;
+}
+
 std::vector<at::Tensor> rope_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                  const at::Tensor& sin, bool inverse, bool interleaved) {
   using namespace pointwise_impl;
@@ -627,6 +726,9 @@ void bind_pointwise(pybind11::module_& m) {
         "inverse=True is its backward (CPU)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("inverse"),
         pybind11::arg("interleaved") = false);
+  m.def("softcap_fwd", &softcap_fwd_cpu, "soft cap cap * tanh(x / cap) (CPU)", pybind11::arg("x"), pybind11::arg("cap"));
+  m.def("softcap_bwd", &softcap_bwd_cpu, "soft cap backward grad_out * (1 - (out / cap)^2), from the output (CPU)",
+        pybind11::arg("grad_out"), pybind11::arg("out"), pybind11::arg("cap"));
 }
 }  // namespace dmfx
 
@@ -656,10 +758,15 @@ struct CpuPointwise {
   static Tensors glu_bwd(A&&... a) { return cpu_kernels().glu_bwd(std::forward<A>(a)...); }
   template <class... A>
   static Tensors rope(A&&... a) { return cpu_kernels().rope(std::forward<A>(a)...); }
+  template <class... A>
+  static Tensor softcap_fwd(A&&... a) { return cpu_kernels().softcap_fwd(std::forward<A>(a)...); }
+  template <class... A>
+  static Tensor softcap_bwd(A&&... a) { return cpu_kernels().softcap_bwd(std::forward<A>(a)...); }
 };
 
 using BiasActDropoutBackwardSig = decltype(bias_act_dropout_backward<CpuPointwise>);
 using GluBackwardSig = decltype(glu_backward<CpuPointwise>);
+using SoftcapBackwardSig = decltype(softcap_backward<CpuPointwise>);
 
 // out = dropout(act(x + bias)); the backward is dmfx::bias_act_dropout_backward, which recomputes
 // act'(x + bias) and the mask from x and the seed (nothing else is saved).
@@ -707,6 +814,48 @@ struct GluFn : public torch::autograd::Function<GluFn> {
     auto [dgate, dup] = backward.call(g[0], v[0], v[1], ctx->saved_data["act"].toStringRef(), bools({ng, nu}));
     grads[0] = ng ? dgate : Tensor();
     grads[1] = nu ? dup : Tensor();
+    return grads;
+  }
+};
+
+// out = cap * tanh(x / cap); the backward is dmfx::softcap_backward, which reads the OUTPUT: out is the one
+// tensor saved (not x: a loss over the capped logits keeps them anyway, so the graph keeps one [tokens,
+// vocab] tensor where eager's tanh and mul keep two).
+struct SoftcapFn : public torch::autograd::Function<SoftcapFn> {
+  static constexpr const char* name = "dmfx::softcap";
+  using Sig = decltype(softcap<CpuPointwise>);
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, double cap) {
+    ctx->saved_data["cap"] = cap;
+    variable_list out = AutogradKernel<SoftcapFn>::below(x, cap);
+    ctx->save_for_backward({out[0]});  // (an output: autograd keeps it without a reference cycle)
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const auto v = ctx->get_saved_variables();
+    static const auto backward = dmfx_op<SoftcapBackwardSig>("dmfx::softcap_backward");
+    return {backward.call(g[0], v[0], ctx->saved_data["cap"].toDouble()), Tensor()};
+  }
+};
+
+// dx = softcap_backward(grad_out, out, cap) = grad_out * (1 - (out / cap)^2), differentiable again: it is
+// linear in grad_out (whose gradient is softcap_backward itself) and its gradient for out is
+// -2 grad_out * gg * out / cap^2 (plain ATen), which reaches x through softcap's saved output. grad_out
+// is kept only where out requires grad.
+struct SoftcapBackwardFn : public torch::autograd::Function<SoftcapBackwardFn> {
+  static constexpr const char* name = "dmfx::softcap_backward";
+  using Sig = SoftcapBackwardSig;
+  static variable_list forward(AutogradContext* ctx, const Tensor& grad_out, const Tensor& out, double cap) {
+    ctx->saved_data["needs"] = needs_bits(grad_out, out);
+    ctx->saved_data["cap"] = cap;
+    ctx->save_for_backward({requires_grad(out) ? grad_out : Tensor(), out});
+    return AutogradKernel<SoftcapBackwardFn>::below(grad_out, out, cap);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list gg) {
+    const auto v = ctx->get_saved_variables();
+    const double cap = ctx->saved_data["cap"].toDouble();
+    variable_list grads(3);
+    if (needs(ctx, 0)) grads[0] = op_of<SoftcapBackwardFn>().call(gg[0], v[1], cap);
+    if (needs(ctx, 1)) grads[1] = gg[0].mul(v[0]).mul(v[1]).mul(-2.0 / (cap * cap));
     return grads;
   }
 };
@@ -787,6 +936,8 @@ TORCH_LIBRARY_IMPL(dmfx, Autograd, m) {
   m.impl("bias_act_dropout", &AutogradKernel<BiasActDropoutFn>::call);
   m.impl("glu", &AutogradKernel<GluFn>::call);
   m.impl("rope", &AutogradKernel<RopeFn>::call);
+  m.impl("softcap", &AutogradKernel<SoftcapFn>::call);
+  m.impl("softcap_backward", &AutogradKernel<SoftcapBackwardFn>::call);
   m.impl("bias_act_dropout_backward", &AutogradKernel<NoDoubleBackward<BiasActDropoutBackwardOp>>::call);
   m.impl("glu_backward", &AutogradKernel<NoDoubleBackward<GluBackwardOp>>::call);
 }

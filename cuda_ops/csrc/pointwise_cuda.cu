@@ -1,6 +1,6 @@
 // dmfx CUDA kernels of the pointwise family. pointwise_cpu.cpp is the specification: same arguments,
-// checks (shared in pointwise_api.h), outputs and math (activations from pointwise_api.h, evaluated in
-// at::opmath_type); dropout masks are bit-identical (Philox of the logical row-major index,
+// checks (shared in pointwise_api.h), outputs and math (activations and the soft cap from pointwise_api.h,
+// evaluated in at::opmath_type); dropout masks are bit-identical (Philox of the logical row-major index,
 // dmfx_common.h).
 //
 // Layout of every kernel
@@ -274,6 +274,52 @@ __global__ void glu_bwd_kernel(const GluArgs<scalar_t> a) {
 }
 
 template <typename scalar_t>
+struct SoftcapArgs {
+  using acc_t = at::opmath_type<scalar_t>;
+  const scalar_t* x;     // forward: x; backward: out (softcap's output)
+  RowIndexer xi;
+  const scalar_t* grad;  // backward only
+  RowIndexer gi;
+  scalar_t* out;         // forward: out; backward: dx
+  acc_t cap;
+  int64_t rows, N, nchunks;
+};
+
+// out = cap * tanh(x / cap)
+template <typename scalar_t, int VEC>
+__global__ void softcap_fwd_kernel(const SoftcapArgs<scalar_t> a) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t chunk = my_chunk();
+  if (chunk >= a.nchunks) return;
+  const int64_t j0 = chunk * VEC;
+  for (int64_t r = first_row(); r < a.rows; r += row_stride()) {
+    scalar_t xv[VEC], ov[VEC];
+    load_vec<VEC>(a.x + a.xi.offset(r) + j0, xv);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) ov[k] = static_cast<scalar_t>(softcap_fwd<acc_t>(static_cast<acc_t>(xv[k]), a.cap));
+    store_vec<VEC>(a.out + r * a.N + j0, ov);
+  }
+}
+
+// dx = grad * (1 - (out / cap)^2)
+template <typename scalar_t, int VEC>
+__global__ void softcap_bwd_kernel(const SoftcapArgs<scalar_t> a) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t chunk = my_chunk();
+  if (chunk >= a.nchunks) return;
+  const int64_t j0 = chunk * VEC;
+  for (int64_t r = first_row(); r < a.rows; r += row_stride()) {
+    scalar_t gv[VEC], ov[VEC], dv[VEC];
+    load_vec<VEC>(a.grad + a.gi.offset(r) + j0, gv);
+    load_vec<VEC>(a.x + a.xi.offset(r) + j0, ov);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k)
+      dv[k] = static_cast<scalar_t>(softcap_grad<acc_t>(static_cast<acc_t>(gv[k]), static_cast<acc_t>(ov[k]), a.cap));
+    store_vec<VEC>(a.out + r * a.N + j0, dv);
+  }
+}
+
+template <typename scalar_t>
 struct RopeJob {
   const scalar_t* x;
   const scalar_t* c;
@@ -430,6 +476,24 @@ void launch_glu(bool backward, int act, GluArgs<scalar_t> a) {
   });
 }
 
+template <typename scalar_t>
+void launch_softcap(bool backward, SoftcapArgs<scalar_t> a) {
+  constexpr int V = kVecOf<scalar_t>;
+  const bool vec = a.N % V == 0 && aligned16(a.x) && aligned16(a.grad) && aligned16(a.out) && strides_ok(a.xi, V) &&
+                   (a.grad == nullptr || strides_ok(a.gi, V));
+  a.nchunks = vec ? a.N / V : a.N;
+  const Plan p = plan_launch(a.nchunks, a.rows);
+  const cudaStream_t stream = pw_stream();
+  if (backward) {
+    if (vec) softcap_bwd_kernel<scalar_t, V><<<p.grid, p.block, 0, stream>>>(a);
+    else softcap_bwd_kernel<scalar_t, 1><<<p.grid, p.block, 0, stream>>>(a);
+  } else {
+    if (vec) softcap_fwd_kernel<scalar_t, V><<<p.grid, p.block, 0, stream>>>(a);
+    else softcap_fwd_kernel<scalar_t, 1><<<p.grid, p.block, 0, stream>>>(a);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace pointwise_impl
 
 // ------------------------------------------------------------------------------------------------
@@ -560,6 +624,54 @@ std::vector<at::Tensor> glu_bwd_cuda(const at::Tensor& grad_out_in, const at::Te
     });
   }
   return {dgate.defined() ? dgate : empty, dup.defined() ? dup : empty};
+}
+
+// A 0-dim x is computed as [1]; the output is contiguous whatever x's strides.
+at::Tensor softcap_fwd_cuda(const at::Tensor& x_in, double cap) {
+  using namespace pointwise_impl;
+  check_softcap(x_in, cap, at::kCUDA);
+  const c10::cuda::CUDAGuard device_guard(x_in.device());
+  at::Tensor out = at::empty(x_in.sizes(), x_in.options());
+  if (x_in.numel() == 0) return out;
+  const at::Tensor x = rowable(x_in.dim() == 0 ? x_in.reshape({1}) : x_in);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dmfx_softcap_fwd_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    SoftcapArgs<scalar_t> a{};
+    a.x = x.data_ptr<scalar_t>();
+    a.xi = RowIndexer::of(x);
+    a.grad = nullptr;
+    a.out = out.data_ptr<scalar_t>();
+    a.cap = static_cast<acc_t>(cap);
+    a.rows = num_rows(x);
+    a.N = x.size(-1);
+    launch_softcap<scalar_t>(false, a);
+  });
+  return out;
+}
+
+at::Tensor softcap_bwd_cuda(const at::Tensor& grad_out_in, const at::Tensor& out_in, double cap) {
+  using namespace pointwise_impl;
+  check_softcap_backward(grad_out_in, out_in, cap, at::kCUDA);
+  const c10::cuda::CUDAGuard device_guard(grad_out_in.device());
+  at::Tensor dx = at::empty(grad_out_in.sizes(), grad_out_in.options());
+  if (grad_out_in.numel() == 0) return dx;
+  const bool scalar = grad_out_in.dim() == 0;
+  const at::Tensor grad_out = rowable(scalar ? grad_out_in.reshape({1}) : grad_out_in);
+  const at::Tensor out = rowable(scalar ? out_in.reshape({1}) : out_in);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_out.scalar_type(), "dmfx_softcap_bwd_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    SoftcapArgs<scalar_t> a{};
+    a.x = out.data_ptr<scalar_t>();
+    a.xi = RowIndexer::of(out);
+    a.grad = grad_out.data_ptr<scalar_t>();
+    a.gi = RowIndexer::of(grad_out);
+    a.out = dx.data_ptr<scalar_t>();
+    a.cap = static_cast<acc_t>(cap);
+    a.rows = num_rows(out);
+    a.N = out.size(-1);
+    launch_softcap<scalar_t>(true, a);
+  });
+  return dx;
 }
 
 std::vector<at::Tensor> rope_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,

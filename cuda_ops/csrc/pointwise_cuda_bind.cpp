@@ -26,6 +26,10 @@ std::vector<at::Tensor> glu_bwd_cuda(const at::Tensor& grad_out, const at::Tenso
 std::vector<at::Tensor> rope_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                   const at::Tensor& sin, bool inverse, bool interleaved);
 
+at::Tensor softcap_fwd_cuda(const at::Tensor& x, double cap);
+
+at::Tensor softcap_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& out, double cap);
+
 void bind_pointwise(pybind11::module_& m) {
   m.def("bias_act_fwd", &bias_act_fwd_cuda, "fused bias + activation + dropout forward (CUDA)");
   m.def("bias_act_bwd", &bias_act_bwd_cuda,
@@ -40,6 +44,9 @@ void bind_pointwise(pybind11::module_& m) {
         "inverse=True is its backward (CUDA)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("inverse"),
         pybind11::arg("interleaved") = false);
+  m.def("softcap_fwd", &softcap_fwd_cuda, "soft cap cap * tanh(x / cap) (CUDA)", pybind11::arg("x"), pybind11::arg("cap"));
+  m.def("softcap_bwd", &softcap_bwd_cuda, "soft cap backward grad_out * (1 - (out / cap)^2), from the output (CUDA)",
+        pybind11::arg("grad_out"), pybind11::arg("out"), pybind11::arg("cap"));
 }
 
 }  // namespace dmfx
@@ -62,6 +69,10 @@ struct CudaPointwise {
   static std::vector<at::Tensor> glu_bwd(A&&... a) { return glu_bwd_cuda(std::forward<A>(a)...); }
   template <class... A>
   static std::vector<at::Tensor> rope(A&&... a) { return rope_cuda(std::forward<A>(a)...); }
+  template <class... A>
+  static at::Tensor softcap_fwd(A&&... a) { return softcap_fwd_cuda(std::forward<A>(a)...); }
+  template <class... A>
+  static at::Tensor softcap_bwd(A&&... a) { return softcap_bwd_cuda(std::forward<A>(a)...); }
 };
 }  // namespace
 }  // namespace pointwise_ops

@@ -1,9 +1,9 @@
 // The pointwise family's ops (schemas in cuda_ops/pointwise.py) on top of its kernels, for any device:
-// K is the device's kernel set (static bias_act_fwd, bias_act_bwd, glu_fwd, glu_bwd, rope with the
-// signatures of pointwise_cpu.cpp's functions). pointwise_cpu.cpp registers these with the CPU kernels
-// (and the family's autograd formulas), pointwise_cuda_bind.cpp with the CUDA ones. The ops check what
-// the kernels cannot (the activation's name, the dropout seed, a stored mask: ValueError); every other
-// argument check is the kernels' (pointwise_api.h, kernel_api.h).
+// K is the device's kernel set (static bias_act_fwd, bias_act_bwd, glu_fwd, glu_bwd, rope, softcap_fwd,
+// softcap_bwd with the signatures of pointwise_cpu.cpp's functions). pointwise_cpu.cpp registers these
+// with the CPU kernels (and the family's autograd formulas), pointwise_cuda_bind.cpp with the CUDA ones.
+// The ops check what the kernels cannot (the activation's name, the dropout seed, a stored mask:
+// ValueError); every other argument check is the kernels' (pointwise_api.h, kernel_api.h).
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -64,6 +64,19 @@ std::tuple<Tensor, Tensor> glu_backward(const Tensor& grad_out, const Tensor& ga
   return {std::move(r[0]), std::move(r[1])};
 }
 
+// cap * tanh(x / cap); the kernels check x and cap (errors naming dmfx::softcap).
+template <class K>
+Tensor softcap(const Tensor& x, double cap) {
+  return K::softcap_fwd(x, cap);
+}
+
+// grad_out * (1 - (out / cap)^2), out softcap's output; the kernels check the arguments (naming
+// dmfx::softcap_backward).
+template <class K>
+Tensor softcap_backward(const Tensor& grad_out, const Tensor& out, double cap) {
+  return K::softcap_bwd(grad_out, out, cap);
+}
+
 // The permutation that makes `t` contiguous when `t` is a permuted dense tensor with the last dim
 // innermost (HF's q/k after view + transpose(1, 2)); empty when it is contiguous or not dense.
 // (cuda_ops/pointwise.py's rope fake computes the same layout for the outputs it describes.)
@@ -117,6 +130,8 @@ void register_kernels(torch::Library& m) {
   m.impl("glu", &glu<K>);
   m.impl("glu_backward", &glu_backward<K>);
   m.impl("rope", &rope<K>);
+  m.impl("softcap", &softcap<K>);
+  m.impl("softcap_backward", &softcap_backward<K>);
 }
 
 }  // namespace pointwise_ops
