@@ -25,11 +25,16 @@ Ops
     ``ignore_index`` raises IndexError on the CPU; on CUDA (no device synchronization) its row's loss
     is NaN instead.
 ``dmfx::cross_entropy_backward(grad_loss, logits, target, lse, ignore_index, label_smoothing, reduction,
-    grad_logits=None) -> dlogits``: ``g * (softmax(row) - smoothed one-hot(target))`` in one pass, in
-    the logits' dtype, zero for ignored rows, plus ``grad_logits`` when given: the gradient that
+    grad_logits=None, softcap=0.0) -> dlogits``: ``g * (softmax(row) - smoothed one-hot(target))`` in one
+    pass, in the logits' dtype, zero for ignored rows, plus ``grad_logits`` when given: the gradient that
     reaches the logits themselves when they are also a graph output (HF returns them; AOTAutograd
     hands the backward a tangent for them, zeros when the user does not use them), added in the same
     pass instead of a second one over ``[N, V]`` (passes/backward/fold_logits_grad.py folds the add).
+    ``softcap`` > 0: the logits are soft-capped, ``c = softcap * tanh(z / softcap)`` (Gemma 2), and the
+    op returns the raw logits' gradient instead, all of the above times ``1 - (c / softcap)^2`` (ignored
+    rows too: their ``grad_logits`` times it), the factor computed from the logit as read in the
+    accumulation type and the product rounded once to the logits' dtype, in the same pass
+    (passes/backward/fold_softcap_grad.py folds softcap_backward). 0: no cap; < 0, inf or nan: ValueError.
 ``dmfx::linear_cross_entropy(hidden, weight, bias, target, ignore_index, label_smoothing, reduction, chunk,
     grads=[False, False, False]) -> (loss, lse, dhidden, dweight, dbias)``: the loss above of the logits
     ``F.linear(hidden, weight, bias)`` (an LM head or a classifier and its loss) without the ``[N, V]``
@@ -90,7 +95,7 @@ LIB.define(
 )
 LIB.define(
     "cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, Tensor lse, int ignore_index, "
-    "float label_smoothing, int reduction, Tensor? grad_logits=None) -> Tensor"
+    "float label_smoothing, int reduction, Tensor? grad_logits=None, float softcap=0.0) -> Tensor"
 )
 
 OPS = ("cross_entropy", "cross_entropy_backward")
@@ -113,7 +118,7 @@ def _cross_entropy_fake(logits, target, ignore_index, label_smoothing, reduction
 
 @torch.library.register_fake("dmfx::cross_entropy_backward")
 def _cross_entropy_backward_fake(grad_loss, logits, target, lse, ignore_index, label_smoothing, reduction,
-                                 grad_logits=None):
+                                 grad_logits=None, softcap=0.0):
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 

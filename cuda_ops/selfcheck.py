@@ -54,8 +54,8 @@ FAMILY_PASSES: dict[str, tuple[str, ...]] = {
     # flash_attention, qkv_flash_attention and their backwards (with the bias gradients); the varlen ops
     # (unpad emits them)
     "attention": ("attention", "lower_sdpa_calls", "qkv_attention", "fold_bias_grads", "unpad"),
-    # cross_entropy, cross_entropy_backward (+ grad_logits); linear_cross_entropy runs them on its chunks
-    "cross_entropy": ("cross_entropy", "fold_logits_grad", "linear_cross_entropy"),
+    # cross_entropy, cross_entropy_backward (+ grad_logits, softcap); linear_cross_entropy runs them on its chunks
+    "cross_entropy": ("cross_entropy", "fold_logits_grad", "fold_softcap_grad", "linear_cross_entropy"),
 }
 
 # The extension functions each family's check calls (the same in the CPU, CUDA and emulated modules).
@@ -601,6 +601,20 @@ def _check_cross_entropy(r: _Runner) -> None:
         want_lse = outs[1].to(r.device, lse.dtype)  # the backward from the reference statistics
         dz = r.m.cross_entropy_bwd(go, logits, target, want_lse, -100, eps, reduction, gl)
         r.expect_grads(what.replace("fwd", "bwd"), {"logits": dz}, {"logits": g["logits"] + gl.double().cpu()}, dtype)
+    # the backward of soft-capped logits c = cap * tanh(z / cap) (Gemma 2): z's gradient, the loss's and
+    # grad_logits times 1 - (c / cap)^2 (an ignored row: grad_logits times it)
+    N, V, cap = 5, 300, 30.0
+    logits = (cap * torch.tanh(r.randn(N, V, scale=40.0, dtype=torch.float64) / cap)).float()
+    target = torch.randint(0, V, (N,), generator=r.gen)
+    target[1] = -100
+    target = target.to(r.device)
+    go, gl = r.randn(), r.randn(N, V)
+    outs, g = _reference(lambda logits: R.cross_entropy(logits, target.cpu(), -100, 0.1, 1), {"logits": logits},
+                         [go, None], grads=["logits"])
+    dz = r.m.cross_entropy_bwd(go, logits, target, outs[1].to(r.device, torch.float32), -100, 0.1, 1, gl, cap)
+    c = logits.double().cpu()
+    want = (g["logits"] + gl.double().cpu()) * (1 - (c / cap) ** 2)
+    r.expect_grads(f"cross_entropy_bwd {_shape(logits)} softcap={cap}", {"logits": dz}, {"logits": want}, torch.float32)
 
 
 _CHECKS: dict[str, Callable[[_Runner], None]] = {

@@ -116,6 +116,81 @@ def test_opcheck_both_ops():
         opcheck(backward_op, (torch.randn(loss.shape), x, t, lse, IGNORE, 0.1, reduction, torch.randn(5, 13)))
 
 
+# ------------------------------------------------------------------------------- soft-capped logits
+# softcap > 0: the logits are c = cap * tanh(z / cap) (Gemma 2) and the op returns z's gradient, what it
+# returns with softcap 0 times 1 - (c / cap)^2 (ignored rows too: their grad_logits times it).
+
+CAP = 30.0
+
+
+def _capped_logits(N, V, dtype, strided=False):
+    """Soft-capped logits in `dtype` (|c| < CAP), rows of a wider buffer (row stride V + 5) if strided."""
+    z = torch.randn(N, V + 5 if strided else V, dtype=torch.float64) * 25
+    c = (CAP * torch.tanh(z / CAP)).clamp(-0.99 * CAP, 0.99 * CAP).to(dtype)
+    return c[:, 2:V + 2] if strided else c
+
+
+def _eager_capped(logits, target, eps, reduction, cotangent, grad_logits=None):
+    """Eager autograd in float64 of F.cross_entropy(cap * tanh(z / cap)) w.r.t. the raw logits z, z the
+    float64 preimage of `logits`; grad_logits: a cotangent of the capped logits themselves."""
+    z = (CAP * torch.atanh(logits.double() / CAP)).requires_grad_()
+    c = CAP * torch.tanh(z / CAP)
+    loss = F.cross_entropy(c, target, ignore_index=IGNORE, label_smoothing=eps, reduction=reduction)
+    total = (loss * cotangent.double()).sum()
+    if grad_logits is not None:
+        total = total + (c * grad_logits.double()).sum()
+    total.backward()
+    return z.grad
+
+
+def _cap_factor(logits):
+    c = logits.double() / CAP
+    return 1 - c * c
+
+
+@pytest.mark.parametrize("with_grad_logits", [False, True], ids=["no_grad_logits", "grad_logits"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_softcap_gives_the_raw_logits_gradient(dtype, reduction, with_grad_logits):
+    N, V, eps = 7, 2100, 0.1  # (two of the CPU kernel's chunks)
+    x, t = _capped_logits(N, V, dtype, strided=True), _target(N, V)  # rows 0, 3, 6 ignored
+    assert x.stride(0) == V + 5
+    loss, lse = op(x, t, IGNORE, eps, CODES[reduction])
+    g = torch.randn(loss.shape, dtype=loss.dtype)
+    gl = torch.randn(N, V).to(dtype) if with_grad_logits else None
+    dz = backward_op(g, x, t, lse, IGNORE, eps, CODES[reduction], gl, CAP)
+    assert dz.dtype == dtype and dz.shape == x.shape and dz.is_contiguous()
+    # what the op returns today (softcap 0) times the cap's derivative (two roundings to bf16 there: 1e-2)
+    today = backward_op(g, x, t, lse, IGNORE, eps, CODES[reduction], gl)
+    assert rel_err(dz, today.double() * _cap_factor(x)) < GRAD_TOL[dtype]
+    # eager autograd through the cap, w.r.t. the raw logits
+    want = _eager_capped(x, t, eps, reduction, g, gl)
+    assert rel_err(dz, want) < GRAD_TOL[dtype]
+    ignored = t == IGNORE
+    if gl is None:  # zeros, as without the cap
+        assert not dz[ignored].any()
+    else:  # grad_logits times the factor, on their own
+        assert rel_err(dz[ignored], gl[ignored].double() * _cap_factor(x[ignored])) < GRAD_TOL[dtype]
+        assert rel_err(dz[ignored], want[ignored]) < GRAD_TOL[dtype]
+
+
+def test_opcheck_backward_with_softcap():
+    x, t = _capped_logits(5, 13, torch.float32), _target(5, 13)
+    for reduction in CODES.values():
+        loss, lse = op(x, t, IGNORE, 0.1, reduction)
+        opcheck(backward_op, (torch.randn(loss.shape), x, t, lse, IGNORE, 0.1, reduction, None, CAP))
+        opcheck(backward_op, (torch.randn(loss.shape), x, t, lse, IGNORE, 0.1, reduction, torch.randn(5, 13)),
+                {"softcap": CAP})
+
+
+@pytest.mark.parametrize("cap, shown", [(-1.0, "-1"), (float("inf"), "inf"), (float("nan"), "nan")])
+def test_a_bad_softcap_raises_value_error(cap, shown):
+    x, t = torch.randn(4, 6), torch.tensor([0, 1, IGNORE, 3])
+    _, lse = op(x, t, IGNORE, 0.0, 1)
+    with pytest.raises(ValueError, match=rf"dmfx::cross_entropy_backward: softcap must be finite and >= 0 .*, got {shown}"):
+        backward_op(torch.ones(()), x, t, lse, IGNORE, 0.0, 1, None, cap)
+
+
 # ------------------------------------------------------------------------------- edge cases
 
 

@@ -64,6 +64,27 @@ def test_matches_cpu(ext, V, dtype):
         _close(d_got, d_want, TOL[dtype], f"{what} dlogits")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softcap_matches_cpu(ext, dtype):
+    """cross_entropy_bwd of soft-capped logits (softcap > 0: the raw logits' gradient) against the CPU
+    kernel: strided rows, ignored rows with and without grad_logits, every reduction."""
+    cpu, cuda = ext
+    gen = torch.Generator().manual_seed(3)
+    N, V, cap = 48, 1025, 30.0
+    wide = cap * torch.tanh(torch.randn(N, V + 3, generator=gen, dtype=torch.float64) * 25 / cap)
+    logits = wide.clamp(-0.99 * cap, 0.99 * cap).to(dtype)[:, 1:V + 1]
+    target = torch.randint(0, V, (N,), generator=gen)
+    target[::5] = IGNORE
+    for eps, reduction, with_gl in ((0.0, 1, True), (0.1, 0, False), (0.1, 2, True)):
+        lse = cpu.cross_entropy_fwd(logits, target, IGNORE, eps, reduction)[1]
+        g = torch.randn(N if reduction == 0 else (), generator=gen, dtype=lse.dtype)
+        gl = torch.randn(N, V, generator=gen).to(dtype) if with_gl else None
+        want = cpu.cross_entropy_bwd(g, logits, target, lse, IGNORE, eps, reduction, gl, cap)
+        got = cuda.cross_entropy_bwd(g.to(DEV), logits.to(DEV), target.to(DEV), lse.to(DEV), IGNORE, eps, reduction,
+                                     None if gl is None else gl.to(DEV), cap)
+        _close(got, want, TOL[dtype], f"{dtype} eps={eps} reduction={reduction} grad_logits={with_gl} softcap={cap}")
+
+
 def test_the_op_runs_through_autograd_on_cuda():
     import dmfx
 

@@ -56,6 +56,12 @@ def test_cross_entropy_autograd(on_cpu):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_softcap_against_the_cpu_kernels(on_cpu, dtype):
+    cpu = build.load("cpu")  # (as the "CUDA" kernels too: the test's logic, not the kernels, is checked here)
+    on_cpu("test_cuda_cross_entropy").test_softcap_matches_cpu((cpu, cpu), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("in_forward, reduction", [(True, "mean"), (False, "none")])
 def test_linear_cross_entropy(on_cpu, dtype, in_forward, reduction):
     on_cpu("test_cuda_cross_entropy").test_linear_cross_entropy_matches_the_cpu(dtype, in_forward, reduction)

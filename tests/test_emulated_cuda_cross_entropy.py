@@ -52,15 +52,15 @@ def _compare(got, expected, tol, what):
     assert rel_err(got[fin], expected[fin]) <= tol, f"{what}: rel err {rel_err(got[fin], expected[fin])}"
 
 
-def _run_both(cpu, emu, logits, target, eps, reduction, grad_logits=None, what=""):
+def _run_both(cpu, emu, logits, target, eps, reduction, grad_logits=None, what="", softcap=0.0):
     stat_tol = TOL[torch.float64] if logits.dtype == torch.float64 else TOL[torch.float32]
     fwd_c = cpu.cross_entropy_fwd(logits, target, IGNORE, eps, reduction)
     fwd_g = emu.cross_entropy_fwd(logits, target, IGNORE, eps, reduction)
     _compare(fwd_g[0], fwd_c[0], stat_tol, f"{what} loss")
     _compare(fwd_g[1], fwd_c[1], stat_tol, f"{what} lse")
     g = torch.randn(fwd_c[0].shape, generator=torch.Generator().manual_seed(7), dtype=fwd_c[0].dtype)
-    d_c = cpu.cross_entropy_bwd(g, logits, target, fwd_c[1], IGNORE, eps, reduction, grad_logits)
-    d_g = emu.cross_entropy_bwd(g, logits, target, fwd_c[1], IGNORE, eps, reduction, grad_logits)
+    d_c = cpu.cross_entropy_bwd(g, logits, target, fwd_c[1], IGNORE, eps, reduction, grad_logits, softcap)
+    d_g = emu.cross_entropy_bwd(g, logits, target, fwd_c[1], IGNORE, eps, reduction, grad_logits, softcap)
     _compare(d_g, d_c, TOL[logits.dtype], f"{what} dlogits")
 
 
@@ -95,6 +95,31 @@ def test_strided_rows_and_grad_logits(cpu, emu):
     target = torch.tensor([0, 299, IGNORE, 17, 150])
     _run_both(cpu, emu, logits, target, 0.0, 1, gl, "strided")
     _run_both(cpu, emu, logits.bfloat16(), target, 0.05, 2, gl.bfloat16(), "strided bf16")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("V", [5, 257, 1100])
+def test_softcap_matches_cpu(cpu, emu, V, dtype):
+    """Soft-capped logits (|c| < cap): the raw logits' gradient, the loss's and grad_logits times
+    1 - (c / cap)^2, ignored rows (with grad_logits: it times the factor) and strided rows included."""
+    gen = torch.Generator().manual_seed(V + 1)
+    N, cap = 6, 30.0
+    wide = cap * torch.tanh(torch.randn(N, V + 3, generator=gen, dtype=torch.float64) * 25 / cap)
+    logits = wide.clamp(-0.99 * cap, 0.99 * cap).to(dtype)[:, 1:V + 1]  # (row stride V + 3)
+    target = torch.randint(0, V, (N,), generator=gen)
+    target[::3] = IGNORE
+    for eps, reduction, with_gl in ((0.0, 1, True), (0.1, 0, False), (0.1, 2, True)):
+        gl = torch.randn(N, V, generator=gen).to(dtype) if with_gl else None
+        _run_both(cpu, emu, logits, target, eps, reduction, gl,
+                  f"V={V} {dtype} eps={eps} reduction={reduction} softcap={cap}", softcap=cap)
+    # the cap changes the result (the factor is applied): against the uncapped backward times it
+    lse = cpu.cross_entropy_fwd(logits, target, IGNORE, 0.0, 2)[1]
+    gl = torch.randn(N, V, generator=gen).to(dtype)
+    one = torch.ones((), dtype=lse.dtype)
+    d = emu.cross_entropy_bwd(one, logits, target, lse, IGNORE, 0.0, 2, gl, cap)
+    plain = cpu.cross_entropy_bwd(one, logits, target, lse, IGNORE, 0.0, 2, gl)
+    factor = 1 - (logits.double() / cap) ** 2
+    assert rel_err(d, plain.double() * factor) <= TOL[dtype]
 
 
 def test_special_rows(cpu, emu):

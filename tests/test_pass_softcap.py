@@ -3,7 +3,8 @@ loss, become dmfx::softcap, whose backward reads its output, so a training step 
 ``[tokens, vocab]`` tensor fewer (the fused loss keeps the same capped logits); near-misses (a scaled
 tanh that is not a cap, inference, the tanh read elsewhere) are left alone with their reason, and a
 soft cap no loss reads (an attention's) is not this fusion's. End to end: Gemma 2 with its labels, its
-loss, logits and gradients as eager's, under fuse="all" and under the default loss-only rewrite."""
+loss, logits and gradients as eager's, under fuse="all" and under the default loss-only rewrite, the cap's
+backward folded into the loss's (passes/backward/fold_softcap_grad.py)."""
 
 import copy
 
@@ -160,6 +161,10 @@ def _trains_as_eager(m, ids, options):
 def test_gemma2_trains_as_eager_with_its_logits_capped_by_one_op():
     rec = _trains_as_eager(_gemma2(96), torch.randint(0, 96, (2, 12)), {"fuse": "all", "fallback": False})
     assert rec.fallback is None and rec.fired.get("softcap") == 1 and rec.fired.get("cross_entropy") == 1, rec.fired
+    # the cap's backward runs inside the loss's (fold_softcap_grad)
+    assert rec.fired.get("fold_softcap_grad") == 1, (rec.fired, rec.missed)
+    backward = [n.target for n in rec.backward_graph.graph.nodes]
+    assert dmfx_ops.softcap_backward.default not in backward and dmfx_ops.cross_entropy_backward.default in backward
 
 
 def test_gemma2s_default_rewrites_its_loss_with_the_cap_where_the_logits_are_large():
@@ -175,4 +180,5 @@ def test_gemma2s_default_rewrites_its_loss_with_the_cap_where_the_logits_are_lar
     rec = _trains_as_eager(_gemma2(vocab), torch.randint(0, vocab, (2, 16)), {"compiler": "inductor", "fallback": False})
     assert rec.fallback is None, rec.summary()
     assert rec.fired.get("softcap") == 1 and rec.fired.get("cross_entropy") == 1, rec.fired
+    assert rec.fired.get("fold_softcap_grad") == 1, (rec.fired, rec.missed)
     assert not set(rec.fired) & {"rms_norm", "rope", "glu", "attention", "attention_softmax"}, rec.fired

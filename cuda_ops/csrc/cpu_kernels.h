@@ -67,7 +67,7 @@ Tensors cross_entropy_fwd_cpu(const at::Tensor& logits, const at::Tensor& target
                               double label_smoothing, int64_t reduction);
 at::Tensor cross_entropy_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& target,
                                  const at::Tensor& lse, int64_t ignore_index, double label_smoothing, int64_t reduction,
-                                 const OptTensor& grad_logits);
+                                 const OptTensor& grad_logits, double softcap);
 
 struct CpuKernels {
   // What a table must match to be used: its layout (the size) and this version of the list.

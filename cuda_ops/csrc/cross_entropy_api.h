@@ -16,7 +16,11 @@
 //   backward: dz_ij = g_i (p_ij - eps / V - (1 - eps) [j == t]) + grad_logits_ij, p = exp(z - m - ls),
 //             g_i the loss gradient of row i (divided by the count for mean), 0 for an ignored row
 //             (+ grad_logits: the gradient that reaches the logits themselves when they are also a
-//             graph output, added in the same pass).
+//             graph output, added in the same pass). With softcap > 0 the logits are soft-capped,
+//             z_ij = cap tanh(x_ij / cap) (Gemma 2), and the backward returns the raw logits' gradient:
+//             dx_ij = dz_ij (1 - (z_ij / cap)^2) (ignored rows too: their grad_logits times the factor),
+//             the factor computed in the accumulation type from z_ij as read, the product rounded once
+//             to the logits' dtype (softcap 0: no cap; < 0, inf or nan: ValueError).
 //
 // Logits are read through a row stride (unit stride along V), target as contiguous int64.
 #pragma once
@@ -40,6 +44,7 @@ struct CeArgs {
   int64_t ignore_index = -100;
   double smoothing = 0.0;
   int64_t reduction = kReduceMean;
+  double softcap = 0.0;  // (the backward's) the logits are cap * tanh(raw / cap) when > 0: raw's gradient
 };
 
 // exp and log on host and device (fp32 / fp64).
@@ -71,6 +76,14 @@ DMFX_HD T ce_row_loss(T m, T ls, T zt, T zsum, T eps, int64_t V) {
   T loss = ls + (T(1) - eps) * (m - zt);
   if (eps > T(0)) loss += eps * (m - zsum / static_cast<T>(V));
   return loss;
+}
+
+// The soft cap's derivative from its output z = cap * tanh(x / cap): 1 - (z / cap)^2 (the division as
+// written, as pointwise_api.h's softcap_grad).
+template <typename T>
+DMFX_HD T ce_softcap_factor(T z, T cap) {
+  const T t = z / cap;
+  return T(1) - t * t;
 }
 
 // Whether target value t is a class of V (or ignore_index).
@@ -123,12 +136,15 @@ inline CeArgs check_ce_args(const char* op, const at::Tensor& logits, const at::
   return a;
 }
 
-// The backward's checks on top of the forward's: the saved lse, the loss gradient, grad_logits.
+// The backward's checks on top of the forward's: the saved lse, the loss gradient, grad_logits, softcap.
 inline CeArgs check_ce_bwd_args(const char* op, const at::Tensor& grad_loss, const at::Tensor& logits,
                                 const at::Tensor& target, const at::Tensor& lse, int64_t ignore_index, double smoothing,
-                                int64_t reduction, const c10::optional<at::Tensor>& grad_logits,
+                                int64_t reduction, const c10::optional<at::Tensor>& grad_logits, double softcap,
                                 c10::DeviceType device) {
-  const CeArgs a = check_ce_args(op, logits, target, ignore_index, smoothing, reduction, device);
+  CeArgs a = check_ce_args(op, logits, target, ignore_index, smoothing, reduction, device);
+  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0, "dmfx::", op,
+                    ": softcap must be finite and >= 0 (0: the logits are not soft-capped), got ", softcap);
+  a.softcap = softcap;
   const auto stat = ce_stat_dtype(logits);
   TORCH_CHECK(lse.device() == logits.device() && lse.scalar_type() == stat && lse.dim() == 2 && lse.size(0) == a.N &&
                   lse.size(1) == 2,

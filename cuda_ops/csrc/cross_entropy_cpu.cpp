@@ -6,7 +6,8 @@
 //                      and sum of exp (softmax_cpu.h's vectorized load_logits / exp_sum) merged into the
 //                      row's running log-sum-exp. Ignored rows are not read.
 //   cross_entropy_bwd: dlogits [N, V] (logits' dtype, contiguous) in one pass over each row, plus
-//                      grad_logits when given.
+//                      grad_logits when given; with softcap > 0, times the cap's derivative
+//                      1 - (z / cap)^2 of each logit z as it is in the chunk buffer (the raw logits' gradient).
 //
 // One thread computes a row whole (OpenMP over rows), so per-row results (lse, reduction none, dlogits)
 // do not depend on the thread count; a reduced loss sums the rows' losses in row order, in double, after
@@ -112,20 +113,31 @@ void fwd_rows(const CeArgs& a, const scalar_t* x, const int64_t* t, acc_t* rows,
 }
 
 // dz of one chunk of a row (n elements from column c0): g * p - g * eps / V (+ grad_logits), the
-// target's element (if in the chunk) - g * (1 - eps).
-template <bool kGradLogits, typename scalar_t, typename acc_t>
+// target's element (if in the chunk) - g * (1 - eps); with kCap (soft-capped logits z) times the cap's
+// derivative 1 - (z / cap)^2, in acc_t, before the one rounding.
+template <bool kGradLogits, bool kCap, typename scalar_t, typename acc_t>
 void bwd_chunk(const acc_t* z, int64_t n, int64_t c0, int64_t tr, acc_t m, acc_t ls, acc_t g, acc_t g_eps,
-               acc_t g_target, const scalar_t* gl, scalar_t* out) {
+               acc_t g_target, acc_t cap, const scalar_t* gl, scalar_t* out) {
   for (int64_t j = 0; j < n; ++j) {
     acc_t d = g * exp_nonpos(z[j] - m - ls) - g_eps;
     if constexpr (kGradLogits) d += static_cast<acc_t>(gl[j]);
+    if constexpr (kCap) d *= ce_softcap_factor(z[j], cap);
     out[j] = static_cast<scalar_t>(d);
   }
   const int64_t jt = tr - c0;
   if (jt >= 0 && jt < n) {
     acc_t d = g * exp_nonpos(z[jt] - m - ls) - g_eps - g_target;
     if constexpr (kGradLogits) d += static_cast<acc_t>(gl[jt]);
+    if constexpr (kCap) d *= ce_softcap_factor(z[jt], cap);
     out[jt] = static_cast<scalar_t>(d);
+  }
+}
+
+// An ignored row's chunk with soft-capped logits z and grad_logits: gl * (1 - (z / cap)^2).
+template <typename scalar_t, typename acc_t>
+void ignored_capped_chunk(const acc_t* z, int64_t n, acc_t cap, const scalar_t* gl, scalar_t* out) {
+  for (int64_t j = 0; j < n; ++j) {
+    out[j] = static_cast<scalar_t>(static_cast<acc_t>(gl[j]) * ce_softcap_factor(z[j], cap));
   }
 }
 
@@ -137,10 +149,10 @@ struct BwdPtrs {
   int64_t gl_stride;
 };
 
-template <typename scalar_t, typename acc_t>
+template <bool kCap, typename scalar_t, typename acc_t>
 void bwd_rows(const CeArgs& a, const scalar_t* x, const int64_t* t, const acc_t* lse, const BwdPtrs& P,
               scalar_t* out) {
-  const acc_t eps = static_cast<acc_t>(a.smoothing);
+  const acc_t eps = static_cast<acc_t>(a.smoothing), cap = static_cast<acc_t>(a.softcap);
   const auto* grad = static_cast<const acc_t*>(P.grad);
   const auto* gl = static_cast<const scalar_t*>(P.gl);
   at::parallel_for(0, a.N, grain_of(a.V), [&](int64_t begin, int64_t end) {
@@ -148,21 +160,31 @@ void bwd_rows(const CeArgs& a, const scalar_t* x, const int64_t* t, const acc_t*
     for (int64_t r = begin; r < end; ++r) {
       scalar_t* orow = out + r * a.V;
       const scalar_t* glr = gl ? gl + r * P.gl_stride : nullptr;
+      const scalar_t* xr = x + r * a.row_stride;
       const int64_t tr = t[r];
-      if (tr == a.ignore_index) {  // no loss gradient: grad_logits, or zeros
+      if (tr == a.ignore_index) {  // no loss gradient: grad_logits (times the cap's derivative), or zeros
+        if (kCap && glr) {
+          for (int64_t c0 = 0; c0 < a.V; c0 += kChunk) {
+            const int64_t n = std::min(kChunk, a.V - c0);
+            load_chunk<acc_t>(xr + c0, n, buf.data());
+            ignored_capped_chunk(buf.data(), n, cap, glr + c0, orow + c0);
+          }
+          continue;
+        }
         for (int64_t j = 0; j < a.V; ++j) orow[j] = glr ? glr[j] : scalar_t(0);
         continue;
       }
       const acc_t g = ce_row_scale(grad, P.grad_stride, P.count, r);
       const acc_t g_eps = g * (eps / static_cast<acc_t>(a.V)), g_target = g * (acc_t(1) - eps);
-      const scalar_t* xr = x + r * a.row_stride;
       for (int64_t c0 = 0; c0 < a.V; c0 += kChunk) {
         const int64_t n = std::min(kChunk, a.V - c0);
         load_chunk<acc_t>(xr + c0, n, buf.data());  // (no max: the forward's is in lse)
         if (glr) {
-          bwd_chunk<true>(buf.data(), n, c0, tr, lse[2 * r], lse[2 * r + 1], g, g_eps, g_target, glr + c0, orow + c0);
+          bwd_chunk<true, kCap>(buf.data(), n, c0, tr, lse[2 * r], lse[2 * r + 1], g, g_eps, g_target, cap, glr + c0,
+                                orow + c0);
         } else {
-          bwd_chunk<false>(buf.data(), n, c0, tr, lse[2 * r], lse[2 * r + 1], g, g_eps, g_target, glr, orow + c0);
+          bwd_chunk<false, kCap>(buf.data(), n, c0, tr, lse[2 * r], lse[2 * r + 1], g, g_eps, g_target, cap, glr,
+                                 orow + c0);
         }
       }
     }
@@ -198,10 +220,10 @@ std::vector<at::Tensor> cross_entropy_fwd_cpu(const at::Tensor& logits_in, const
 at::Tensor cross_entropy_bwd_cpu(const at::Tensor& grad_loss_in, const at::Tensor& logits_in,
                                  const at::Tensor& target_in, const at::Tensor& lse_in, int64_t ignore_index,
                                  double label_smoothing, int64_t reduction,
-                                 const c10::optional<at::Tensor>& grad_logits_in) {
+                                 const c10::optional<at::Tensor>& grad_logits_in, double softcap) {
   using namespace cross_entropy_impl;
   CeArgs a = check_ce_bwd_args("cross_entropy_backward", grad_loss_in, logits_in, target_in, lse_in, ignore_index,
-                               label_smoothing, reduction, grad_logits_in, at::kCPU);
+                               label_smoothing, reduction, grad_logits_in, softcap, at::kCPU);
   const at::Tensor logits = ce_rows(logits_in), target = target_in.contiguous(), lse = lse_in.contiguous();
   const at::Tensor grad_loss = grad_loss_in.contiguous();
   a.row_stride = ce_row_stride(logits);
@@ -216,7 +238,13 @@ at::Tensor cross_entropy_bwd_cpu(const at::Tensor& grad_loss_in, const at::Tenso
             gl.defined() ? gl.data_ptr() : nullptr, gl.defined() ? ce_row_stride(gl) : 0};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dmfx_cross_entropy_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    bwd_rows<scalar_t, acc_t>(a, logits.data_ptr<scalar_t>(), t, lse.data_ptr<acc_t>(), P, out.data_ptr<scalar_t>());
+    if (a.softcap > 0.0) {
+      bwd_rows<true, scalar_t, acc_t>(a, logits.data_ptr<scalar_t>(), t, lse.data_ptr<acc_t>(), P,
+                                      out.data_ptr<scalar_t>());
+    } else {
+      bwd_rows<false, scalar_t, acc_t>(a, logits.data_ptr<scalar_t>(), t, lse.data_ptr<acc_t>(), P,
+                                       out.data_ptr<scalar_t>());
+    }
   });
   return out;
 }
@@ -235,9 +263,11 @@ void bind_cross_entropy(pybind11::module_& m) {
         pybind11::arg("target"), pybind11::arg("ignore_index"), pybind11::arg("label_smoothing"),
         pybind11::arg("reduction"));
   m.def("cross_entropy_bwd", &cross_entropy_bwd_cpu,
-        "fused cross-entropy backward (CPU): dlogits, plus grad_logits when given", pybind11::arg("grad_loss"),
+        "fused cross-entropy backward (CPU): dlogits, plus grad_logits when given (times the soft cap's derivative "
+        "when softcap > 0: the raw logits' gradient)", pybind11::arg("grad_loss"),
         pybind11::arg("logits"), pybind11::arg("target"), pybind11::arg("lse"), pybind11::arg("ignore_index"),
-        pybind11::arg("label_smoothing"), pybind11::arg("reduction"), pybind11::arg("grad_logits") = pybind11::none());
+        pybind11::arg("label_smoothing"), pybind11::arg("reduction"), pybind11::arg("grad_logits") = pybind11::none(),
+        pybind11::arg("softcap") = 0.0);
 }
 
 }  // namespace dmfx
@@ -280,7 +310,7 @@ struct CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
     auto v = ctx->get_saved_variables();
     const Tensor dlogits = op.call(g[0], v[0], v[1], v[2], ctx->saved_data["ignore_index"].toInt(),
                                    ctx->saved_data["label_smoothing"].toDouble(),
-                                   ctx->saved_data["reduction"].toInt(), c10::nullopt);
+                                   ctx->saved_data["reduction"].toInt(), c10::nullopt, 0.0);
     return {dlogits, none, none, none, none};
   }
 };

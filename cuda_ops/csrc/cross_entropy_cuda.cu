@@ -14,7 +14,8 @@
 //   its (max, log-sum) pair. Ignored rows are not read. The reduced loss is ATen's sum of the rows' losses (/ the count
 //   of rows not ignored for mean), on the current stream.
 // * Backward: the same blocks, one pass: dz = g * exp(z - lse) - g * eps / V (- g * (1 - eps) at the
-//   target) (+ grad_logits), exp(z - lse) as exp(z - max - log-sum), written in the logits' dtype.
+//   target) (+ grad_logits), exp(z - lse) as exp(z - max - log-sum), times the soft cap's derivative
+//   1 - (z / cap)^2 when softcap > 0 (ignored rows: grad_logits times it), written in the logits' dtype.
 // * Math in at::opmath_type (fp32 for half/bfloat16/float, fp64 for double); expf / logf (not the
 //   fast intrinsics). NaN logits give NaN rows, as eager.
 #include <ATen/ATen.h>
@@ -146,24 +147,33 @@ template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads) cross_entropy_bwd_kernel(const CeBwdParams<scalar_t> P) {
   using acc_t = at::opmath_type<scalar_t>;
   const CeArgs& a = P.a;
-  const acc_t eps = static_cast<acc_t>(a.smoothing);
+  const acc_t eps = static_cast<acc_t>(a.smoothing), cap = static_cast<acc_t>(a.softcap);
   for (int64_t row = blockIdx.x; row < a.N; row += gridDim.x) {  // uniform per block
     scalar_t* orow = P.out + row * a.V;
     const scalar_t* glr = P.gl ? P.gl + row * P.gl_stride : nullptr;
     const int64_t tr = P.t[row];
-    if (tr == a.ignore_index) {  // no loss gradient: grad_logits, or zeros
-      for (int64_t j = threadIdx.x; j < a.V; j += blockDim.x) orow[j] = glr ? glr[j] : scalar_t(0);
+    const scalar_t* xr = P.x + row * a.row_stride;
+    if (tr == a.ignore_index) {  // no loss gradient: grad_logits (times the cap's derivative), or zeros
+      for (int64_t j = threadIdx.x; j < a.V; j += blockDim.x) {
+        if (glr && cap > acc_t(0)) {
+          const acc_t f = ce_softcap_factor(static_cast<acc_t>(xr[j]), cap);
+          orow[j] = static_cast<scalar_t>(static_cast<acc_t>(glr[j]) * f);
+        } else {
+          orow[j] = glr ? glr[j] : scalar_t(0);
+        }
+      }
       continue;
     }
     const bool bad = !ce_target_ok(tr, a.V, a.ignore_index);
     const acc_t g = bad ? std::numeric_limits<acc_t>::quiet_NaN() : ce_row_scale(P.grad, P.grad_stride, P.count, row);
     const acc_t g_eps = g * (eps / static_cast<acc_t>(a.V)), g_target = g * (acc_t(1) - eps);
     const acc_t m = P.lse[2 * row], ls = P.lse[2 * row + 1];
-    const scalar_t* xr = P.x + row * a.row_stride;
     for (int64_t j = threadIdx.x; j < a.V; j += blockDim.x) {
-      acc_t d = g * ce_exp(static_cast<acc_t>(xr[j]) - m - ls) - g_eps;
+      const acc_t z = static_cast<acc_t>(xr[j]);
+      acc_t d = g * ce_exp(z - m - ls) - g_eps;
       if (j == tr) d -= g_target;
       if (glr) d += static_cast<acc_t>(glr[j]);
+      if (cap > acc_t(0)) d *= ce_softcap_factor(z, cap);
       orow[j] = static_cast<scalar_t>(d);
     }
   }
@@ -210,10 +220,10 @@ std::vector<at::Tensor> cross_entropy_fwd_cuda(const at::Tensor& logits_in, cons
 at::Tensor cross_entropy_bwd_cuda(const at::Tensor& grad_loss_in, const at::Tensor& logits_in,
                                   const at::Tensor& target_in, const at::Tensor& lse_in, int64_t ignore_index,
                                   double label_smoothing, int64_t reduction,
-                                  const c10::optional<at::Tensor>& grad_logits_in) {
+                                  const c10::optional<at::Tensor>& grad_logits_in, double softcap) {
   using namespace cross_entropy_impl;
   CeArgs a = check_ce_bwd_args("cross_entropy_backward", grad_loss_in, logits_in, target_in, lse_in, ignore_index,
-                               label_smoothing, reduction, grad_logits_in, at::kCUDA);
+                               label_smoothing, reduction, grad_logits_in, softcap, at::kCUDA);
   const c10::cuda::CUDAGuard device_guard(logits_in.device());
   const at::Tensor logits = ce_rows(logits_in), target = target_in.contiguous(), lse = lse_in.contiguous();
   const at::Tensor grad_loss = grad_loss_in.contiguous();

@@ -14,7 +14,7 @@ std::vector<at::Tensor> cross_entropy_fwd_cuda(const at::Tensor& logits, const a
 
 at::Tensor cross_entropy_bwd_cuda(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& target,
                                   const at::Tensor& lse, int64_t ignore_index, double label_smoothing,
-                                  int64_t reduction, const c10::optional<at::Tensor>& grad_logits);
+                                  int64_t reduction, const c10::optional<at::Tensor>& grad_logits, double softcap);
 
 void bind_cross_entropy(pybind11::module_& m) {
   m.def("cross_entropy_fwd", &cross_entropy_fwd_cuda,
@@ -22,9 +22,11 @@ void bind_cross_entropy(pybind11::module_& m) {
         pybind11::arg("target"), pybind11::arg("ignore_index"), pybind11::arg("label_smoothing"),
         pybind11::arg("reduction"));
   m.def("cross_entropy_bwd", &cross_entropy_bwd_cuda,
-        "fused cross-entropy backward (CUDA): dlogits, plus grad_logits when given", pybind11::arg("grad_loss"),
+        "fused cross-entropy backward (CUDA): dlogits, plus grad_logits when given (times the soft cap's derivative "
+        "when softcap > 0: the raw logits' gradient)", pybind11::arg("grad_loss"),
         pybind11::arg("logits"), pybind11::arg("target"), pybind11::arg("lse"), pybind11::arg("ignore_index"),
-        pybind11::arg("label_smoothing"), pybind11::arg("reduction"), pybind11::arg("grad_logits") = pybind11::none());
+        pybind11::arg("label_smoothing"), pybind11::arg("reduction"), pybind11::arg("grad_logits") = pybind11::none(),
+        pybind11::arg("softcap") = 0.0);
 }
 
 }  // namespace dmfx

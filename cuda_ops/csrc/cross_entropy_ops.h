@@ -25,12 +25,14 @@ std::tuple<Tensor, Tensor> cross_entropy(const Tensor& logits, const Tensor& tar
 }
 
 using CrossEntropyBackwardSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, double,
-                                       int64_t, const Opt&);
+                                       int64_t, const Opt&, double);
 
 template <class K>
 Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& target, const Tensor& lse,
-                              int64_t ignore_index, double label_smoothing, int64_t reduction, const Opt& grad_logits) {
-  return K::cross_entropy_bwd(grad_loss, logits, target, lse, ignore_index, label_smoothing, reduction, grad_logits);
+                              int64_t ignore_index, double label_smoothing, int64_t reduction, const Opt& grad_logits,
+                              double softcap) {
+  return K::cross_entropy_bwd(grad_loss, logits, target, lse, ignore_index, label_smoothing, reduction, grad_logits,
+                              softcap);
 }
 
 template <class K>

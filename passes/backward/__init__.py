@@ -22,6 +22,10 @@ kernel, reading two [tokens, hidden] tensors and writing a third. Two folds remo
     themselves (AOTAutograd's tangent for them, zeros when unused) is added as the kernel writes
     dlogits, instead of in one more pass over ``[tokens, vocab]``.
 
+``fold_softcap_grad`` (fold_softcap_grad.py): ``softcap_backward(view(cross_entropy_backward(...)), c,
+    cap)`` where the loss's logits are the soft cap's output c -> ``cross_entropy_backward(...,
+    softcap=cap)``: the loss kernel multiplies by the cap's derivative as it writes the gradient (Gemma
+    2's soft-capped logits), instead of two more passes and a fresh buffer over ``[tokens, vocab]``.
 ``fold_bias_grads`` (fold_bias_grads.py): ``sum(dqkv over rows)`` after
     ``qkv_flash_attention_backward`` (and each of dq, dk, dv's row sums after
     ``flash_attention_backward``, for three separate projections) -> the op's own bias-gradient
@@ -63,6 +67,7 @@ from .aten_backward import fuse_aten_backward
 from .fold_bias_grads import fold_bias_grads
 from .fold_gradient_adds import fold_gradient_adds
 from .fold_logits_grad import fold_logits_grad
+from .fold_softcap_grad import fold_softcap_grad
 from .unstack_dx import unstack_dx
 
 BackwardPass = Callable[[GraphModule, PassContext], None]
@@ -70,6 +75,7 @@ BackwardPass = Callable[[GraphModule, PassContext], None]
 BACKWARD_PIPELINE: dict[str, BackwardPass] = {
     "aten_backward": fuse_aten_backward,
     "fold_logits_grad": fold_logits_grad,
+    "fold_softcap_grad": fold_softcap_grad,
     "fold_gradient_adds": fold_gradient_adds,
     "fold_bias_grads": fold_bias_grads,
     "accumulate_into_gemm": accumulate_into_gemm,
