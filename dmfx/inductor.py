@@ -152,13 +152,12 @@ def _reads_a_gemm(x: Any) -> bool:
     from .passes.graph_utils import aten, is_op
     from .passes.softcap import capped_logits
 
-    while True:
+    while x is not None and not is_op(x, aten.mm, aten.addmm, aten.bmm, aten.baddbmm):
         if is_op(x, aten.view, aten._unsafe_view, aten.reshape, aten.alias, aten._to_copy):
             x = x.args[0]
-        elif capped_logits(x) is not None:  # Gemma 2's soft cap (passes/softcap.py fuses it with the loss's)
+        else:  # Gemma 2's soft cap (passes/softcap.py fuses it with the loss's), or not an LM head's logits
             x = capped_logits(x)
-        else:
-            return is_op(x, aten.mm, aten.addmm, aten.bmm, aten.baddbmm)
+    return x is not None
 
 
 def _contiguous(v: Any) -> bool:

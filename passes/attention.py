@@ -53,6 +53,7 @@ from .graph_utils import (
     number_near,
     refresh_val,
     same_shape,
+    scaled_tanh,
     tensor_meta,
     views_to_reshapes,
 )
@@ -146,24 +147,6 @@ def _head_dim_scale(c: Node, D: object) -> float | None:
     if v is None or not (isinstance(D, int) and D > 0) or not number_near(c, D ** -0.5, rel=1e-6):
         return None
     return float(v.node.hint)
-
-
-def _softcapped(scores: Node) -> tuple[Node, float, list[Node]] | None:
-    """scores = tanh(s * c1 / c2 ...) with constant factors: Gemma 2's soft cap, ``tanh(s * scaling /
-    cap)``, whose ``* cap`` after it the softmax took as its scale. Returns (s, the product of the
-    factors, the nodes from the tanh down to s, with a detach of the tanh nothing reads)."""
-    if not is_op(scores, aten.tanh) or not isinstance(scores.args[0], Node):
-        return None
-    dead = [u for u in scores.users if is_op(u, aten.detach) and not u.users]
-    if len(scores.users) - len(dead) != 1:
-        return None
-    n, factor, chain = scores.args[0], 1.0, [scores, *dead]
-    while (is_op(n, aten.mul, aten.div) and len(n.users) == 1 and isinstance(n.args[0], Node)
-           and isinstance(n.args[1], (int, float)) and not isinstance(n.args[1], bool) and n.args[1] != 0):
-        factor = factor * n.args[1] if is_op(n, aten.mul) else factor / n.args[1]
-        chain.append(n)
-        n = n.args[0]
-    return n, float(factor), chain
 
 
 def _bmm_of(s: Node) -> Node | None:
@@ -358,7 +341,7 @@ def match_attention(sm: Node, ctx: PassContext) -> Match | Miss | None:
         return None
     B, H, Lq, Lk = sm_val.shape
     bmm1, q_scale, score_views, softcap = _bmm_of(scores), None, [scores], 0.0
-    capped = _softcapped(scores) if bmm1 is None else None
+    capped = scaled_tanh(scores) if bmm1 is None else None  # Gemma 2's soft cap, whose * cap the softmax took
     if capped is not None and _bmm_of(capped[0]) is not None:
         # softmax(tanh(s * f) * cap + mask): flash_attention's softcap * tanh(s * scale / softcap)
         if not (isinstance(scale, float) and scale > 0):
@@ -403,13 +386,15 @@ def match_attention(sm: Node, ctx: PassContext) -> Match | Miss | None:
 
     # the softmax's outputs read elsewhere (returned attention weights): only the GEMM form has them
     read_elsewhere = [g for g in outs if g is not o or len(g.users) > 1]
+    softcap_why = None
     if softcap:
-        form, why = softcap_form(ctx, q4, v4, mask, bool(read_elsewhere or probs_outs))
+        form, softcap_why = softcap_form(ctx, q4, v4, mask, bool(read_elsewhere or probs_outs))
         if form is None:
-            return Miss(why)
+            return Miss(softcap_why)
     nodes = {"softmax": sm, "q4": q4, "kt4": kt4, "k_src": k_src, "v4": v4, "mask": mask, "scale": scale,
              "causal": causal, "seed": seed, "p": p, "q_scale": q_scale, "context": ctx4,
-             "outs_read": read_elsewhere, "probs_read": probs_outs, "softcap": softcap}
+             "outs_read": read_elsewhere, "probs_read": probs_outs, "softcap": softcap,
+             "softcap_why": softcap_why}
     chain = [sm, *outs, *probs_outs, *path, bmm2, ctx4, *score_views, bmm1]
     return Match(nodes, chain, returned=(ctx4, *read_elsewhere, *probs_outs))
 
@@ -426,8 +411,8 @@ def rewrite_attention(graph: Graph, m: Match, ctx: PassContext) -> Replacement:
         if m["q_scale"] is not None:
             q4 = insert_call(graph, ctx, aten.mul.Tensor, (q4, m["q_scale"]))
         probs_read = bool(m["outs_read"] or m["probs_read"])
-        if m["softcap"]:  # (match_attention checked that it can run)
-            form, why = softcap_form(ctx, q4, v4, mask, probs_read)
+        if m["softcap"]:  # (match_attention chose the flash form: softcap_form)
+            form, why = "flash", m["softcap_why"]
         else:
             form, why = choose_form(ctx, q4, k4, v4, mask, causal, p, scale, probs_read)
         if form == "sdpa":

@@ -339,6 +339,25 @@ def is_impure(n: Node) -> bool:
         return n.is_impure()
 
 
+def scaled_tanh(t: Any) -> tuple[Node, float, list[Node]] | None:
+    """`t` = tanh(s * c1 / c2 ...) with constant factors, read by one node (detaches of it that nothing
+    reads aside): a soft cap's inside, Gemma 2's ``tanh(logits / cap)`` and ``tanh(s * scaling / cap)``.
+    Returns (s, the product of the factors, the nodes from the tanh down to s: the tanh, its dead
+    detaches, the factors each read only by the next). None where `t` is not such a tanh."""
+    if not is_op(t, aten.tanh) or not isinstance(t.args[0], Node):
+        return None
+    dead = [u for u in t.users if is_op(u, aten.detach) and not u.users]
+    if len(t.users) - len(dead) != 1:
+        return None
+    n, factor, chain = t.args[0], 1.0, [t, *dead]
+    while (is_op(n, aten.mul, aten.div) and len(n.users) == 1 and isinstance(n.args[0], Node)
+           and isinstance(n.args[1], (int, float)) and not isinstance(n.args[1], bool) and n.args[1] != 0):
+        factor = factor * n.args[1] if is_op(n, aten.mul) else factor / n.args[1]
+        chain.append(n)
+        n = n.args[0]
+    return n, float(factor), chain
+
+
 def same_value(a: Any, b: Any, depth: int = 16) -> bool:
     """a and b (nodes, constants, or lists of them) are the same value: the same node, or the same pure op
     applied to the same values, looked up to `depth` ops deep (functionalization records a separate

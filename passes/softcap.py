@@ -25,7 +25,7 @@ import torch
 from torch.fx import Graph, Node
 
 from .fusion import Fusion, Match, Miss, Replacement
-from .graph_utils import PassContext, aten, commuted, insert_call, is_op, kernel_friendly, tensor_meta
+from .graph_utils import PassContext, aten, commuted, insert_call, is_op, kernel_friendly, scaled_tanh, tensor_meta
 
 #: What the capped logits may pass through on their way to the loss (HF's ``view(-1, V)`` and upcast).
 _TO_LOSS = (aten.view, aten._unsafe_view, aten.reshape, aten._to_copy, torch.ops.prims.convert_element_type)
@@ -33,18 +33,6 @@ _TO_LOSS = (aten.view, aten._unsafe_view, aten.reshape, aten._to_copy, torch.ops
 
 def _constant(x: object) -> float | None:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
-
-
-def _inner_scale(t: Node) -> tuple[Node, float, Node] | None:
-    """tanh's input as ``z / c`` or ``z * c`` with c a constant: (z, the factor on z, the div / mul)."""
-    inner = t.args[0]
-    if is_op(inner, aten.div) and isinstance(inner.args[0], Node):
-        c = _constant(inner.args[1])
-        return (inner.args[0], 1.0 / c, inner) if c else None
-    for z, c in commuted(inner, aten.mul):
-        if isinstance(z, Node) and _constant(c) is not None:
-            return z, _constant(c), inner
-    return None
 
 
 def _reaches_a_loss(n: Node, depth: int = 4) -> bool:
@@ -56,33 +44,29 @@ def _reaches_a_loss(n: Node, depth: int = 4) -> bool:
     return False
 
 
-def _chain(t: Node) -> tuple[Node, float, float, Node, Node, list[Node]] | None:
-    """`t` = tanh(z * f) (or z / c) read only by ``* cap`` (and by detaches nothing reads), constants f
-    and cap: (z, f, cap, the mul, the div / mul inside, the dead detaches)."""
-    dead = [u for u in t.users if is_op(u, aten.detach) and not u.users]
-    readers = [u for u in t.users if u not in dead]
-    if len(readers) != 1:
-        return None
-    (mul,) = readers
-    cap = next((_constant(c) for a, c in commuted(mul, aten.mul) if a is t and _constant(c) is not None), None)
-    found = _inner_scale(t)
-    if cap is None or found is None:
+def _chain(t: Node) -> tuple[Node, float, float, Node, list[Node]] | None:
+    """`t` = tanh(z * f) (graph_utils.scaled_tanh: constant factors f) read only by ``* cap``, a constant:
+    (z, f, cap, the mul, the nodes from the tanh down to z)."""
+    found = scaled_tanh(t)
+    if found is None:
         return None
     z, factor, inner = found
-    return z, factor, cap, mul, inner, dead
+    (mul,) = (u for u in t.users if u not in inner)
+    cap = next((_constant(c) for a, c in commuted(mul, aten.mul) if a is t and _constant(c) is not None), None)
+    return None if cap is None else (z, factor, cap, mul, inner)
+
+
+def _is_cap(factor: float, cap: float) -> bool:
+    """tanh(z * factor) * cap is a soft cap: cap a positive finite constant and factor its inverse."""
+    return cap > 0 and math.isfinite(cap) and math.isclose(factor * cap, 1.0, rel_tol=1e-6)
 
 
 def capped_logits(n: object) -> Node | None:
-    """z where `n` is ``tanh(z / cap) * cap`` (a soft cap; the tanh and the scaled z read by nothing
+    """z where `n` is ``tanh(z / cap) * cap`` (a soft cap; the tanh and its factors read by nothing
     else), else None. dmfx/inductor.py's loss_pays looks through it to the LM head."""
-    if not (is_op(n, aten.mul) and any(is_op(a, aten.tanh) for a in n.args)):
-        return None
-    t = next(a for a in n.args if is_op(a, aten.tanh))
-    found = _chain(t)
-    if found is None or found[3] is not n or len(found[4].users) != 1:
-        return None
-    z, factor, cap = found[:3]
-    return z if cap > 0 and math.isclose(factor * cap, 1.0, rel_tol=1e-6) else None
+    t = next((a for a in getattr(n, "args", ()) if is_op(a, aten.tanh)), None) if is_op(n, aten.mul) else None
+    found = _chain(t) if t is not None else None
+    return found[0] if found is not None and found[3] is n and _is_cap(found[1], found[2]) else None
 
 
 def match_softcap(t: Node, ctx: PassContext) -> Match | Miss | None:
@@ -90,19 +74,19 @@ def match_softcap(t: Node, ctx: PassContext) -> Match | Miss | None:
     found = _chain(t)
     if found is None or not _reaches_a_loss(found[3]):
         return None
-    z, factor, cap, mul, inner, dead = found
-    zm, om = tensor_meta(z), tensor_meta(mul)
+    z, factor, cap, mul, inner = found
     if not ctx.needs_grad(z):
         return Miss("not in training: the fused op's gain is the tensor its backward does not keep", at=mul)
     if not (cap > 0 and math.isfinite(cap)):
         return Miss(f"a cap of {cap}, not a positive finite constant", at=mul)
-    if not math.isclose(factor * cap, 1.0, rel_tol=1e-6):
+    if not _is_cap(factor, cap):
+        if is_op(z, aten.mul, aten.div) and _constant(z.args[1]) is not None and len(z.users) > 1:
+            return Miss("the scaled logits inside the tanh are read elsewhere", at=mul)  # (scaled_tanh stopped there)
         return Miss(f"tanh(z * {factor:g}) * {cap:g}: the scale inside the tanh is not 1 / cap", at=mul)
-    if len(inner.users) != 1:
-        return Miss("the scaled logits inside the tanh are read elsewhere", at=mul)
+    zm, om = tensor_meta(z), tensor_meta(mul)
     if not (kernel_friendly(zm) and om is not None and om.dtype == zm.dtype):
         return Miss("logits of a dtype or device dmfx's kernels do not take", at=mul)
-    return Match({"z": z, "cap": float(cap), "mul": mul}, [inner, t, *dead, mul], returned=(mul,))
+    return Match({"z": z, "cap": float(cap), "mul": mul}, [*inner, mul], returned=(mul,))
 
 
 def rewrite_softcap(graph: Graph, m: Match, ctx: PassContext) -> Replacement:

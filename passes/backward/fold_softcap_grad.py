@@ -20,13 +20,11 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..fusion import record
-from ..graph_utils import PassContext, aten, insert_call, is_op, only_user, size_args, tensor_meta
-
-_VIEWS = (aten.view, aten._unsafe_view, aten.reshape)
+from ..graph_utils import RESHAPES, PassContext, aten, insert_call, is_op, only_user, size_args, tensor_meta
 
 
 def _base(n: object) -> object:
-    while is_op(n, *_VIEWS):
+    while is_op(n, *RESHAPES):
         n = n.args[0]
     return n
 
@@ -55,7 +53,7 @@ def fold_softcap_grad(gm: GraphModule, ctx: PassContext) -> None:
     for sb in list(graph.find_nodes(op="call_function", target=torch.ops.dmfx.softcap_backward.default)):
         grad, out, cap = sb.args
         chain, n = [], grad
-        while is_op(n, *_VIEWS) and only_user(n) is not None:
+        while is_op(n, *RESHAPES) and only_user(n) is not None:
             chain.append(n)
             n = n.args[0]
         if not is_op(n, ceb) or only_user(n) is None or n.kwargs.get("softcap", 0.0) or len(n.args) > 8:
