@@ -44,6 +44,7 @@ from .graph_utils import (
     RESHAPES,
     PassContext,
     aten,
+    broadcasts_to,
     float_input,
     getitem_users,
     insert_call,
@@ -54,6 +55,7 @@ from .graph_utils import (
     refresh_val,
     same_shape,
     scaled_tanh,
+    size_args,
     tensor_meta,
     views_to_reshapes,
 )
@@ -105,17 +107,18 @@ def _repeat_kv_source(t: Node) -> Node | None:
 
 
 def _second_gemm(outs: list[Node]) -> tuple[Node, list[Node], Node] | None:
-    """The softmax output `o` (one of `outs`) feeds ``bmm(view(expand(o)), v)``: (o, the nodes from o
-    to that bmm: the expand and the view; the bmm). (torch 2.11's p=0 training dropout, a clone
+    """The softmax output `o` (one of `outs`) feeds ``bmm(view(expand(o)), v)`` or ``bmm(view(o), v)``:
+    (o, the nodes from o to that bmm: the expand, if any, and the view; the bmm). (torch 2.11's p=0 training dropout, a clone
     between the softmax and the expand, is gone before this pass: identity_clones.)"""
     for o in outs:
         for u in o.users:
-            if is_op(u, aten.expand) and len(u.users) == 1:
-                (r,) = u.users
-                if is_op(r, *RESHAPES) and len(r.users) == 1:
-                    (bmm2,) = r.users
-                    if is_op(bmm2, aten.bmm) and bmm2.args[0] is r and len(bmm2.users) == 1:
-                        return o, [u, r], bmm2
+            # matmul's expand before the view, or none (BLOOM's bmm(probs.view(B*H, Lq, Lk), v))
+            path = [u] if is_op(u, *RESHAPES) else [u, *u.users] if is_op(u, aten.expand) and len(u.users) == 1 else []
+            r = path[-1] if path else None
+            if is_op(r, *RESHAPES) and len(r.users) == 1:
+                (bmm2,) = r.users
+                if is_op(bmm2, aten.bmm) and bmm2.args[0] is r and len(bmm2.users) == 1:
+                    return o, path, bmm2
     return None
 
 
@@ -147,6 +150,46 @@ def _head_dim_scale(c: Node, D: object) -> float | None:
     if v is None or not (isinstance(D, int) and D > 0) or not number_near(c, D ** -0.5, rel=1e-6):
         return None
     return float(v.node.hint)
+
+
+def _baddbmm_of(s: Node) -> Node | None:
+    """s = view(baddbmm(bias, a, b, beta=, alpha=), 4-D): the baddbmm (BLOOM's ALiBi scores,
+    ``alibi.baddbmm(q, k_t, beta=1, alpha=1/sqrt(d))``)."""
+    if not is_op(s, *RESHAPES) or len(s.users) != 1:
+        return None
+    b = s.args[0]
+    if not is_op(b, aten.baddbmm) or len(b.users) != 1 or len(b.args) != 3:
+        return None
+    return b
+
+
+def _position_bias(ctx: PassContext, baddbmm: Node, mask: Node | None, shape4) -> tuple[Node, float, float] | Miss:
+    """The bias of ALiBi scores ``beta * bias + alpha * (q @ k_t)`` (BLOOM): (bias, beta, alpha), where the
+    attention can take ``scale * beta * bias`` as (part of) its mask: a bias of [B*H or 1, Lq or 1, Lk]
+    that needs no gradient, in the scores' dtype, whose sum with the softmax's mask is no larger than
+    the bias itself (no mask, or a causal one the softmax took as causal=True: ALiBi's [B, H, 1, Lk] per
+    key; a [B, 1, Lq, Lk] padding mask would make it as large as the scores, which the unfused form
+    writes anyway)."""
+    bias = baddbmm.args[0]
+    beta, alpha = baddbmm.kwargs.get("beta", 1), baddbmm.kwargs.get("alpha", 1)
+    bm, sm = tensor_meta(bias), tensor_meta(baddbmm)
+    if not all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in (beta, alpha)):
+        return Miss("a position bias (baddbmm) whose beta or alpha is not a constant")
+    if bm is None or bm.dim() != 3 or bm.dtype != sm.dtype:
+        return Miss("a position bias (baddbmm) that is not a 3-D tensor in the scores' dtype")
+    B, H, Lq, Lk = shape4
+    if not (same_shape(bm.shape[:1], (B * H,)) or bm.shape[0] == 1) or not broadcasts_to(bm.shape[1:], (Lq, Lk)):
+        return Miss(f"a position bias (baddbmm) of shape {list(bm.shape)}, not [B*H or 1, Lq or 1, Lk]")
+    if ctx.needs_grad(bias):
+        return Miss("a position bias (baddbmm) that requires grad: dmfx's fused forms take no bias gradient")
+    bias4 = (B, H) if bm.shape[0] != 1 else (1, 1)
+    if mask is not None:
+        mm = tensor_meta(mask)
+        whole = (*bias4, *bm.shape[1:])
+        if mm.dtype != bm.dtype or not broadcasts_to(mm.shape, whole):
+            return Miss(f"a position bias (baddbmm) with a {list(mm.shape)} {mm.dtype} mask: their sum, which the fused "
+                        "forms would read as their mask, would be larger than the bias")
+    return bias, float(beta), float(alpha)
 
 
 def _bmm_of(s: Node) -> Node | None:
@@ -262,7 +305,8 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | Non
     """
     qm = tensor_meta(q4)
     flash_ok, flash_auto = _flash_kernels(q4, v4)
-    sdpa_ok = not causal or qm.shape[2] == tensor_meta(k4).shape[2]
+    # (SDPA takes a mask or is_causal, not both: an ALiBi bias under a causal mask is dmfx's)
+    sdpa_ok = not causal or (qm.shape[2] == tensor_meta(k4).shape[2] and mask is None)
     required = _required_form(ctx, mask, probs_read, flash_ok, sdpa_ok)
     if required is not None:
         return required
@@ -304,6 +348,9 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | Non
     if sdpa_ok:
         return "sdpa", _why_sdpa(qm, causal)
     if flash_auto:
+        if mask is not None:
+            return "flash", ("a mask under causal=True (an ALiBi bias in a causal LM): PyTorch's SDPA takes a mask or "
+                             "is_causal, not both, and dmfx's kernel skips the keys past each block's diagonal")
         return "flash", "causal attention over different query and key lengths"
     return "gemm", "no fused kernel for this case"
 
@@ -340,9 +387,19 @@ def match_attention(sm: Node, ctx: PassContext) -> Match | Miss | None:
     if sm_val is None or sm_val.dim() != 4:
         return None
     B, H, Lq, Lk = sm_val.shape
-    bmm1, q_scale, score_views, softcap = _bmm_of(scores), None, [scores], 0.0
+    bmm1, q_scale, score_views, softcap, bias = _bmm_of(scores), None, [scores], 0.0, None
     capped = scaled_tanh(scores) if bmm1 is None else None  # Gemma 2's soft cap, whose * cap the softmax took
-    if capped is not None and _bmm_of(capped[0]) is not None:
+    baddbmm = _baddbmm_of(scores) if bmm1 is None else None
+    if baddbmm is not None:
+        # BLOOM's ALiBi: softmax((beta * bias + alpha * q·kᵀ) * scale + mask) is the attention of
+        # q·kᵀ * (alpha * scale) with the mask (beta * scale) * bias + mask
+        if not isinstance(scale, float):
+            return Miss("a position bias (baddbmm) under a scale that is not a constant")
+        bias = _position_bias(ctx, baddbmm, mask, (B, H, Lq, Lk))
+        if isinstance(bias, Miss):
+            return bias
+        bmm1 = baddbmm
+    elif capped is not None and _bmm_of(capped[0]) is not None:
         # softmax(tanh(s * f) * cap + mask): flash_attention's softcap * tanh(s * scale / softcap)
         if not (isinstance(scale, float) and scale > 0):
             return Miss("soft-capped scores with a cap that is not a positive constant")
@@ -354,7 +411,7 @@ def match_attention(sm: Node, ctx: PassContext) -> Match | Miss | None:
         bmm1, q_scale, score_views = _bmm_of(scores.args[0]), scores.args[1], [scores, scores.args[0]]
     if bmm1 is None:
         return Miss("the scores do not come from a batched GEMM read only by the softmax")
-    a, b = bmm1.args[:2]
+    a, b = bmm1.args[1:3] if bias is not None else bmm1.args[:2]
     D = tensor_meta(a).shape[-1]
     head_dim_scale = _head_dim_scale(q_scale, D) if q_scale is not None else None
     if head_dim_scale is not None:
@@ -362,8 +419,10 @@ def match_attention(sm: Node, ctx: PassContext) -> Match | Miss | None:
         # (graph_utils.number_near), it is a constant like any other and joins the softmax's scale
         scale, q_scale = scale * head_dim_scale, None
     q4 = _unflatten_of(a, (B, H, Lq, D))
-    kt4 = _unflatten_of(b, (B, H, D, Lk))
-    if q4 is None or kt4 is None:
+    kt4, k_flat = _unflatten_of(b, (B, H, D, Lk)), None
+    if kt4 is None and is_op(b, aten.transpose) and sorted(d % 3 for d in b.args[1:3]) == [1, 2]:
+        k_flat = _unflatten_of(b.args[0], (B, H, Lk, D))  # BLOOM: k.reshape(B*H, Lk, D).transpose(1, 2)
+    if q4 is None or (kt4 is None and k_flat is None):
         return Miss("q or k is not a 4-D [B, H, L, D] tensor (grouped-query repeat_kv, 3-D q)")
 
     items = getitem_users(sm)
@@ -379,7 +438,7 @@ def match_attention(sm: Node, ctx: PassContext) -> Match | Miss | None:
     c4m = tensor_meta(ctx4)
     if v4 is None or not is_op(ctx4, *RESHAPES) or c4m is None or not same_shape(c4m.shape, (B, H, Lq, Dv)):
         return Miss("v is not a 4-D [B, H, L, D] tensor or the context is not viewed back to 4-D")
-    k_src, v4 = _grouped_kv(kt4, v4)
+    k_src, v4 = _grouped_kv(kt4, v4) if kt4 is not None else (k_flat, v4)
     dtypes = {tensor_meta(t).dtype for t in (q4, k_src if k_src is not None else kt4, v4)} | {sm_val.dtype}
     if len(dtypes) != 1:
         return Miss(f"q, k, v and the scores have different dtypes {sorted(map(str, dtypes))}")
@@ -391,10 +450,12 @@ def match_attention(sm: Node, ctx: PassContext) -> Match | Miss | None:
         form, softcap_why = softcap_form(ctx, q4, v4, mask, bool(read_elsewhere or probs_outs))
         if form is None:
             return Miss(softcap_why)
+    if ctx.attention_scope == "long-causal" and not causal:  # (attention_softmax took only causal ones)
+        return Miss("fuse='auto' rewrites only causal attention here")
     nodes = {"softmax": sm, "q4": q4, "kt4": kt4, "k_src": k_src, "v4": v4, "mask": mask, "scale": scale,
              "causal": causal, "seed": seed, "p": p, "q_scale": q_scale, "context": ctx4,
              "outs_read": read_elsewhere, "probs_read": probs_outs, "softcap": softcap,
-             "softcap_why": softcap_why}
+             "softcap_why": softcap_why, "bias": bias}
     chain = [sm, *outs, *probs_outs, *path, bmm2, ctx4, *score_views, bmm1]
     return Match(nodes, chain, returned=(ctx4, *read_elsewhere, *probs_outs))
 
@@ -410,6 +471,8 @@ def rewrite_attention(graph: Graph, m: Match, ctx: PassContext) -> Replacement:
             k4 = insert_call(graph, ctx, aten.transpose.int, (kt4, 2, 3))
         if m["q_scale"] is not None:
             q4 = insert_call(graph, ctx, aten.mul.Tensor, (q4, m["q_scale"]))
+        if m["bias"] is not None:
+            mask, scale = _bias_mask(graph, ctx, *m["bias"], mask, scale, tensor_meta(m["softmax"].args[0]).shape)
         probs_read = bool(m["outs_read"] or m["probs_read"])
         if m["softcap"]:  # (match_attention chose the flash form: softcap_form)
             form, why = "flash", m["softcap_why"]
@@ -431,6 +494,24 @@ def rewrite_attention(graph: Graph, m: Match, ctx: PassContext) -> Replacement:
     log.debug("dmfx: attention at %s runs in the %s form: %s", m["softmax"].name, form, why)
     # the SDPA form's output layout depends on the kernel PyTorch picks at run time
     return Replacement(fused, uses, strides_unknown=(out,) if form == "sdpa" else ())
+
+
+def _bias_mask(graph: Graph, ctx: PassContext, bias: Node, beta: float, alpha: float, mask: Node | None, scale: float,
+               shape4) -> tuple[Node, float]:
+    """ALiBi scores' attention (_position_bias): the mask ``bias * (beta * scale) (+ mask)``, the bias
+    viewed as [B, H, Lq or 1, Lk] (or [1, 1, ...]), and the scale ``alpha * scale``."""
+    B, H = shape4[:2]
+    bm = tensor_meta(bias)
+    lead = [B, H] if bm.shape[0] != 1 else [1, 1]
+    sizes = size_args(graph, [*lead, *bm.shape[1:]])
+    if sizes is None:  # (a size that is an expression of the inputs' symbols: the view keeps the bias's own)
+        sizes = [*lead, *bm.shape[1:]]
+    bias4 = insert_call(graph, ctx, aten.view.default, (bias, sizes))
+    if beta * scale != 1.0:
+        bias4 = insert_call(graph, ctx, aten.mul.Tensor, (bias4, beta * scale))
+    if mask is not None:
+        bias4 = insert_call(graph, ctx, aten.add.Tensor, (bias4, mask))
+    return bias4, alpha * scale
 
 
 #: q·kᵀ -> dmfx::attention_softmax -> ·v (the module docstring) -> one attention in the form
@@ -513,6 +594,9 @@ def match_sdpa_call(n: Node, ctx: PassContext) -> Match | Miss | None:
             return None  # a symbolic head size: the scale is not a float at compile time
         scale = d**-0.5
     form, why = choose_form(ctx, q4, k4, v4, mask, bool(causal), 0.0, float(scale), probs_read=False)
+    if ctx.attention_scope == "long-causal" and not (causal and form == "flash"):
+        return Miss(f"fuse='auto' rewrites only causal attention dmfx's kernel is faster at; left to PyTorch's "
+                    f"scaled_dot_product_attention: {why}")
     # The GEMM form where the cost model picks it for speed (bf16/fp16 training on the CPU, or the option);
     # not where it picks it for a mask that requires grad: SDPA's call differentiates that mask already.
     if not (form == "flash" or (form == "gemm" and not ctx.needs_grad(mask))):

@@ -11,9 +11,11 @@ casts HF writes around it under autocast) and walks up and down its chain::
                      -> dmfx::attention_softmax(s, mask, c, causal, seed, p_drop) -> (o, p)
 
 Masks are used as they are: a bool mask turned additive by ``where(m, 0, -inf)`` becomes the bool
-mask itself (read as 1 byte per element instead of 4), a ``tril(ones(S, S))`` causal mask becomes
-``causal=True`` (nothing read at all), any other additive mask (HF's 0 / finfo.min masks, T5's
-position bias, which may require grad) is passed through. Scales that SDPA's math path splits onto
+mask itself (read as 1 byte per element instead of 4), a causal mask the graph computes from
+constants (``tril(ones(S, S))``, HF's create_causal_mask of an eager-attention model in training:
+``_is_causal_constant``) becomes ``causal=True`` (nothing read at all, and the attention kernels skip
+the masked half), any other additive mask (HF's 0 / finfo.min padding masks, T5's position bias, which
+may require grad) is passed through. Scales that SDPA's math path splits onto
 q and k (``q * sqrt(c)``, ``k_t * sqrt(c)`` before the batched GEMM) are moved into the fused op
 (GEMMs are linear), removing two element-wise passes; not for float16, where the unscaled product
 could overflow. A softmax whose output is read elsewhere (e.g. returned attention weights) hands
@@ -36,6 +38,7 @@ from .graph_utils import (
     PassContext,
     aten,
     broadcasts_to,
+    constant_value,
     getitem_users,
     insert_call,
     insert_getitems,
@@ -186,15 +189,58 @@ def _bool_mask_of(mask: Node) -> Node | None:
     return None
 
 
-def _is_causal_tril(m: Node, scores_shape: torch.Size) -> bool:
-    """m = tril(ones([S, S], bool)) (diagonal 0) with S the query and key length."""
-    if not is_op(m, aten.tril) or (len(m.args) > 1 and m.args[1] != 0) or m.kwargs.get("diagonal", 0) != 0:
+#: An additive mask's "masked" value: at most this (HF's finfo(dtype).min, -inf). exp() of it minus any
+#: score is exactly 0, so where every row keeps a key, such a mask and causal=True give the same result.
+MASKED = -1e30
+
+
+def _is_causal_constant(mask: Node, scores_shape: torch.Size) -> bool:
+    """`mask` is a causal mask over the last two dims of the scores (query row i reads keys
+    j <= i + Lk - Lq, bottom-right as dmfx's causal=True), computed from constants: ``tril(ones(S, S))``,
+    or HF's create_causal_mask traced with static sizes (``where(le(kv_arange, q_arange), 0, finfo.min)``
+    expanded over the batch, an eager-attention model's mask in training). Decided by evaluating the
+    mask's graph (constant_value) and comparing it with the pattern, so any formulation
+    counts and anything else (a padding mask, a sliding window, a cache's positions, which are inputs)
+    does not. A float mask counts where it is ``where(c, 0, m)`` with m <= MASKED and c such a bool
+    mask. Not for Lq > Lk, where causal rows would read no key."""
+    Lq, Lk = scores_shape[-2], scores_shape[-1]
+    if not (isinstance(Lq, int) and isinstance(Lk, int)) or Lq > Lk:
         return False
-    ones = m.args[0]
-    if not (is_op(ones, aten.ones) and len(ones.args[0]) == 2):
+    mm = tensor_meta(mask)
+    if mm is None:
         return False
-    sq, sk = ones.args[0]
-    return len(scores_shape) >= 2 and sq == sk == scores_shape[-2] == scores_shape[-1]
+    if mm.dtype != torch.bool:
+        if not is_op(mask, aten.where) or len(mask.args) != 3:
+            return False
+        mask, zero, masked = mask.args
+        masked = _const_value(masked)
+        if tensor_meta(mask) is None or _const_value(zero) != 0.0 or masked is None or masked > MASKED:
+            return False
+    v = constant_value(mask)
+    if v is None or v.dtype != torch.bool or v.dim() < 2:
+        return False
+    for d in range(v.dim() - 2):  # a batch dim the mask is expanded over: one copy of it suffices
+        if v.stride(d) == 0:
+            v = v.narrow(d, 0, 1)
+    pattern = torch.ones(Lq, Lk, dtype=torch.bool, device=v.device).tril(Lk - Lq)
+    return torch.broadcast_shapes(v.shape[-2:], pattern.shape) == pattern.shape and bool((v == pattern).all())
+
+
+def causal_softmax_keys(n: Node) -> int | None:
+    """The key length of `n` where it is a float32 last-dim softmax over [B, H, L, L] scores plus a causal
+    mask of constants (_is_causal_constant): an eager attention's, which the attention passes make one
+    causal attention (dmfx/inductor.py long_causal_attention reads it before they run); else None."""
+    if not is_op(n, aten._softmax, aten._safe_softmax):
+        return None
+    z = n.args[0]
+    zm = tensor_meta(z)
+    if zm is None or zm.dim() != 4 or zm.dtype != torch.float32 or not is_op(z, aten.add) or len(z.args) != 2:
+        return None
+    Lq, Lk = zm.shape[2:]
+    if not (isinstance(Lq, int) and Lq == Lk):
+        return None
+    mask = z.args[1] if tensor_meta(z.args[0]) is not None and tensor_meta(z.args[0]).shape == zm.shape else z.args[0]
+    return Lk if isinstance(mask, Node) and _is_causal_constant(mask, zm.shape) else None
 
 
 def _fold_qk_scales(scores: Node, dtype: torch.dtype) -> tuple[float, list[Node]]:
@@ -287,8 +333,14 @@ def match_attention_softmax(sm: Node, ctx: PassContext) -> Match | Miss | None:
             if len(mask.users) == 1:
                 chain.append(mask)
             mask = bool_mask
-            if _is_causal_tril(mask, shape):
-                mask, causal = None, True
+        if m2 is None and _is_causal_constant(mask, shape):
+            mask, causal = None, True
+    if ctx.attention_scope == "long-causal":  # (fuse="auto": only what becomes a long causal attention)
+        from .attention import CAUSAL_FLASH_MIN_KEYS
+
+        if not (causal and isinstance(shape[-1], int) and shape[-1] >= CAUSAL_FLASH_MIN_KEYS and zm.dim() == 4):
+            return Miss(*notes, f"fuse='auto' rewrites only causal attention over at least {CAUSAL_FLASH_MIN_KEYS} keys "
+                        "here; the rest of this graph is Inductor's")
         if mask is not None:
             mm = tensor_meta(mask) if m2 is None else _summed(m2, mask, ctx)
             if mm is None or not broadcasts_to(mm.shape, shape) or (mm.dtype not in FLOATS and mm.dtype != torch.bool):

@@ -30,6 +30,7 @@ class PassContext:
     input_requires_grad: tuple[bool, ...] | None = None  # per placeholder; None: unknown (assume all)
     input_is_parameter: tuple[bool, ...] | None = None  # per placeholder: an nn.Parameter; None: unknown
     attention: str = "auto"  # Options.attention
+    attention_scope: str = "all"  # Options.attention_scope
     tune: bool = False  # Options.tune: time the candidate forms (passes/tuning.py)
     forms: dict[str, tuple[str, str]] = field(default_factory=dict)  # attention node -> (form, why)
     copies: list[dict] = field(default_factory=list)  # copies a pass added knowingly: node, bytes, why
@@ -383,6 +384,69 @@ def same_value(a: Any, b: Any, depth: int = 16) -> bool:
         and a.kwargs.keys() == b.kwargs.keys()
         and all(same_value(a.kwargs[key], b.kwargs[key], depth - 1) for key in a.kwargs)
     )
+
+
+#: The ops constant_value evaluates: what builds a mask from positions (HF's create_causal_mask traced
+#: with static sizes: aranges, offsets, comparisons, broadcasts, and its packed-sequence check, which
+#: indexes a cumsum of the position ids' steps), nothing that reads memory it is not given.
+_CONSTANT_OPS = frozenset({
+    aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default, aten.scalar_tensor.default,
+    aten.zeros.default, aten.ones.default, aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar,
+    aten.mul.Tensor, aten.mul.Scalar, aten.le.Tensor, aten.le.Scalar, aten.lt.Tensor, aten.lt.Scalar,
+    aten.ge.Tensor, aten.ge.Scalar, aten.gt.Tensor, aten.gt.Scalar, aten.eq.Tensor, aten.eq.Scalar,
+    aten.logical_and.default, aten.bitwise_and.Tensor, aten.logical_not.default, aten.bitwise_not.default,
+    aten.where.self, aten.unsqueeze.default, aten.expand.default, aten.view.default, aten.reshape.default,
+    aten._unsafe_view.default, aten.squeeze.dim, aten.slice.Tensor, aten.select.int, aten.tril.default,
+    aten.triu.default, aten._to_copy.default, aten.alias.default, aten.clone.default, aten.new_ones.default,
+    aten.new_zeros.default, aten.ne.Tensor, aten.ne.Scalar, aten.cumsum.default, aten.cat.default, aten.index.Tensor,
+})
+_CONSTANT_VIEWS = frozenset({
+    aten.unsqueeze.default, aten.expand.default, aten.view.default, aten._unsafe_view.default, aten.squeeze.dim,
+    aten.slice.Tensor, aten.select.int, aten.alias.default,
+})
+
+
+def constant_value(n: Any, max_elements: int = 1 << 24, max_nodes: int = 64) -> torch.Tensor | None:
+    """The value of `n` where the graph computes it from constants alone (no input, no parameter): ops of
+    _CONSTANT_OPS over Python numbers and static sizes, at most `max_nodes` of them, none of whose results
+    writes more than `max_elements` elements (views write none). Evaluated eagerly
+    (outside any fake mode) on the device the graph names; None where `n` is anything else. A causal mask
+    HF builds from aranges is such a value (passes/attention_softmax.py)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    order: list[Node] = []
+    seen: set[Node] = set()
+
+    def visit(x: Any) -> bool:
+        if isinstance(x, (list, tuple)):
+            return all(visit(y) for y in x)
+        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool, torch.Tensor)):
+            return False
+        if not isinstance(x, Node):
+            return True
+        if x in seen:
+            return True
+        if x.op != "call_function" or x.target not in _CONSTANT_OPS or len(seen) >= max_nodes:
+            return False
+        seen.add(x)
+        if not (visit(x.args) and visit(list(x.kwargs.values()))):
+            return False
+        meta = tensor_meta(x)
+        if meta is None or any(not isinstance(d, int) for d in meta.shape):
+            return False
+        if x.target not in _CONSTANT_VIEWS and meta.numel() > max_elements:
+            return False  # (an expand is a view: what it broadcasts costs nothing until an op writes it)
+        order.append(x)
+        return True
+
+    if not isinstance(n, Node) or not visit(n):
+        return None
+    values: dict[Node, torch.Tensor] = {}
+    real = lambda a: torch.fx.node.map_arg(a, values.__getitem__)  # noqa: E731
+    with unset_fake_temporarily():
+        for x in order:
+            values[x] = x.target(*real(x.args), **real(x.kwargs))
+    return values[n]
 
 
 def dead_code_elimination(gm: GraphModule) -> None:

@@ -140,6 +140,33 @@ def test_family_trains_as_eager_under_every_fusion(name):
     assert not missing, f"{name} ({impl} attention): did not fire: {missing}; fired {fired}"
 
 
+EAGER_CAUSAL_LMS = [n for n, (_, model, _, _) in FAMILIES.items() if "CausalLM" in model and n not in SDPA]
+
+
+@pytest.mark.parametrize("name", EAGER_CAUSAL_LMS)
+def test_unpadded_eager_attention_lms_read_no_causal_mask(name, monkeypatch):
+    """A causal LM with eager attention trained without padding (packed sequences): HF builds its causal
+    mask from aranges in the graph, which dmfx evaluates at compile time and turns into causal=True, so
+    no attention reads an [L, L] mask (BLOOM's ALiBi bias is a [B, H, 1, L] one); it trains as eager.
+    (Gemma 2's sliding window is widened to the sequence, where its mask is the causal one: a narrower
+    window stays a mask, tests/test_pass_attention_softmax.py.)"""
+    if name == "gemma2":
+        cfg_name, model_name, config, fused = FAMILIES[name]
+        monkeypatch.setitem(FAMILIES, name, (cfg_name, model_name, dict(config, sliding_window=16), fused))
+    model, inputs = _case(name, "eager")
+    inputs = {k: v for k, v in inputs.items() if k != "attention_mask"} | {"labels": inputs["input_ids"]}
+    _trains_as_eager(model, inputs, {"fuse": "all", "fallback": False, "cache": False})
+    from dmfx.passes.attention import sdpa_call
+
+    mask_arg = {torch.ops.dmfx.attention.default: 3, torch.ops.dmfx.flash_attention.default: 3,
+                torch.ops.dmfx.attention_softmax.default: 1}
+    masks = [(n, n.args[mask_arg[n.target]]) if n.target in mask_arg else (n, sdpa_call(n)["mask"])
+             for r in dmfx.records() for n in r.forward_graph.graph.nodes if n.target in mask_arg or sdpa_call(n)]
+    assert masks, [r.summary() for r in dmfx.records()]
+    for n, mask in masks:
+        assert mask is None or mask.meta["val"].shape[-2] == 1, (name, n.format_node())
+
+
 # Families whose inputs are not token ids, or whose graphs mix convolutions into a transformer:
 # name -> (config class, model class, config, inputs(batch), fusions that must fire). Inductor
 # relays out a graph with convolutions in channels-last (its layout optimization), saved tensors for

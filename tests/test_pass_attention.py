@@ -364,3 +364,101 @@ def test_cost_model_long_causal_attention_takes_dmfxs_kernel():
     gm, ctx = rewrite(causal, q, k, v)
     assert [f for f, _ in ctx.forms.values()] == ["flash"], ctx.forms
     check_same(causal, gm, q, k, v)
+
+
+def bloom_attention(q, k, v, alibi, mask, beta=1.0, scale=D ** -0.5):
+    """HF BLOOM's eager attention: ALiBi through baddbmm on [B*H, L, D] views, the mask, an fp32 softmax,
+    bmm with v (q, k, v given as [B, H, L, D])."""
+    Bq, Hq, Lq, Dq = q.shape
+    s = alibi.baddbmm(q.reshape(Bq * Hq, Lq, Dq), k.reshape(Bq * Hq, -1, Dq).transpose(-1, -2), beta=beta, alpha=scale)
+    w = s.view(Bq, Hq, Lq, -1)
+    if mask is not None:
+        w = w + mask
+    p = torch.softmax(w, -1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(p.view(Bq * Hq, Lq, -1), v.reshape(Bq * Hq, -1, Dq)).view(Bq, Hq, Lq, Dq)
+
+
+def _alibi(Lk=L, batch=B):
+    """BLOOM's ALiBi: slope_h * key position, [B*H, 1, Lk] (its translation invariance leaves out the query's)."""
+    slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)
+    return (slopes[:, None, None] * torch.arange(Lk)).repeat(batch, 1, 1)
+
+
+def _causal_bloom(q, k, v, alibi):  # the causal mask built in the graph, as HF's create_causal_mask traces
+    Lq, Lk = q.shape[2], k.shape[2]
+    keep = torch.arange(Lk)[None, None, None, :] <= (torch.arange(Lq) + Lk - Lq)[None, None, :, None]
+    mask = torch.where(keep.expand(q.shape[0], -1, -1, -1), torch.zeros(()), torch.full((), torch.finfo(q.dtype).min))
+    return bloom_attention(q, k, v, alibi, mask)
+
+
+def _grads_match(fn, gm, args, n):
+    out, want = gm(*args)[0], fn(*args)
+    R = torch.randn_like(want)
+    got = torch.autograd.grad((out * R).sum(), args[:n])
+    exp = torch.autograd.grad((want * R).sum(), args[:n])
+    scale = max(g.abs().max() for g in exp)
+    assert all(((a - b).abs().max() / scale) < 1e-5 for a, b in zip(got, exp))
+
+
+def test_alibi_scores_are_one_flash_attention_with_the_bias_as_its_mask():
+    """BLOOM's ``alibi.baddbmm(q, k_t, beta, alpha)`` under its causal mask: one dmfx::flash_attention with
+    causal=True, the scale alpha * scale and the [B, H, 1, Lk] bias (times beta * scale) as its mask, so no
+    [B, H, L, L] scores or mask exist; values and gradients (random cotangent) are eager's."""
+    q, k, v = ((torch.randn(B, L, H, D)).transpose(1, 2) for _ in range(3))
+    alibi = _alibi()
+    for training in (False, True):
+        args = [t.detach().requires_grad_(training) for t in (q, k, v)] + [alibi]
+        gm, ctx = rewrite(_causal_bloom, *args)
+        assert ctx.fired.get("attention") == 1, ctx.missed
+        (att,) = [n for n in gm.graph.nodes if n.target is dmfx_ops.flash_attention.default]
+        assert att.args[5] is True and math.isclose(att.args[4], D ** -0.5, rel_tol=1e-12)
+        assert list(att.args[3].meta["val"].shape) == [B, H, 1, L]
+        assert not {aten.baddbmm.default, aten.bmm.default, aten.where.self} & set(targets(gm))
+        check_same(_causal_bloom, gm, *args)
+    _grads_match(_causal_bloom, gm, args, 3)
+
+
+@pytest.mark.parametrize("beta,scale", [(1.0, 0.5), (0.5, 0.25)])
+def test_alibi_with_a_padding_mask_sums_the_two_into_one_per_key_mask(beta, scale):
+    """A [B, 1, 1, Lk] padding mask and the bias sum to a [B, H, 1, Lk] mask (no larger than the bias);
+    beta and alpha land in the mask and the scale. Values and gradients are eager's."""
+    mask = torch.zeros(B, 1, 1, L)
+    mask[1, ..., :2] = torch.finfo(torch.float32).min  # left padding
+    args = [torch.randn(B, L, H, D).transpose(1, 2).requires_grad_() for _ in range(3)] + [_alibi(), mask]
+
+    def fn(q, k, v, alibi, mask):
+        return bloom_attention(q, k, v, alibi, mask, beta=beta, scale=scale)
+
+    gm, ctx = rewrite(fn, *args)
+    assert ctx.fired.get("attention") == 1, ctx.missed
+    assert aten.baddbmm.default not in targets(gm)
+    check_same(fn, gm, *args)
+    _grads_match(fn, gm, args, 3)
+
+
+def test_alibi_decode_step_takes_sdpa_with_the_summed_mask():
+    """One query row against a cache in inference: PyTorch's SDPA with the bias and the padding mask as
+    one [B, H, 1, Lk] float mask."""
+    mask = torch.zeros(B, 1, 1, L)
+    mask[0, ..., :3] = torch.finfo(torch.float32).min
+    q = torch.randn(B, H, 1, D)
+    k, v = (torch.randn(B, L, H, D).transpose(1, 2) for _ in range(2))
+    gm, ctx = rewrite(bloom_attention, q, k, v, _alibi(), mask)
+    assert [f for f, _ in ctx.forms.values()] == ["sdpa"], (ctx.forms, ctx.missed)
+    check_same(bloom_attention, gm, q, k, v, _alibi(), mask)
+
+
+def test_alibi_near_misses_keep_the_fused_softmax():
+    """Where the bias cannot become the fused forms' mask, the GEMMs stay around the fused softmax, with
+    the reason: a [B, 1, Lq, Lk] mask (BLOOM's padded prefill: their sum would be as large as the scores)
+    and a bias that requires grad."""
+    q, k, v = (torch.randn(B, L, H, D).transpose(1, 2) for _ in range(3))
+    full_mask = torch.zeros(B, 1, L, L)
+    full_mask[1, ..., :2] = torch.finfo(torch.float32).min
+    cases = [((q, k, v, _alibi(), full_mask), "would be larger than the bias"),
+             ((q, k, v, _alibi().requires_grad_(), full_mask[:, :, :1]), "requires grad")]
+    for args, why in cases:
+        gm, ctx = rewrite(bloom_attention, *args)
+        assert "attention" not in ctx.fired and ctx.fired.get("attention_softmax") == 1, ctx.fired
+        assert any(m.startswith("attention at") and why in m for m in ctx.missed), ctx.missed
+        check_same(bloom_attention, gm, *args)

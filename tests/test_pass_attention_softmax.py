@@ -120,6 +120,58 @@ def test_causal_tril_mask_becomes_causal_flag():
     check_same(fn, gm, q, k, v)
 
 
+def _hf_causal_mask(B, Lq, Lk, q_offset, window=None, masked=None):
+    """HF's create_causal_mask of an eager-attention model as it traces in training: key and query
+    positions from aranges, compared, expanded over the batch, made additive with finfo.min."""
+    kv = torch.arange(Lk)[None, None, None, :]
+    q = (torch.arange(Lq) + q_offset)[None, None, :, None]
+    keep = kv <= q
+    if window is not None:
+        keep = keep & (kv > q - window)
+    masked = torch.finfo(torch.float32).min if masked is None else masked
+    return torch.where(keep.expand(B, -1, -1, -1), torch.zeros(()), torch.full((), masked))
+
+
+@pytest.mark.parametrize("case,causal", [
+    ("square", True), ("bottom_right", True), ("top_left", False), ("sliding_window", False),
+    ("masked_by_-1e4", False), ("more_rows_than_keys", False)])
+def test_hf_causal_masks_computed_from_constants_become_the_causal_flag(case, causal):
+    """A causal mask the graph computes from aranges (HF's eager attention in training) is evaluated at
+    compile time and becomes causal=True where it is dmfx's bottom-right causal mask exactly; other
+    constant masks (top-left over a longer key length, a sliding window, a masked value whose exp is not
+    surely 0, rows with no key) stay masks. The values are eager's either way."""
+    Lq, Lk, offset, window, masked = {
+        "square": (5, 5, 0, None, None), "bottom_right": (3, 5, 2, None, None), "top_left": (3, 5, 0, None, None),
+        "sliding_window": (5, 5, 0, 2, None), "masked_by_-1e4": (5, 5, 0, None, -1e4),
+        "more_rows_than_keys": (5, 3, -2, None, None)}[case]
+    q, k, v = _qk(S=Lq, Sk=Lk)
+
+    def fn(q, k, v):
+        s = (q @ k.transpose(-1, -2)) * 0.3 + _hf_causal_mask(q.shape[0], Lq, Lk, offset, window, masked)
+        return torch.softmax(s, -1) @ v
+
+    gm, ctx = rewrite(fn, q, k, v, passes=SOFTMAX_PASSES)
+    (sm,) = [n for n in gm.graph.nodes if n.target is dmfx_ops.attention_softmax.default]
+    assert sm.args[3] is causal and (sm.args[1] is None) is causal
+    if causal:
+        assert aten.where.self not in targets(gm)  # the mask is gone from the graph
+    check_same(fn, gm, q, k, v)
+
+
+def test_a_causal_mask_given_as_an_input_stays_a_mask():
+    """The same causal values passed in (a tensor the graph cannot prove constant) are read as a mask."""
+    q, k, v = _qk()
+    mask = _hf_causal_mask(2, 5, 5, 0)
+
+    def fn(q, k, v, mask):
+        return torch.softmax(q @ k.transpose(-1, -2) * 0.3 + mask, -1) @ v
+
+    gm, ctx = rewrite(fn, q, k, v, mask, passes=SOFTMAX_PASSES)
+    (sm,) = [n for n in gm.graph.nodes if n.target is dmfx_ops.attention_softmax.default]
+    assert sm.args[1] is not None and sm.args[3] is False
+    check_same(fn, gm, q, k, v, mask)
+
+
 def test_softmax_dropout_is_absorbed_and_probs_readers_get_probs():
     q, k, v = _qk()
 
