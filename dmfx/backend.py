@@ -307,6 +307,7 @@ def pass_context(example_inputs: Sequence[Any], opts: Options, training: bool):
         training=training,
         stack_qkv=opts.stack_qkv,
         attention=opts.attention,
+        attention_scope=opts.attention_scope,
         tune=opts.tune,
         input_requires_grad=input_requires_grad(example_inputs),
         input_is_parameter=tuple(isinstance(t, torch.nn.Parameter) for t in example_inputs),
@@ -685,11 +686,11 @@ def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Opt
     record.aten_ops_before = _count_ops(aten_gm)
     hint = None if opts.unpad else _padding_hint(aten_gm, record, gm)
     if opts.compiler == "inductor" and opts.fuse == "auto" and not opts.unpad:
-        from .inductor import WHY_LEFT_UNBUILT, WHY_LOSS_ONLY, auto_decision, not_the_loss
+        from .inductor import auto_decision
 
-        why, loss = auto_decision(aten_gm, record.devices, record.training)
-        if loss is not None and self_check_pending:  # (the kernels' verdict unknown: not built here)
-            why, loss = WHY_LEFT_UNBUILT.format(rows=loss[0], vocab=loss[1]), None
+        why, scope = auto_decision(aten_gm, record.devices, record.training)
+        if scope is not None and self_check_pending:  # (the kernels' verdict unknown: not built here)
+            why, scope = scope.why_unbuilt(), None
         try:
             compiled = _whole_graph_to_inductor(gm, example_inputs, why, record, opts, start, capture) if why else None
         except Exception as e:
@@ -700,9 +701,9 @@ def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Opt
             if key or whole_key:
                 graph_cache.save_lowered(key or whole_key, record, None, hint, whole_graph=why)
             return _with_padding_hint(compiled, hint, record)
-        if loss is not None:
-            opts = replace(opts, skip=tuple(dict.fromkeys((*opts.skip, *not_the_loss()))))
-            record.missed.append(WHY_LOSS_ONLY.format(rows=loss[0], vocab=loss[1]))
+        if scope is not None:
+            opts = scope.options(opts)
+            record.missed.append(scope.why())
     if self_check_pending:
         _run_deferred_self_check(example_inputs, opts)
     if off:

@@ -58,25 +58,96 @@ def has_dropout(gm: GraphModule) -> bool:
     return False
 
 
-def auto_decision(aten_gm: GraphModule, devices: tuple[str, ...],
-                  training: bool) -> tuple[str | None, tuple[int, int] | None]:
-    """What fuse="auto" does with a graph under Inductor: ``(why, loss)``. `why`: the reason the graph is
-    better compiled by Inductor alone (None: dmfx rewrites it); `loss`: the (rows, vocab) of the loss
-    it is rewritten for alone (NOT_THE_LOSS skipped), else None. On the CPU, dmfx's fusions pay under
-    Inductor where a graph drops out (fused Philox dropout whose mask is regenerated in the backward,
-    the norm backward with its folded gradients: BERT MLM training 1.03-1.05x Inductor) and lose 3-9%
-    where it does not (LLaMA causal-LM training; BERT inference at parity), measured in
-    bench/RESULTS.md; except a training graph's loss over large logits (loss_pays). Training graphs
-    only: the fused loss's gain is its backward's; its forward alone (an evaluation loss) is Inductor's
-    or a little slower ([1024, 32000] float32, 1 thread: 26 against 23 ms). On CUDA, the one whole
-    model measured (the first GPU run) was slower rewritten than under Inductor alone, dropout and all
-    (WHY_LEFT_CUDA): every CUDA graph is Inductor's until a measurement says otherwise."""
+@dataclass(frozen=True)
+class Scope:
+    """What fuse="auto" rewrites in a graph it keeps for dmfx: its loss (the logits' (rows, vocab), else
+    None), its causal attentions over at least CAUSAL_FLASH_MIN_KEYS keys (their most keys, else None),
+    or both; every other fusion is Inductor's (skipped: not_the_loss)."""
+
+    loss: tuple[int, int] | None = None
+    causal_keys: int | None = None
+
+    def skipped(self) -> tuple[str, ...]:
+        """The forward passes the graph skips."""
+        kept = ("attention_softmax", "attention", "lower_sdpa_calls") if self.causal_keys is not None else ()
+        loss = ("softcap", "cross_entropy", "linear_cross_entropy") if self.loss is None else ()
+        return tuple(name for name in (*not_the_loss(), *loss) if name not in kept)
+
+    def options(self, opts: Any) -> Any:
+        """`opts` for the graph's rewrite: the passes skipped, and the attention fused only where causal and long."""
+        from dataclasses import replace
+
+        scope = "long-causal" if self.causal_keys is not None else opts.attention_scope
+        return replace(opts, skip=tuple(dict.fromkeys((*opts.skip, *self.skipped()))), attention_scope=scope)
+
+    def why(self) -> str:
+        """The record's line for it."""
+        return WHY_SCOPE.format(what=self._what(), details="; ".join(self._details()))
+
+    def why_unbuilt(self) -> str:
+        """Why the graph is left to Inductor whole while dmfx's kernels are not built (WHY_LEFT_UNBUILT)."""
+        return WHY_LEFT_UNBUILT.format(what=self._what(), details="; ".join(self._details()))
+
+    def _what(self) -> str:
+        return " and ".join(w for w, on in (("its loss", self.loss), ("its causal attention", self.causal_keys)) if on)
+
+    def _details(self) -> list[str]:
+        details = []
+        if self.loss is not None:
+            details.append(f"dmfx's loss over the [{self.loss[0]}, {self.loss[1]}] logits is faster than Inductor's")
+        if self.causal_keys is not None:
+            details.append(f"dmfx's causal kernel over {self.causal_keys} keys skips the keys past each block's "
+                           "diagonal: 1.3x PyTorch's SDPA from 512 keys")
+        return details
+
+
+def auto_decision(aten_gm: GraphModule, devices: tuple[str, ...], training: bool) -> tuple[str | None, Scope | None]:
+    """What fuse="auto" does with a graph under Inductor: ``(why, scope)``. `why`: the reason the graph is
+    better compiled by Inductor alone (None: dmfx rewrites it); `scope`: what of it dmfx rewrites where
+    that is not everything (its loss, its long causal attentions: Scope), else None. On the CPU, dmfx's
+    fusions pay under Inductor where a graph drops out (fused Philox dropout whose mask is regenerated
+    in the backward, the norm backward with its folded gradients: BERT MLM training 1.03-1.05x
+    Inductor) and lose 3-9% where it does not (LLaMA causal-LM training at 256 tokens; BERT inference
+    at parity), measured in bench/RESULTS.md; except, in training, a loss over large logits
+    (loss_pays) and causal attention over many keys (long_causal_attention: the LLaMA step at 2048
+    tokens 1.16x Inductor with it, 1.0x without). Training graphs only: the fused loss's gain is its
+    backward's; its forward alone (an evaluation loss) is Inductor's or a little slower ([1024, 32000]
+    float32, 1 thread: 26 against 23 ms), and the causal kernel was measured in whole models in
+    training only. On CUDA, the one whole model measured (the first GPU run) was slower rewritten than
+    under Inductor alone, dropout and all (WHY_LEFT_CUDA): every CUDA graph is Inductor's until a
+    measurement says otherwise."""
     if devices == ("cuda",):
         return WHY_LEFT_CUDA, None
     if devices != ("cpu",) or has_dropout(aten_gm):
         return None, None
-    loss = loss_pays(aten_gm) if training else None
-    return (None, loss) if loss is not None else (WHY_LEFT, None)
+    if not training:
+        return WHY_LEFT, None
+    scope = Scope(loss_pays(aten_gm), long_causal_attention(aten_gm))
+    return (None, scope) if scope != Scope() else (WHY_LEFT, None)
+
+
+def long_causal_attention(aten_gm: GraphModule) -> int | None:
+    """The most keys of a causal float32 self-attention in `aten_gm` (a decoder's: a
+    scaled_dot_product_attention call, HF's default "sdpa" implementation, or an eager attention's
+    softmax under a causal mask the graph computes from constants) over at least CAUSAL_FLASH_MIN_KEYS keys
+    (symbolic sizes read by their hints, without a guard), where dmfx's causal kernel is faster than
+    PyTorch's: it skips the keys past each block's diagonal (bench/attention.py --mask causal: 1.35x
+    SDPA at 512 keys in training); None where there is none."""
+    from .passes.attention import CAUSAL_FLASH_MIN_KEYS, sdpa_call
+    from .passes.attention_softmax import causal_softmax_keys
+    from .passes.graph_utils import concrete_int, tensor_meta
+
+    most = None
+    for n in aten_gm.graph.nodes:
+        call = sdpa_call(n) if n.op == "call_function" else None
+        keys = causal_softmax_keys(n)  # (an eager attention's softmax under a causal mask of constants)
+        if call is not None and call["causal"] is True and call["dropout"] == 0:
+            qm, km = tensor_meta(call["q"]), tensor_meta(call["k"])
+            if qm is not None and km is not None and qm.dtype == torch.float32 and qm.dim() == 4:
+                keys = concrete_int(km.shape[2]) if concrete_int(qm.shape[2]) == concrete_int(km.shape[2]) else None
+        if keys is not None and keys >= CAUSAL_FLASH_MIN_KEYS:
+            most = max(most or 0, keys)
+    return most
 
 
 #: Logits of at least this many elements (4 MB of float32: past a core's L2 cache, so the loss is a pass
@@ -97,17 +168,16 @@ def not_the_loss() -> tuple[str, ...]:
     return tuple(name for name in PIPELINE if name not in LOSS_ONLY_PASSES)
 
 
-WHY_LOSS_ONLY = ("fuse='auto': rewritten for its loss only (no dropout in this graph, so its other fusions are "
-                 "Inductor's; dmfx's loss over the [{rows}, {vocab}] logits is faster than Inductor's: "
-                 "bench/RESULTS.md, issue 16)")
+WHY_SCOPE = ("fuse='auto': rewritten for {what} only (no dropout in this graph, so its other fusions are "
+             "Inductor's; {details}: bench/RESULTS.md, issue 16)")
 
-#: Why a graph auto_decision keeps for its loss is left to Inductor whole after all: dmfx's kernels are not
-#: built on this machine yet, and their one-time build (about a minute on 2 cores) would cost the first
-#: compile more than the fused loss saves. The decision is kept in the compile cache like any whole-graph
-#: one, and dropped once the kernels are built (left_for_unbuilt_kernels, backend._compile_graph).
-WHY_LEFT_UNBUILT = ("no dropout in this graph, and dmfx's kernels are not built on this machine yet: only its loss "
-                    "over [{rows}, {vocab}] logits would be dmfx's, which does not pay for their one-time build "
-                    "here (run `python -m dmfx build` once, or let a graph that needs them build them)")
+#: Why a graph auto_decision keeps for its loss or attention is left to Inductor whole after all: dmfx's
+#: kernels are not built on this machine yet, and their one-time build (about a minute on 2 cores) would
+#: cost the first compile more than the fusions save. The decision is kept in the compile cache like any
+#: whole-graph one, and dropped once the kernels are built (left_for_unbuilt_kernels, backend._compile_graph).
+WHY_LEFT_UNBUILT = ("no dropout in this graph, and dmfx's kernels are not built on this machine yet: only {what} "
+                    "would be dmfx's ({details}), which does not pay for their one-time build here (run "
+                    "`python -m dmfx build` once, or let a graph that needs them build them)")
 
 
 def left_for_unbuilt_kernels(why: str | None) -> bool:

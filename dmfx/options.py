@@ -72,11 +72,15 @@ class Options:
     #: option unpad's token count): the record says so. Captured graphs are not kept in the compile
     #: cache. Nothing changes for CPU graphs.
     cudagraphs: bool = False
+    #: Not a user option: fuse="auto" sets it (dmfx/inductor.py auto_decision). "long-causal": the graph is
+    #: rewritten for its causal attention over many keys, and an attention is fused only where that is
+    #: the case (passes/attention.py match_sdpa_call); "all": wherever the cost model says.
+    attention_scope: str = "all"
     extra: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def names(cls) -> list[str]:
-        return [f.name for f in fields(cls) if f.name != "extra"]
+        return [f.name for f in fields(cls) if f.name not in ("extra", "attention_scope")]
 
     @classmethod
     def from_user(cls, options: dict[str, Any] | None) -> "Options":

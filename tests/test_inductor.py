@@ -162,6 +162,59 @@ def test_a_cuda_graph_is_left_to_inductor_under_fuse_auto():
     assert "fuse='all'" in WHY_LEFT_CUDA
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("seq", [512, 256], ids=["long", "short"])
+def test_a_graph_without_dropout_keeps_dmfxs_causal_attention_over_many_keys(seq, attn):
+    """fuse="auto" on the CPU: a training graph without dropout whose causal attentions (SDPA calls, or
+    eager attention under HF's causal mask) run over at least CAUSAL_FLASH_MIN_KEYS keys (here 512) is
+    rewritten for them only: each becomes dmfx's causal flash kernel, every other fusion is Inductor's,
+    and the record says so; over 256 keys (and a small loss) it is left to Inductor whole. Loss,
+    logits and gradients are eager's either way."""
+    import transformers
+
+    from dmfx.cuda_ops import selfcheck
+    from dmfx.inductor import Scope, auto_decision, long_causal_attention
+
+    selfcheck.passes_to_skip(["cpu"])  # (the kernels built and checked: else the graph waits for them whole)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq)
+    cfg._attn_implementation = attn
+    m = transformers.LlamaForCausalLM(cfg).train()
+    ref = copy.deepcopy(m)
+    ids = torch.randint(0, 64, (1, seq))
+    out = torch.compile(m, backend="dmfx", options={"compiler": "inductor", "fallback": False})(input_ids=ids, labels=ids)
+    expect = ref(input_ids=ids, labels=ids)
+    R = torch.randn_like(expect.logits)
+    (out.loss + (out.logits * R).sum()).backward()
+    (expect.loss + (expect.logits * R).sum()).backward()
+    assert abs(out.loss.item() - expect.loss.item()) < 1e-5 * abs(expect.loss.item())
+    assert rel_err(out.logits, expect.logits) < 1e-5
+    grads_match(m, ref)
+    (rec,) = dmfx.records()
+    if seq >= 512:
+        assert rec.fallback is None and rec.compiler == "inductor", rec.summary()
+        assert rec.fired.get("lower_sdpa_calls" if attn == "sdpa" else "attention") == 2, rec.fired
+        assert [form for form, _ in rec.attention_forms.values()] == ["flash", "flash"], rec.attention_forms
+        assert not set(rec.fired) & {"rms_norm", "rope", "glu", "qkv_attention", "cross_entropy"}, rec.fired
+        assert any("rewritten for its causal attention only" in m and "512 keys" in m for m in rec.missed), rec.missed
+    else:
+        assert rec.fallback.startswith("left to Inductor: no dropout in this graph") and not rec.fired
+
+    # the decision alone: a non-causal call or one in float64 is not in scope
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def sdpa(causal, dtype):
+        q = torch.randn(1, 2, 512, 8, dtype=dtype)
+        return make_fx(lambda q: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=causal))(q)
+
+    assert long_causal_attention(sdpa(True, torch.float32)) == 512
+    assert long_causal_attention(sdpa(False, torch.float32)) is None
+    assert long_causal_attention(sdpa(True, torch.float64)) is None
+    assert auto_decision(sdpa(True, torch.float32), ("cpu",), True) == (None, Scope(causal_keys=512))
+    assert auto_decision(sdpa(True, torch.float32), ("cpu",), False)[1] is None  # (inference: not measured)
+
+
 @pytest.mark.parametrize("vocab", [33000, 32000], ids=["large-logits", "just-below"])
 def test_a_graph_without_dropout_keeps_dmfxs_loss_where_the_logits_are_large(vocab):
     """fuse="auto" on the CPU: a training graph without dropout whose loss runs over logits of at least
