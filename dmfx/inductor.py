@@ -69,7 +69,7 @@ class Scope:
 
     def skipped(self) -> tuple[str, ...]:
         """The forward passes the graph skips."""
-        kept = ("attention_softmax", "attention", "lower_sdpa_calls") if self.causal_keys is not None else ()
+        kept = ("attention_softmax", "attention") if self.causal_keys is not None else ()
         loss = ("softcap", "cross_entropy", "linear_cross_entropy") if self.loss is None else ()
         return tuple(name for name in (*not_the_loss(), *loss) if name not in kept)
 
@@ -96,8 +96,8 @@ class Scope:
         if self.loss is not None:
             details.append(f"dmfx's loss over the [{self.loss[0]}, {self.loss[1]}] logits is faster than Inductor's")
         if self.causal_keys is not None:
-            details.append(f"dmfx's causal kernel over {self.causal_keys} keys skips the keys past each block's "
-                           "diagonal: 1.3x PyTorch's SDPA from 512 keys")
+            details.append(f"dmfx's causal kernel over {self.causal_keys} keys reads no mask and skips the keys past "
+                           "each block's diagonal, where Inductor reads the whole [L, L] mask")
         return details
 
 
@@ -109,8 +109,8 @@ def auto_decision(aten_gm: GraphModule, devices: tuple[str, ...], training: bool
     in the backward, the norm backward with its folded gradients: BERT MLM training 1.03-1.05x
     Inductor) and lose 3-9% where it does not (LLaMA causal-LM training at 256 tokens; BERT inference
     at parity), measured in bench/RESULTS.md; except, in training, a loss over large logits
-    (loss_pays) and causal attention over many keys (long_causal_attention: the LLaMA step at 2048
-    tokens 1.16x Inductor with it, 1.0x without). Training graphs only: the fused loss's gain is its
+    (loss_pays) and eager causal attention over many keys (long_causal_attention: the LLaMA step at
+    2048 tokens 1.22x Inductor with it, 0.96x without). Training graphs only: the fused loss's gain is its
     backward's; its forward alone (an evaluation loss) is Inductor's or a little slower ([1024, 32000]
     float32, 1 thread: 26 against 23 ms), and the causal kernel was measured in whole models in
     training only. On CUDA, the one whole model measured (the first GPU run) was slower rewritten than
@@ -127,27 +127,19 @@ def auto_decision(aten_gm: GraphModule, devices: tuple[str, ...], training: bool
 
 
 def long_causal_attention(aten_gm: GraphModule) -> int | None:
-    """The most keys of a causal float32 self-attention in `aten_gm` (a decoder's: a
-    scaled_dot_product_attention call, HF's default "sdpa" implementation, or an eager attention's
-    softmax under a causal mask the graph computes from constants) over at least CAUSAL_FLASH_MIN_KEYS keys
-    (symbolic sizes read by their hints, without a guard), where dmfx's causal kernel is faster than
-    PyTorch's: it skips the keys past each block's diagonal (bench/attention.py --mask causal: 1.35x
-    SDPA at 512 keys in training); None where there is none."""
-    from .passes.attention import CAUSAL_FLASH_MIN_KEYS, sdpa_call
+    """The most keys of an eager attention in `aten_gm` whose float32 softmax runs under a causal mask
+    the graph computes from constants (HF's create_causal_mask in training: attention_softmax's
+    causal_softmax_keys) over at least CAUSAL_FLASH_MIN_KEYS keys; None where there is none. Inductor
+    computes such an attention with the [L, L] mask materialized and every key read; dmfx's causal
+    kernel reads no mask and skips the keys past each block's diagonal: the LLaMA step with eager
+    attention at 2048 tokens ran 1.22x Inductor with it, 0.96x without (bench/RESULTS.md). Not a
+    model's own causal scaled_dot_product_attention calls (HF's "sdpa"): there PyTorch's kernel skips
+    the masked half too, and the same step ran no faster with dmfx's (1.015x against 1.027x)."""
+    from .passes.attention import CAUSAL_FLASH_MIN_KEYS
     from .passes.attention_softmax import causal_softmax_keys
-    from .passes.graph_utils import concrete_int, tensor_meta
 
-    most = None
-    for n in aten_gm.graph.nodes:
-        call = sdpa_call(n) if n.op == "call_function" else None
-        keys = causal_softmax_keys(n)  # (an eager attention's softmax under a causal mask of constants)
-        if call is not None and call["causal"] is True and call["dropout"] == 0:
-            qm, km = tensor_meta(call["q"]), tensor_meta(call["k"])
-            if qm is not None and km is not None and qm.dtype == torch.float32 and qm.dim() == 4:
-                keys = concrete_int(km.shape[2]) if concrete_int(qm.shape[2]) == concrete_int(km.shape[2]) else None
-        if keys is not None and keys >= CAUSAL_FLASH_MIN_KEYS:
-            most = max(most or 0, keys)
-    return most
+    keys = [k for k in map(causal_softmax_keys, aten_gm.graph.nodes) if k is not None and k >= CAUSAL_FLASH_MIN_KEYS]
+    return max(keys, default=None)
 
 
 #: Logits of at least this many elements (4 MB of float32: past a core's L2 cache, so the loss is a pass

@@ -74,7 +74,7 @@ class Options:
     cudagraphs: bool = False
     #: Not a user option: fuse="auto" sets it (dmfx/inductor.py auto_decision). "long-causal": the graph is
     #: rewritten for its causal attention over many keys, and an attention is fused only where that is
-    #: the case (passes/attention.py match_sdpa_call); "all": wherever the cost model says.
+    #: the case (passes/attention_softmax.py, passes/attention.py); "all": wherever the cost model says.
     attention_scope: str = "all"
     extra: dict = field(default_factory=dict, repr=False, compare=False)
 

@@ -594,9 +594,6 @@ def match_sdpa_call(n: Node, ctx: PassContext) -> Match | Miss | None:
             return None  # a symbolic head size: the scale is not a float at compile time
         scale = d**-0.5
     form, why = choose_form(ctx, q4, k4, v4, mask, bool(causal), 0.0, float(scale), probs_read=False)
-    if ctx.attention_scope == "long-causal" and not (causal and form == "flash"):
-        return Miss(f"fuse='auto' rewrites only causal attention dmfx's kernel is faster at; left to PyTorch's "
-                    f"scaled_dot_product_attention: {why}")
     # The GEMM form where the cost model picks it for speed (bf16/fp16 training on the CPU, or the option);
     # not where it picks it for a mask that requires grad: SDPA's call differentiates that mask already.
     if not (form == "flash" or (form == "gemm" and not ctx.needs_grad(mask))):
