@@ -18,6 +18,8 @@ Models (random weights from HF configs, eager attention unless ``--attn sdpa``, 
   features of each head, interleaved pairs; parallel attention and MLP; vocab 32000), B=4 L=256;
 * ``gemma2-lm``: ``Gemma2ForCausalLM`` (hidden 512, 8 heads / 4 kv heads of 64, soft-capped attention
   scores and logits, vocab 32000), B=4 L=256;
+* ``bloom-lm``: ``BloomForCausalLM`` (hidden 512, 8 heads of 64, ALiBi, vocab 32000; BLOOM has eager
+  attention only), B=4 L=256;
 * ``clip-cls``: ``CLIPForImageClassification``, CLIP ViT-B/32's image tower (QuickGELU MLPs), 1000
   classes, B=32 images of 224x224 (50 tokens).
 
@@ -69,12 +71,16 @@ MODELS = {
     "gemma2-lm": ("Gemma2Config", "Gemma2ForCausalLM", dict(hidden_size=512, intermediate_size=1376,
                                                             num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                                                             vocab_size=32000, use_cache=False), 4, 256),
+    # BLOOM's layer (ALiBi position bias through baddbmm, fused QKV, GELU MLP, no dropout) at LLaMA-lm's
+    # width and vocabulary, labels
+    "bloom-lm": ("BloomConfig", "BloomForCausalLM", dict(hidden_size=512, n_head=8, vocab_size=32000, hidden_dropout=0.0,
+                                                        attention_dropout=0.0, use_cache=False), 4, 256),
     # CLIP ViT-B/32's image tower (QuickGELU MLPs, no dropout) with a classification head, labels
     "clip-cls": ("CLIPConfig", "CLIPForImageClassification", dict(vision_config=dict(patch_size=32), num_labels=1000),
                  32, None),
 }
 #: the config keys `--layers` sets (default: num_hidden_layers)
-LAYER_KEY = {"GPT2Config": ("n_layer",), "GPTJConfig": ("n_layer",), "T5Config": ("num_layers",),
+LAYER_KEY = {"GPT2Config": ("n_layer",), "GPTJConfig": ("n_layer",), "BloomConfig": ("n_layer",), "T5Config": ("num_layers",),
              "BartConfig": ("encoder_layers", "decoder_layers")}
 
 

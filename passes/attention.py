@@ -178,11 +178,14 @@ def _position_bias(ctx: PassContext, baddbmm: Node, mask: Node | None, shape4) -
     if bm is None or bm.dim() != 3 or bm.dtype != sm.dtype:
         return Miss("a position bias (baddbmm) that is not a 3-D tensor in the scores' dtype")
     B, H, Lq, Lk = shape4
-    if not (same_shape(bm.shape[:1], (B * H,)) or bm.shape[0] == 1) or not broadcasts_to(bm.shape[1:], (Lq, Lk)):
+    per_head = same_shape(bm.shape[:1], (B * H,))  # (else one bias for every head: [1, ...]; no guard on a SymInt)
+    if not (per_head or (isinstance(bm.shape[0], int) and bm.shape[0] == 1)) or not broadcasts_to(bm.shape[1:], (Lq, Lk)):
         return Miss(f"a position bias (baddbmm) of shape {list(bm.shape)}, not [B*H or 1, Lq or 1, Lk]")
     if ctx.needs_grad(bias):
         return Miss("a position bias (baddbmm) that requires grad: dmfx's fused forms take no bias gradient")
-    bias4 = (B, H) if bm.shape[0] != 1 else (1, 1)
+    bias4 = (B, H) if per_head else (1, 1)
+    if size_args(bias.graph, [*bias4, *bm.shape[1:]]) is None:  # (_bias_mask's view of it)
+        return Miss("a position bias (baddbmm) whose 4-D view would need a size that is no graph input's")
     if mask is not None:
         mm = tensor_meta(mask)
         whole = (*bias4, *bm.shape[1:])
@@ -286,14 +289,15 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | Non
       in the backward. With dropout on the CPU it is 1.7x (L=128) to 2.7x (L=512) faster than SDPA,
       which falls back to its unfused math path for dropout on the CPU, and 1.2-1.6x faster than
       the "gemm" form; it also saves no [B, H, L, L] tensor for the backward.
-      Also without dropout (fp32, not causal): in training it ties SDPA's flash kernel (forward +
-      backward, with and without a padding mask), and unlike SDPA it reads the stacked Q/K/V
+      Also without dropout (fp32): in training, causal or not, it ties SDPA's flash kernel (forward +
+      backward, with and without a padding mask; causal 0.97-0.99x at 128-256 keys, 1.35x from 512),
+      and unlike SDPA it reads the stacked Q/K/V
       projection and folds the bias gradients (passes/backward/fold_bias_grads.py), which SDPA's
       backward cannot; in inference it is 0.99-1.11x SDPA's (its GEMMs call BLAS directly).
 
     * "sdpa": PyTorch's own scaled_dot_product_attention, for one query row in inference (a decode
       step: dmfx's kernel, built for blocks of query rows, is about 3x slower there), for causal
-      attention without dropout over fewer than CAUSAL_FLASH_MIN_KEYS keys (a tie there; from that
+      attention in inference over fewer than CAUSAL_FLASH_MIN_KEYS keys (a tie there; from that
       many keys dmfx's kernel, which skips the keys past each block's diagonal, is 1.3x faster),
       for bf16/fp16 on the CPU in inference (about 2x faster than the "gemm" form) or over longer
       keys, and on CUDA (its flash / efficient / cuDNN kernels run on tensor cores; dmfx's CUDA flash
@@ -333,11 +337,11 @@ def choose_form(ctx: PassContext, q4: Node, k4: Node, v4: Node, mask: Node | Non
                         "(the fused softmax between two batched GEMMs) runs forward + backward faster than PyTorch's "
                         "SDPA (bf16, 1 thread, B=8 H=12: 2.8x at L=128, 1.6x at L=256; causal L=256 1.1x; "
                         "bench/attention.py --dtype bfloat16, bench/RESULTS.md)")
+    if qm.device.type == "cpu" and qm.dtype == torch.float32 and flash_auto and ctx.needs_grad(q4):
+        return "flash", ("training without dropout on the CPU: dmfx's fused kernel ties SDPA's forward+backward "
+                         "(bench/attention.py --mask none; causal: 0.97-0.99x at 128-256 keys, 1.35x from 512) and "
+                         "lets the projections stack and the bias gradients fold into its backward")
     if qm.device.type == "cpu" and qm.dtype == torch.float32 and not causal and flash_auto:
-        if ctx.needs_grad(q4):
-            return "flash", ("training without dropout on the CPU: dmfx's fused kernel ties SDPA's forward+backward "
-                             "(bench/attention.py --mask none) and lets the projections stack and the bias "
-                             "gradients fold into its backward")
         return "flash", ("inference on the CPU: dmfx's fused kernel is 0.99-1.11x SDPA's "
                          "(bench/attention.py --mode infer) and writes the context in the layout the next GEMM reads")
     if (qm.device.type == "cpu" and qm.dtype == torch.float32 and causal and flash_auto and isinstance(keys, int)
@@ -502,11 +506,8 @@ def _bias_mask(graph: Graph, ctx: PassContext, bias: Node, beta: float, alpha: f
     viewed as [B, H, Lq or 1, Lk] (or [1, 1, ...]), and the scale ``alpha * scale``."""
     B, H = shape4[:2]
     bm = tensor_meta(bias)
-    lead = [B, H] if bm.shape[0] != 1 else [1, 1]
-    sizes = size_args(graph, [*lead, *bm.shape[1:]])
-    if sizes is None:  # (a size that is an expression of the inputs' symbols: the view keeps the bias's own)
-        sizes = [*lead, *bm.shape[1:]]
-    bias4 = insert_call(graph, ctx, aten.view.default, (bias, sizes))
+    lead = [B, H] if same_shape(bm.shape[:1], (B * H,)) else [1, 1]
+    bias4 = insert_call(graph, ctx, aten.view.default, (bias, size_args(graph, [*lead, *bm.shape[1:]])))
     if beta * scale != 1.0:
         bias4 = insert_call(graph, ctx, aten.mul.Tensor, (bias4, beta * scale))
     if mask is not None:

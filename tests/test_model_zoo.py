@@ -52,14 +52,10 @@ STACKED = {"bert", "roberta", "distilbert", "minilm", "vit", "t5", "gpt2", "bart
 
 
 # What the cost model picks in training without dropout: dmfx's fused kernel (it ties SDPA there and
-# lets the bias gradients fold), also for GPT-2's, LLaMA's and BART's decoder's causal masks, which HF
-# passes to SDPA as tensors here; T5's learned position bias needs the GEMM form (with HF's SDPA
-# implementation PyTorch's composite op keeps it, so nothing is recorded).
+# lets the bias gradients fold), also for GPT-2's, LLaMA's and BART's decoder's causal attention (eager:
+# a causal mask of constants, causal=True; HF passes it to SDPA as a tensor); T5's learned position bias
+# needs the GEMM form (with HF's SDPA implementation PyTorch's composite op keeps it, so nothing is recorded).
 AUTO_TRAINING_FORMS = {name: {"flash"} for name in MODELS} | {"t5": {"gemm"}}
-# With eager attention, GPT-2's, LLaMA's and BART's decoder's causal masks are computed from constants here
-# (no padding in their inputs), so they become causal=True: causal attention under 512 keys is PyTorch's
-# SDPA (a tie with dmfx's kernel there).
-EAGER_AUTO_TRAINING_FORMS = AUTO_TRAINING_FORMS | {"gpt2": {"sdpa"}, "llama": {"sdpa"}, "bart": {"flash", "sdpa"}}
 
 
 def _output(out):
@@ -101,7 +97,7 @@ def test_model_matches_eager_in_training(name, variant):
     forms = {f for r in dmfx.records() for f, _ in r.attention_forms.values()}
     if impl == "eager":
         # T5's position bias requires grad: only the GEMM form computes the mask gradient
-        expected = {"gemm"} if name == "t5" else EAGER_AUTO_TRAINING_FORMS[name] if form == "auto" else {form}
+        expected = {"gemm"} if name == "t5" else AUTO_TRAINING_FORMS[name] if form == "auto" else {form}
         assert forms == expected, forms
     elif form == "auto":  # the model's own SDPA calls: dmfx's fused kernel where the cost model picks it
         assert forms == AUTO_TRAINING_FORMS[name] - {"sdpa", "gemm"}, forms
