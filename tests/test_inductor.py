@@ -162,6 +162,26 @@ def test_a_cuda_graph_is_left_to_inductor_under_fuse_auto():
     assert "fuse='all'" in WHY_LEFT_CUDA
 
 
+def _llama_trains_as_eager_under_inductor(cfg, ids):
+    """A LlamaForCausalLM of `cfg` compiled by dmfx's default (Inductor) trains as eager on `ids` as labels:
+    the loss, the logits, and every gradient through the loss plus a random cotangent on the logits.
+    Returns the graph's record."""
+    import transformers
+
+    m = transformers.LlamaForCausalLM(cfg).train()
+    ref = copy.deepcopy(m)
+    out = torch.compile(m, backend="dmfx", options={"compiler": "inductor", "fallback": False})(input_ids=ids, labels=ids)
+    expect = ref(input_ids=ids, labels=ids)
+    R = torch.randn_like(expect.logits)
+    (out.loss + (out.logits * R).sum()).backward()
+    (expect.loss + (expect.logits * R).sum()).backward()
+    assert abs(out.loss.item() - expect.loss.item()) < 1e-5 * abs(expect.loss.item())
+    assert rel_err(out.logits, expect.logits) < 1e-5
+    grads_match(m, ref)
+    (rec,) = dmfx.records()
+    return rec
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("seq", [512, 256], ids=["long", "short"])
 def test_a_graph_without_dropout_keeps_dmfxs_causal_attention_over_many_keys(seq, attn):
@@ -181,18 +201,7 @@ def test_a_graph_without_dropout_keeps_dmfxs_causal_attention_over_many_keys(seq
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq)
     cfg._attn_implementation = attn
-    m = transformers.LlamaForCausalLM(cfg).train()
-    ref = copy.deepcopy(m)
-    ids = torch.randint(0, 64, (1, seq))
-    out = torch.compile(m, backend="dmfx", options={"compiler": "inductor", "fallback": False})(input_ids=ids, labels=ids)
-    expect = ref(input_ids=ids, labels=ids)
-    R = torch.randn_like(expect.logits)
-    (out.loss + (out.logits * R).sum()).backward()
-    (expect.loss + (expect.logits * R).sum()).backward()
-    assert abs(out.loss.item() - expect.loss.item()) < 1e-5 * abs(expect.loss.item())
-    assert rel_err(out.logits, expect.logits) < 1e-5
-    grads_match(m, ref)
-    (rec,) = dmfx.records()
+    rec = _llama_trains_as_eager_under_inductor(cfg, torch.randint(0, 64, (1, seq)))
     if seq >= 512 and attn == "eager":
         assert rec.fallback is None and rec.compiler == "inductor", rec.summary()
         assert rec.fired.get("attention") == 2, rec.fired
@@ -238,18 +247,7 @@ def test_a_graph_without_dropout_keeps_dmfxs_loss_where_the_logits_are_large(voc
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2)
-    m = transformers.LlamaForCausalLM(cfg).train()
-    ref = copy.deepcopy(m)
-    ids = torch.randint(0, vocab, (2, 16))
-    out = torch.compile(m, backend="dmfx", options={"compiler": "inductor", "fallback": False})(input_ids=ids, labels=ids)
-    expect = ref(input_ids=ids, labels=ids)
-    R = torch.randn_like(expect.logits)
-    (out.loss + (out.logits * R).sum()).backward()
-    (expect.loss + (expect.logits * R).sum()).backward()
-    assert abs(out.loss.item() - expect.loss.item()) < 1e-5 * abs(expect.loss.item())
-    assert rel_err(out.logits, expect.logits) < 1e-5
-    grads_match(m, ref)
-    (rec,) = dmfx.records()
+    rec = _llama_trains_as_eager_under_inductor(cfg, torch.randint(0, vocab, (2, 16)))
     if vocab * 32 >= dmfx.inductor.LARGE_LOGITS:
         assert rec.fallback is None and rec.compiler == "inductor", rec.summary()
         assert rec.fired.get("cross_entropy") == 1 and rec.fired.get("fold_logits_grad") == 1, rec.fired
