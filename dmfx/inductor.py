@@ -70,7 +70,7 @@ class Scope:
     def skipped(self) -> tuple[str, ...]:
         """The forward passes the graph skips."""
         kept = ("attention_softmax", "attention") if self.causal_keys is not None else ()
-        loss = ("softcap", "cross_entropy", "linear_cross_entropy") if self.loss is None else ()
+        loss = LOSS_PASSES if self.loss is None else ()
         return tuple(name for name in (*not_the_loss(), *loss) if name not in kept)
 
     def options(self, opts: Any) -> Any:
@@ -149,8 +149,8 @@ LARGE_LOGITS = 1 << 20
 #: The forward pipeline's passes a graph rewritten only for its loss still runs: the losses' own and the
 #: passes that fuse nothing. Every other pass, a fusion added later included, is skipped (not_the_loss);
 #: the backward passes run (they fold the loss's gradients and find nothing else of theirs).
-LOSS_ONLY_PASSES = ("remove_metadata_asserts", "identity_clones", "noop_clones", "softcap", "cross_entropy",
-                    "linear_cross_entropy", "unpad", "layout")
+LOSS_PASSES = ("softcap", "cross_entropy", "linear_cross_entropy")
+LOSS_ONLY_PASSES = ("remove_metadata_asserts", "identity_clones", "noop_clones", *LOSS_PASSES, "unpad", "layout")
 
 
 def not_the_loss() -> tuple[str, ...]:

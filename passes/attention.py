@@ -163,8 +163,9 @@ def _baddbmm_of(s: Node) -> Node | None:
     return b
 
 
-def _position_bias(ctx: PassContext, baddbmm: Node, mask: Node | None, shape4) -> tuple[Node, float, float] | Miss:
-    """The bias of ALiBi scores ``beta * bias + alpha * (q @ k_t)`` (BLOOM): (bias, beta, alpha), where the
+def _position_bias(ctx: PassContext, baddbmm: Node, mask: Node | None, shape4) -> tuple[Node, list, float, float] | Miss:
+    """The bias of ALiBi scores ``beta * bias + alpha * (q @ k_t)`` (BLOOM): (bias, the size arguments of its
+    [B, H or 1, ...] view, beta, alpha), where the
     attention can take ``scale * beta * bias`` as (part of) its mask: a bias of [B*H or 1, Lq or 1, Lk]
     that needs no gradient, in the scores' dtype, whose sum with the softmax's mask is no larger than
     the bias itself (no mask, or a causal one the softmax took as causal=True: ALiBi's [B, H, 1, Lk] per
@@ -184,7 +185,8 @@ def _position_bias(ctx: PassContext, baddbmm: Node, mask: Node | None, shape4) -
     if ctx.needs_grad(bias):
         return Miss("a position bias (baddbmm) that requires grad: dmfx's fused forms take no bias gradient")
     bias4 = (B, H) if per_head else (1, 1)
-    if size_args(bias.graph, [*bias4, *bm.shape[1:]]) is None:  # (_bias_mask's view of it)
+    sizes = size_args(bias.graph, [*bias4, *bm.shape[1:]])  # (its 4-D view's, _bias_mask)
+    if sizes is None:
         return Miss("a position bias (baddbmm) whose 4-D view would need a size that is no graph input's")
     if mask is not None:
         mm = tensor_meta(mask)
@@ -192,7 +194,7 @@ def _position_bias(ctx: PassContext, baddbmm: Node, mask: Node | None, shape4) -
         if mm.dtype != bm.dtype or not broadcasts_to(mm.shape, whole):
             return Miss(f"a position bias (baddbmm) with a {list(mm.shape)} {mm.dtype} mask: their sum, which the fused "
                         "forms would read as their mask, would be larger than the bias")
-    return bias, float(beta), float(alpha)
+    return bias, sizes, float(beta), float(alpha)
 
 
 def _bmm_of(s: Node) -> Node | None:
@@ -454,8 +456,6 @@ def match_attention(sm: Node, ctx: PassContext) -> Match | Miss | None:
         form, softcap_why = softcap_form(ctx, q4, v4, mask, bool(read_elsewhere or probs_outs))
         if form is None:
             return Miss(softcap_why)
-    if ctx.attention_scope == "long-causal" and not causal:  # (attention_softmax took only causal ones)
-        return Miss("fuse='auto' rewrites only causal attention here")
     nodes = {"softmax": sm, "q4": q4, "kt4": kt4, "k_src": k_src, "v4": v4, "mask": mask, "scale": scale,
              "causal": causal, "seed": seed, "p": p, "q_scale": q_scale, "context": ctx4,
              "outs_read": read_elsewhere, "probs_read": probs_outs, "softcap": softcap,
@@ -476,7 +476,7 @@ def rewrite_attention(graph: Graph, m: Match, ctx: PassContext) -> Replacement:
         if m["q_scale"] is not None:
             q4 = insert_call(graph, ctx, aten.mul.Tensor, (q4, m["q_scale"]))
         if m["bias"] is not None:
-            mask, scale = _bias_mask(graph, ctx, *m["bias"], mask, scale, tensor_meta(m["softmax"].args[0]).shape)
+            mask, scale = _bias_mask(graph, ctx, *m["bias"], mask, scale)
         probs_read = bool(m["outs_read"] or m["probs_read"])
         if m["softcap"]:  # (match_attention chose the flash form: softcap_form)
             form, why = "flash", m["softcap_why"]
@@ -500,14 +500,11 @@ def rewrite_attention(graph: Graph, m: Match, ctx: PassContext) -> Replacement:
     return Replacement(fused, uses, strides_unknown=(out,) if form == "sdpa" else ())
 
 
-def _bias_mask(graph: Graph, ctx: PassContext, bias: Node, beta: float, alpha: float, mask: Node | None, scale: float,
-               shape4) -> tuple[Node, float]:
+def _bias_mask(graph: Graph, ctx: PassContext, bias: Node, sizes: list, beta: float, alpha: float, mask: Node | None,
+               scale: float) -> tuple[Node, float]:
     """ALiBi scores' attention (_position_bias): the mask ``bias * (beta * scale) (+ mask)``, the bias
-    viewed as [B, H, Lq or 1, Lk] (or [1, 1, ...]), and the scale ``alpha * scale``."""
-    B, H = shape4[:2]
-    bm = tensor_meta(bias)
-    lead = [B, H] if same_shape(bm.shape[:1], (B * H,)) else [1, 1]
-    bias4 = insert_call(graph, ctx, aten.view.default, (bias, size_args(graph, [*lead, *bm.shape[1:]])))
+    viewed as [B, H, Lq or 1, Lk] (or [1, 1, ...]: `sizes`), and the scale ``alpha * scale``."""
+    bias4 = insert_call(graph, ctx, aten.view.default, (bias, sizes))
     if beta * scale != 1.0:
         bias4 = insert_call(graph, ctx, aten.mul.Tensor, (bias4, beta * scale))
     if mask is not None:

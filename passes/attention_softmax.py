@@ -176,17 +176,21 @@ def _const_value(n: object) -> float | None:
     return None
 
 
-def _bool_mask_of(mask: Node) -> Node | None:
-    """mask = where(m, 0, -inf) with m bool: m (True = attend)."""
+def _zero_where(mask: Node) -> tuple[Node, float] | None:
+    """mask = where(m, 0, f) with m bool and f a constant: (m, f)."""
     if not is_op(mask, aten.where) or len(mask.args) != 3:
         return None
     m, a, b = mask.args
-    mm = tensor_meta(m)
-    if mm is None or mm.dtype != torch.bool:
+    mm, fill = tensor_meta(m), _const_value(b)
+    if mm is None or mm.dtype != torch.bool or _const_value(a) != 0.0 or fill is None:
         return None
-    if _const_value(a) == 0.0 and _const_value(b) == -math.inf:
-        return m
-    return None
+    return m, fill
+
+
+def _bool_mask_of(mask: Node) -> Node | None:
+    """mask = where(m, 0, -inf) with m bool: m (True = attend)."""
+    found = _zero_where(mask)
+    return found[0] if found is not None and found[1] == -math.inf else None
 
 
 #: An additive mask's "masked" value: at most this (HF's finfo(dtype).min, -inf). exp() of it minus any
@@ -221,12 +225,10 @@ def _evaluated_causal(mask: Node, Lq: int, Lk: int) -> bool:
     if mm is None:
         return False
     if mm.dtype != torch.bool:
-        if not is_op(mask, aten.where) or len(mask.args) != 3:
+        found = _zero_where(mask)
+        if found is None or found[1] > MASKED:
             return False
-        mask, zero, masked = mask.args
-        masked = _const_value(masked)
-        if tensor_meta(mask) is None or _const_value(zero) != 0.0 or masked is None or masked > MASKED:
-            return False
+        mask = found[0]
     v = constant_value(mask)
     if v is None or v.dtype != torch.bool or v.dim() < 2:
         return False
@@ -250,8 +252,8 @@ def causal_softmax_keys(n: Node) -> int | None:
     Lq, Lk = zm.shape[2:]
     if not (isinstance(Lq, int) and Lq == Lk):
         return None
-    mask = z.args[1] if tensor_meta(z.args[0]) is not None and tensor_meta(z.args[0]).shape == zm.shape else z.args[0]
-    return Lk if isinstance(mask, Node) and _is_causal_constant(mask, zm.shape) else None
+    # either operand may be the mask: the scores, a GEMM's output, are never a constant
+    return Lk if any(isinstance(x, Node) and _is_causal_constant(x, zm.shape) for x in z.args) else None
 
 
 def _fold_qk_scales(scores: Node, dtype: torch.dtype) -> tuple[float, list[Node]]:
