@@ -25,10 +25,9 @@ import torch
 from torch.fx import Graph, Node
 
 from .fusion import Fusion, Match, Miss, Replacement
-from .graph_utils import PassContext, aten, getitem_users, insert_call, insert_getitems, is_op, kernel_friendly, tensor_meta
+from .graph_utils import RESHAPES, PassContext, aten, getitem_users, insert_call, insert_getitems, is_op, kernel_friendly, tensor_meta
 
 _LOW = (torch.float16, torch.bfloat16)
-_VIEWS = (aten.view, aten._unsafe_view, aten.reshape)
 
 
 def _upcast_of(n: Node) -> Node | None:
@@ -48,7 +47,7 @@ def _logits(z: Node) -> tuple[Node, list | None]:
     """What the fused op reads for log_softmax's input `z`: (the tensor, and the shape to view it as, or
     None to read it as it is). HF's ``view(logits.float(), [-1, V])`` (or ``logits.float()`` of 2-D
     logits) reads the low-precision logits themselves, viewed the same way."""
-    if is_op(z, *_VIEWS) and len(z.users) == 1:
+    if is_op(z, *RESHAPES) and len(z.users) == 1:
         low = _upcast_of(z.args[0])
         if low is not None:
             return low, list(z.args[1])

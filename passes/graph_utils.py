@@ -409,9 +409,11 @@ _CONSTANT_VIEWS = frozenset({
 def constant_value(n: Any, max_elements: int = 1 << 24, max_nodes: int = 64) -> torch.Tensor | None:
     """The value of `n` where the graph computes it from constants alone (no input, no parameter): ops of
     _CONSTANT_OPS over Python numbers and static sizes, at most `max_nodes` of them, none of whose results
-    writes more than `max_elements` elements (views write none). Evaluated eagerly
-    (outside any fake mode) on the device the graph names; None where `n` is anything else. A causal mask
-    HF builds from aranges is such a value (passes/attention_softmax.py)."""
+    writes more than `max_elements` elements (views write none). Evaluated eagerly (outside any fake
+    mode) on the CPU, whatever device the graph names: a CUDA graph's mask costs no kernel launches at
+    compile time, and the ops here give the same values on either (integer and boolean arithmetic,
+    comparisons, selections of float constants). None where `n` is anything else. A causal mask HF
+    builds from aranges is such a value (passes/attention_softmax.py)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     order: list[Node] = []
@@ -443,9 +445,11 @@ def constant_value(n: Any, max_elements: int = 1 << 24, max_nodes: int = 64) -> 
         return None
     values: dict[Node, torch.Tensor] = {}
     real = lambda a: torch.fx.node.map_arg(a, values.__getitem__)  # noqa: E731
+    cpu = torch.device("cpu")
+    on_cpu = lambda kwargs: {k: cpu if k == "device" and v is not None else v for k, v in kwargs.items()}  # noqa: E731
     with unset_fake_temporarily():
         for x in order:
-            values[x] = x.target(*real(x.args), **real(x.kwargs))
+            values[x] = x.target(*real(x.args), **on_cpu(real(x.kwargs)))
     return values[n]
 
 

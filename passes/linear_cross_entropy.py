@@ -37,9 +37,19 @@ from torch.fx import Graph, Node
 
 from ..cuda_ops.cross_entropy import REDUCTIONS, default_chunk
 from .fusion import Fusion, Match, Miss, Replacement
-from .graph_utils import PassContext, aten, concrete_int, getitem_users, insert_call, insert_getitems, is_op, kernel_friendly, tensor_meta
+from .graph_utils import (
+    RESHAPES,
+    PassContext,
+    aten,
+    concrete_int,
+    getitem_users,
+    insert_call,
+    insert_getitems,
+    is_op,
+    kernel_friendly,
+    tensor_meta,
+)
 
-_VIEWS = (aten.view, aten._unsafe_view, aten.reshape)
 _LOW = (torch.float16, torch.bfloat16)
 _TRANSPOSES = (aten.t, aten.transpose, aten.permute)
 
@@ -88,7 +98,7 @@ def _gemm_above(n: Node, depth: int = 8) -> Node | None:
     for _ in range(depth):
         if is_op(n, aten.mm, aten.addmm, aten.bmm, aten.baddbmm):
             return n
-        if not is_op(n, *_VIEWS, aten.slice, aten.select, aten.clone, aten._to_copy, aten.expand):
+        if not is_op(n, *RESHAPES, aten.slice, aten.select, aten.clone, aten._to_copy, aten.expand):
             return None
         n = n.args[0]
     return None
@@ -102,7 +112,7 @@ def match_linear_cross_entropy(ce: Node, ctx: PassContext) -> Match | Miss | Non
     if set(items) - {0}:
         return Miss("the loss's log-sum-exp is read elsewhere")
     chain, z = [], logits
-    while is_op(z, *_VIEWS) or _upcast(z):
+    while is_op(z, *RESHAPES) or _upcast(z):
         chain.append(z)
         z = z.args[0]
     if not is_op(z, aten.mm, aten.addmm):

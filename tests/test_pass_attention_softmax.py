@@ -158,6 +158,29 @@ def test_hf_causal_masks_computed_from_constants_become_the_causal_flag(case, ca
     check_same(fn, gm, q, k, v)
 
 
+def test_a_cuda_graphs_causal_mask_is_evaluated_on_the_cpu():
+    """constant_value evaluates a mask the graph builds on CUDA on the CPU: no kernel launches at compile
+    time, and no GPU needed to decide (a fake CUDA graph, traced here without one)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dmfx.passes.attention_softmax import _is_causal_constant
+    from dmfx.passes.graph_utils import constant_value
+
+    def fn(s):
+        L = s.shape[-1]
+        keep = torch.arange(L, device=s.device)[None, :] <= torch.arange(L, device=s.device)[:, None]
+        return s + torch.where(keep, torch.zeros((), device=s.device), torch.full((), -3.4e38, device=s.device))
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        gm = make_fx(fn, tracing_mode="fake")(torch.empty(2, 3, 6, 6, device="cuda"))
+    (where,) = [n for n in gm.graph.nodes if n.target is aten.where.self]
+    assert where.meta["val"].device.type == "cuda"
+    v = constant_value(where)
+    assert v.device.type == "cpu" and torch.equal(v == 0, torch.ones(6, 6, dtype=torch.bool).tril())
+    assert _is_causal_constant(where, torch.Size([2, 3, 6, 6]))
+
+
 def test_a_causal_mask_given_as_an_input_stays_a_mask():
     """The same causal values passed in (a tensor the graph cannot prove constant) are read as a mask."""
     q, k, v = _qk()

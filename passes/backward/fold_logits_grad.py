@@ -13,9 +13,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..fusion import record
-from ..graph_utils import PassContext, aten, insert_call, is_op, only_user, plain_add, size_args, tensor_meta
-
-_VIEWS = (aten.view, aten._unsafe_view, aten.reshape)
+from ..graph_utils import RESHAPES, PassContext, aten, insert_call, is_op, only_user, plain_add, size_args, tensor_meta
 
 
 def _add_of(grad: Node) -> tuple[Node, Node | None, list[Node]] | None:
@@ -24,7 +22,7 @@ def _add_of(grad: Node) -> tuple[Node, Node | None, list[Node]] | None:
     the chain."""
     chain: list[Node] = []
     reader = only_user(grad)
-    while is_op(reader, *_VIEWS):
+    while is_op(reader, *RESHAPES):
         chain.append(reader)
         reader = only_user(reader)
     view = chain[-1] if chain else None
