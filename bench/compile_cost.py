@@ -1,4 +1,5 @@
-"""Compile cost: time to the first result of a training step, for Inductor and for dmfx, with a cold
+"""Compile cost: time to the first result of a training step (or, with ``--infer``, of an inference
+forward: eval mode, no grad), for Inductor and for dmfx, with a cold
 cache (fresh DMFX_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR temp dirs: dmfx builds its kernels, Inductor
 generates and compiles its code) and a warm one (a later process reusing those dirs: Inductor's
 AOTAutograd and FX graph caches, which dmfx's compiled graphs go through too, dmfx/graph_cache.py).
@@ -6,6 +7,7 @@ Each measurement is its own subprocess, so nothing in memory is reused. ``compil
 step's time less the second step's.
 
     python -m bench.compile_cost --models bert-mlm --layers 12 --repeat 3 --kernels shared
+    python -m bench.compile_cost --models llama-lm --layers 4 --batch 1 --seq 2048 --infer --kernels shared
     python -m bench.compile_cost --child --backend dmfx --model bert-base --layers 2   (one measurement, JSON on stdout)
 
 Models: those of dmfx.models (backbones, ``loss_of`` their outputs) and those of bench/lm_step.py
@@ -38,6 +40,7 @@ def _child(argv) -> None:
     p.add_argument("--seq", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--infer", action="store_true")
     a = p.parse_args(argv)
     t_import = time.perf_counter()
     import torch
@@ -55,16 +58,24 @@ def _child(argv) -> None:
         kwargs = {k: v.to(a.device) for k, v in kwargs.items()}
     else:
         model, kwargs = build_model(a.model, a.batch or 2, a.seq or 64, a.layers, a.device)
-    model.train()
+    model.train(not a.infer)
     compiled = model if a.backend == "eager" else torch.compile(model, backend=a.backend)
+
+    def step():
+        if a.infer:
+            with torch.no_grad():
+                compiled(**kwargs)
+        else:
+            model.zero_grad(set_to_none=True)
+            loss_of(compiled(**kwargs)).backward()
+
     t0 = time.perf_counter()
-    loss_of(compiled(**kwargs)).backward()
+    step()
     if a.device == "cuda":
         torch.cuda.synchronize()
     first = time.perf_counter() - t0
-    model.zero_grad(set_to_none=True)
     t1 = time.perf_counter()
-    loss_of(compiled(**kwargs)).backward()
+    step()
     if a.device == "cuda":
         torch.cuda.synchronize()
     second = time.perf_counter() - t1
@@ -76,10 +87,11 @@ def _child(argv) -> None:
 
 
 def measure(backend: str, cache: dict[str, str], model: str, layers: int, batch: int, seq: int, device: str,
-            timeout: int = 900, threads: int = 0) -> dict:
+            timeout: int = 900, threads: int = 0, infer: bool = False) -> dict:
     env = {**os.environ, **cache, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "bench.compile_cost", "--child", "--backend", backend, "--model", model,
            "--layers", str(layers), "--batch", str(batch), "--seq", str(seq), "--device", device, "--threads", str(threads)]
+    cmd += ["--infer"] if infer else []
     t = time.perf_counter()
     p = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t
@@ -92,7 +104,7 @@ def measure(backend: str, cache: dict[str, str], model: str, layers: int, batch:
 
 def run(device: str, model: str = "bert-base", layers: int = 2, batch: int = 2, seq: int = 64,
         backends: tuple[str, ...] = ("inductor", "dmfx"), repeat: int = 1, kernels: str = "fresh",
-        threads: int = 0) -> list[dict]:
+        threads: int = 0, infer: bool = False) -> list[dict]:
     """Each backend with a cold cache, then `repeat` warm processes; with ``kernels="shared"`` dmfx's
     kernels come from the usual kernel cache (its graph records, dmfx/graph_cache.py, then live there
     too, and are only read on a hit of the fresh Inductor cache's entries)."""
@@ -105,8 +117,9 @@ def run(device: str, model: str = "bert-base", layers: int = 2, batch: int = 2, 
             for state in ("cold",) + ("warm",) * repeat:
                 log(f"[compile] {backend} {state} cache: {model} ({layers} layers, B={batch or 'default'}, "
                     f"L={seq or 'default'}) in a fresh process ...")
-                r = measure(backend, cache, model, layers, batch, seq, device, threads=threads)
-                r.update({"cache": state, "model": model, "layers": layers, "batch": batch, "seq": seq, "device": device})
+                r = measure(backend, cache, model, layers, batch, seq, device, threads=threads, infer=infer)
+                r.update({"cache": state, "model": model, "layers": layers, "batch": batch, "seq": seq, "device": device,
+                          "mode": "infer" if infer else "train"})
                 results.append(r)
                 log("[compile]   " + (f"first step {r['first_step_s']:.1f} s, compile {r['compile_s']:.1f} s"
                                       if "first_step_s" in r else f"failed: {r['error'][-300:]}"))
@@ -136,11 +149,12 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--infer", action="store_true", help="an inference forward (eval, no grad) instead of a training step")
     a = p.parse_args(argv)
     results = []
     for model in a.models.split(","):
         results += run(a.device, model, a.layers, a.batch, a.seq, tuple(a.backends.split(",")), a.repeat, a.kernels,
-                       a.threads)
+                       a.threads, a.infer)
     print(table(results))
     if a.json:
         with open(a.json, "w") as f:

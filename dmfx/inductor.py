@@ -61,7 +61,7 @@ def has_dropout(gm: GraphModule) -> bool:
 @dataclass(frozen=True)
 class Scope:
     """What fuse="auto" rewrites in a graph it keeps for dmfx: its loss (the logits' (rows, vocab), else
-    None), its causal attentions over at least CAUSAL_FLASH_MIN_KEYS keys (their most keys, else None),
+    None), its eager causal attentions over many keys (long_causal_attention: their most keys, else None),
     or both; every other fusion is Inductor's (skipped: not_the_loss)."""
 
     loss: tuple[int, int] | None = None
@@ -96,8 +96,8 @@ class Scope:
         if self.loss is not None:
             details.append(f"dmfx's loss over the [{self.loss[0]}, {self.loss[1]}] logits is faster than Inductor's")
         if self.causal_keys is not None:
-            details.append(f"dmfx's causal kernel over {self.causal_keys} keys reads no mask and skips the keys past "
-                           "each block's diagonal, where Inductor reads the whole [L, L] mask")
+            details.append(f"one causal attention over {self.causal_keys} keys reads no mask and skips the keys past "
+                           "the diagonal, where Inductor reads the whole [L, L] mask and writes the scores")
         return details
 
 
@@ -108,37 +108,38 @@ def auto_decision(aten_gm: GraphModule, devices: tuple[str, ...], training: bool
     fusions pay under Inductor where a graph drops out (fused Philox dropout whose mask is regenerated
     in the backward, the norm backward with its folded gradients: BERT MLM training 1.03-1.05x
     Inductor) and lose 3-9% where it does not (LLaMA causal-LM training at 256 tokens; BERT inference
-    at parity), measured in bench/RESULTS.md; except, in training, a loss over large logits
-    (loss_pays) and eager causal attention over many keys (long_causal_attention: the LLaMA step at
-    2048 tokens 1.22x Inductor with it, 0.96x without). Training graphs only: the fused loss's gain is its
-    backward's; its forward alone (an evaluation loss) is Inductor's or a little slower ([1024, 32000]
-    float32, 1 thread: 26 against 23 ms), and the causal kernel was measured in whole models in
-    training only. On CUDA, the one whole model measured (the first GPU run) was slower rewritten than
-    under Inductor alone, dropout and all (WHY_LEFT_CUDA): every CUDA graph is Inductor's until a
-    measurement says otherwise."""
+    at parity), measured in bench/RESULTS.md; except a loss over large logits in training (loss_pays)
+    and eager causal attention over many keys (long_causal_attention: the LLaMA step at 2048 tokens
+    1.22x Inductor with it, 0.96x without; its inference forward 1.30x at 2048 keys, 1.05x at 256). The
+    loss in training only: the fused loss's gain is its backward's; its forward alone (an evaluation
+    loss) is Inductor's or a little slower ([1024, 32000] float32, 1 thread: 26 against 23 ms). On
+    CUDA, the one whole model measured (the first GPU run) was slower rewritten than under Inductor
+    alone, dropout and all (WHY_LEFT_CUDA): every CUDA graph is Inductor's until a measurement says
+    otherwise."""
     if devices == ("cuda",):
         return WHY_LEFT_CUDA, None
     if devices != ("cpu",) or has_dropout(aten_gm):
         return None, None
-    if not training:
-        return WHY_LEFT, None
-    scope = Scope(loss_pays(aten_gm), long_causal_attention(aten_gm))
+    scope = Scope(loss_pays(aten_gm) if training else None, long_causal_attention(aten_gm, training))
     return (None, scope) if scope != Scope() else (WHY_LEFT, None)
 
 
-def long_causal_attention(aten_gm: GraphModule) -> int | None:
+def long_causal_attention(aten_gm: GraphModule, training: bool = True) -> int | None:
     """The most keys of an eager attention in `aten_gm` whose float32 softmax runs under a causal mask
-    the graph computes from constants (HF's create_causal_mask in training: attention_softmax's
-    causal_softmax_keys) over at least CAUSAL_FLASH_MIN_KEYS keys; None where there is none. Inductor
-    computes such an attention with the [L, L] mask materialized and every key read; dmfx's causal
-    kernel reads no mask and skips the keys past each block's diagonal: the LLaMA step with eager
-    attention at 2048 tokens ran 1.22x Inductor with it, 0.96x without (bench/RESULTS.md). Not a
-    model's own causal scaled_dot_product_attention calls (HF's "sdpa"): there PyTorch's kernel skips
-    the masked half too, and the same step ran no faster with dmfx's (1.015x against 1.027x)."""
-    from .passes.attention import CAUSAL_FLASH_MIN_KEYS
+    the graph computes from constants (HF's create_causal_mask without an attention mask:
+    attention_softmax's causal_softmax_keys) over at least causal_scope_min_keys(training) keys (512 in
+    training, 256 in inference); None where there is none. Inductor computes such an attention with the
+    [L, L] mask materialized, every key read and the scores written; as one causal attention it reads
+    no mask, and dmfx's kernel skips the keys past each block's diagonal: the LLaMA step with eager
+    attention at 2048 tokens ran 1.22x Inductor with it, 0.96x without, its inference forward 1.30x
+    (bench/RESULTS.md). Not a model's own causal scaled_dot_product_attention calls (HF's "sdpa"):
+    there PyTorch's kernel skips the masked half too, and the same step ran no faster with dmfx's
+    (1.015x against 1.027x)."""
+    from .passes.attention import causal_scope_min_keys
     from .passes.attention_softmax import causal_softmax_keys
 
-    keys = [k for k in map(causal_softmax_keys, aten_gm.graph.nodes) if k is not None and k >= CAUSAL_FLASH_MIN_KEYS]
+    least = causal_scope_min_keys(training)
+    keys = [k for k in map(causal_softmax_keys, aten_gm.graph.nodes) if k is not None and k >= least]
     return max(keys, default=None)
 
 

@@ -219,6 +219,21 @@ GEMM_FORM_MAX_KEYS = 256
 #: the keys up to its diagonal; below it a tie, where SDPA stays).
 CAUSAL_FLASH_MIN_KEYS = 512
 
+#: fuse="auto" keeps a CPU inference graph without dropout for dmfx where an eager causal attention (a
+#: causal mask of constants) runs over this many keys or more (dmfx/inductor.py long_causal_attention):
+#: as one causal attention (dmfx's kernel from CAUSAL_FLASH_MIN_KEYS keys, PyTorch's SDPA with is_causal
+#: below) it reads no [L, L] mask and writes no scores, where Inductor materializes both. Whole LLaMA
+#: inference forwards with eager attention, 4 layers, 1 thread (bench/RESULTS.md, stop 46): 1.30x
+#: Inductor at 2048 keys, 1.06x at 512, 1.03-1.05x at 256; at 128 a tie (LLaMA-lm, B=8) to 1.07x
+#: (LLaMA-small), so 128 is left to Inductor. Training keeps them from CAUSAL_FLASH_MIN_KEYS.
+CAUSAL_INFER_MIN_KEYS = 256
+
+
+def causal_scope_min_keys(training: bool) -> int:
+    """The fewest keys of an eager causal attention fuse="auto" keeps for dmfx in a graph it otherwise
+    leaves to Inductor: CAUSAL_FLASH_MIN_KEYS in training, CAUSAL_INFER_MIN_KEYS in inference."""
+    return CAUSAL_FLASH_MIN_KEYS if training else CAUSAL_INFER_MIN_KEYS
+
 
 def _flash_kernels(q4: Node, v4: Node) -> tuple[bool, bool]:
     """(dmfx's fused kernel takes these q / v here, the cost model may pick it on its own). dmfx's CUDA

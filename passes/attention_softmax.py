@@ -349,10 +349,11 @@ def match_attention_softmax(sm: Node, ctx: PassContext) -> Match | Miss | None:
         if m2 is None and _is_causal_constant(mask, shape):
             mask, causal = None, True
     if ctx.attention_scope == "long-causal":  # (fuse="auto": only what becomes a long causal attention)
-        from .attention import CAUSAL_FLASH_MIN_KEYS
+        from .attention import causal_scope_min_keys
 
-        if not (causal and isinstance(shape[-1], int) and shape[-1] >= CAUSAL_FLASH_MIN_KEYS and zm.dim() == 4):
-            return Miss(*notes, f"fuse='auto' rewrites only causal attention over at least {CAUSAL_FLASH_MIN_KEYS} keys "
+        least = causal_scope_min_keys(ctx.training)
+        if not (causal and isinstance(shape[-1], int) and shape[-1] >= least and zm.dim() == 4):
+            return Miss(*notes, f"fuse='auto' rewrites only causal attention over at least {least} keys "
                         "here; the rest of this graph is Inductor's")
         if mask is not None:
             mm = tensor_meta(mask) if m2 is None else _summed(m2, mask, ctx)

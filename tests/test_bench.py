@@ -149,10 +149,12 @@ def test_compile_cost_runs_each_backend_in_fresh_processes():
     a cold and a warm process each report their first and second step, and the table lists them."""
     from bench import compile_cost
 
-    results = compile_cost.run("cpu", "bert-mlm", layers=1, batch=1, seq=8, backends=("eager",), repeat=1,
-                               kernels="shared", threads=1)
-    assert [r["cache"] for r in results] == ["cold", "warm"]
-    for r in results:
-        assert "error" not in r, r.get("error")
-        assert r["first_step_s"] > 0 and r["second_step_s"] > 0 and r["dmfx_graphs"] == []
-    assert "bert-mlm" in compile_cost.table(results)
+    for infer in (False, True):
+        results = compile_cost.run("cpu", "bert-mlm", layers=1, batch=1, seq=8, backends=("eager",), repeat=1,
+                                   kernels="shared", threads=1, infer=infer)
+        assert [r["cache"] for r in results] == ["cold", "warm"]
+        for r in results:
+            assert "error" not in r, r.get("error")
+            assert r["first_step_s"] > 0 and r["second_step_s"] > 0 and r["dmfx_graphs"] == []
+            assert r["mode"] == ("infer" if infer else "train")
+        assert "bert-mlm" in compile_cost.table(results)

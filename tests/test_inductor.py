@@ -228,7 +228,41 @@ def test_a_graph_without_dropout_keeps_dmfxs_causal_attention_over_many_keys(seq
     assert long_causal_attention(eager(torch.float32, mask_input=True)) is None
     assert long_causal_attention(eager(torch.float64)) is None
     assert auto_decision(eager(torch.float32), ("cpu",), True) == (None, Scope(causal_keys=512))
-    assert auto_decision(eager(torch.float32), ("cpu",), False)[1] is None  # (inference: not measured)
+    assert auto_decision(eager(torch.float32), ("cpu",), False) == (None, Scope(causal_keys=512))  # (inference too)
+
+
+@pytest.mark.parametrize("seq,attn", [(256, "eager"), (128, "eager"), (256, "sdpa")])
+def test_an_inference_graph_without_dropout_keeps_causal_attention_from_256_keys(seq, attn):
+    """fuse="auto" on the CPU in inference: a graph whose eager causal attentions (HF's causal mask of
+    constants) run over at least CAUSAL_INFER_MIN_KEYS keys (256) is rewritten for them only: each
+    becomes one causal attention reading no mask (PyTorch's SDPA below 512 keys, by the cost model), the
+    rest is Inductor's; over 128 keys, or as the model's own SDPA calls, the graph is Inductor's whole.
+    The logits are eager's either way."""
+    import transformers
+
+    from dmfx.cuda_ops import selfcheck
+    from dmfx.passes.attention import CAUSAL_INFER_MIN_KEYS
+
+    selfcheck.passes_to_skip(["cpu"])  # (the kernels built and checked: else the graph waits for them whole)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq)
+    cfg._attn_implementation = attn
+    m = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (2, seq))
+    with torch.no_grad():
+        out = torch.compile(m, backend="dmfx", options={"compiler": "inductor", "fallback": False})(input_ids=ids)
+        expect = m(input_ids=ids)
+    assert rel_err(out.logits, expect.logits) < 1e-5
+    (rec,) = dmfx.records()
+    if seq >= CAUSAL_INFER_MIN_KEYS and attn == "eager":
+        assert rec.fallback is None and rec.compiler == "inductor" and not rec.training, rec.summary()
+        assert rec.fired.get("attention") == 2, rec.fired
+        assert [form for form, _ in rec.attention_forms.values()] == ["sdpa", "sdpa"], rec.attention_forms
+        assert not set(rec.fired) & {"rms_norm", "rope", "glu", "qkv_attention", "cross_entropy"}, rec.fired
+        assert any("rewritten for its causal attention only" in m and f"{seq} keys" in m for m in rec.missed), rec.missed
+    else:
+        assert rec.fallback.startswith("left to Inductor: no dropout in this graph") and not rec.fired
 
 
 @pytest.mark.parametrize("vocab", [33000, 32000], ids=["large-logits", "just-below"])
