@@ -239,10 +239,11 @@ def _evaluated_causal(mask: Node, Lq: int, Lk: int) -> bool:
     return torch.broadcast_shapes(v.shape[-2:], pattern.shape) == pattern.shape and bool((v == pattern).all())
 
 
-def causal_softmax_keys(n: Node) -> int | None:
-    """The key length of `n` where it is a float32 last-dim softmax over [B, H, L, L] scores plus a causal
-    mask of constants (_is_causal_constant): an eager attention's, which the attention passes make one
-    causal attention (dmfx/inductor.py long_causal_attention reads it before they run); else None."""
+def causal_softmax_keys(n: Node) -> tuple[int, torch.dtype] | None:
+    """The key length of `n` and the dtype of its scores where it is a float32 last-dim softmax over
+    [B, H, L, L] scores (bf16/fp16 ones promoted by the mask under autocast) plus a causal mask of
+    constants (_is_causal_constant): an eager attention's, which the attention passes make one causal
+    attention (dmfx/inductor.py long_causal_attention reads it before they run); else None."""
     if not is_op(n, aten._softmax, aten._safe_softmax):
         return None
     z = n.args[0]
@@ -253,7 +254,11 @@ def causal_softmax_keys(n: Node) -> int | None:
     if not (isinstance(Lq, int) and Lq == Lk):
         return None
     # either operand may be the mask: the scores, a GEMM's output, are never a constant
-    return Lk if any(isinstance(x, Node) and _is_causal_constant(x, zm.shape) for x in z.args) else None
+    for mask, scores in (z.args, z.args[::-1]):
+        sm = tensor_meta(scores)
+        if isinstance(mask, Node) and sm is not None and _is_causal_constant(mask, zm.shape):
+            return Lk, sm.dtype
+    return None
 
 
 def _fold_qk_scales(scores: Node, dtype: torch.dtype) -> tuple[float, list[Node]]:
@@ -351,7 +356,7 @@ def match_attention_softmax(sm: Node, ctx: PassContext) -> Match | Miss | None:
     if ctx.attention_scope == "long-causal":  # (fuse="auto": only what becomes a long causal attention)
         from .attention import causal_scope_min_keys
 
-        least = causal_scope_min_keys(ctx.training)
+        least = causal_scope_min_keys(ctx.training, sm_meta.dtype)
         if not (causal and isinstance(shape[-1], int) and shape[-1] >= least and zm.dim() == 4):
             return Miss(*notes, f"fuse='auto' rewrites only causal attention over at least {least} keys "
                         "here; the rest of this graph is Inductor's")

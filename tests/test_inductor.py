@@ -264,6 +264,24 @@ def test_an_inference_graph_without_dropout_keeps_causal_attention_from_256_keys
     else:
         assert rec.fallback.startswith("left to Inductor: no dropout in this graph") and not rec.fired
 
+    # the decision alone: bf16 scores promoted by a float32 causal mask (an autocast forward) over 256 keys
+    # are not in scope (PyTorch's bf16 SDPA was slower than Inductor's chain there); over 512 they are
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dmfx.inductor import long_causal_attention
+
+    def scores_in(dtype, L):
+        def fn(q):
+            keep = torch.arange(L)[None, None, None, :] <= torch.arange(L)[None, None, :, None]
+            mask = torch.where(keep, torch.zeros(()), torch.full((), torch.finfo(torch.float32).min))
+            return torch.softmax(q @ q.transpose(-1, -2) * 0.125 + mask, -1, dtype=torch.float32)
+        return make_fx(fn)(torch.randn(1, 2, L, 8, dtype=dtype))
+
+    assert long_causal_attention(scores_in(torch.float32, 256), training=False) == 256
+    assert long_causal_attention(scores_in(torch.bfloat16, 256), training=False) is None
+    assert long_causal_attention(scores_in(torch.bfloat16, 512), training=False) == 512
+    assert long_causal_attention(scores_in(torch.float32, 256), training=True) is None
+
 
 @pytest.mark.parametrize("vocab", [33000, 32000], ids=["large-logits", "just-below"])
 def test_a_graph_without_dropout_keeps_dmfxs_loss_where_the_logits_are_large(vocab):

@@ -167,6 +167,33 @@ def test_unpadded_eager_attention_lms_read_no_causal_mask(name, monkeypatch):
         assert mask is None or mask.meta["val"].shape[-2] == 1, (name, n.format_node())
 
 
+@pytest.mark.parametrize("name", ["gemma2", "bloom"])
+def test_eager_causal_lm_inference_over_256_tokens_keeps_its_causal_attention(name, monkeypatch):
+    """fuse="auto" under Inductor (the default outside the suite) in inference, 256 tokens, no attention mask: Gemma 2's
+    soft-capped attention and BLOOM's ALiBi attention (each with HF's causal mask of constants) are
+    dmfx's, the rest of the graph Inductor's; the logits are eager's."""
+    from dmfx.cuda_ops import selfcheck
+
+    selfcheck.passes_to_skip(["cpu"])  # (the kernels built and checked: else the graph waits for them whole)
+    cfg_name, model_name, config, fused = FAMILIES[name]
+    if "max_position_embeddings" in config:  # (Gemma 2's window as wide as the sequence: its mask is causal)
+        monkeypatch.setitem(FAMILIES, name, (cfg_name, model_name, dict(config, max_position_embeddings=256,
+                                                                          sliding_window=256), fused))
+    model, _ = _case(name, "eager")
+    model.eval()
+    ids = torch.randint(3, VOCAB, (2, 256))
+    dmfx.reset()
+    with torch.no_grad():
+        got = torch.compile(model, backend="dmfx", options={"compiler": "inductor", "fallback": False, "cache": False})(
+            input_ids=ids, use_cache=False)
+        want = model(input_ids=ids, use_cache=False)
+    assert rel_err(got.logits, want.logits) < 1e-5
+    (rec,) = dmfx.records()
+    assert rec.compiler == "inductor" and rec.fallback is None, rec.summary()
+    assert rec.fired.get("attention") == 2 and not set(rec.fired) & {"rms_norm", "layer_norm", "rope", "glu"}, rec.fired
+    assert any("rewritten for its causal attention only" in m for m in rec.missed), rec.missed
+
+
 # Families whose inputs are not token ids, or whose graphs mix convolutions into a transformer:
 # name -> (config class, model class, config, inputs(batch), fusions that must fire). Inductor
 # relays out a graph with convolutions in channels-last (its layout optimization), saved tensors for
