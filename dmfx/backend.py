@@ -93,6 +93,9 @@ class GraphRecord:
     # cached) or "" (not known yet: compiled uncached, and this compile decides)
     float_verdict: str = ""
     bytes_saved: int | None = None  # saved_bytes of the rewritten graph, kept for a cache hit's log line
+    # fuse="auto"'s partial rewrite (dmfx/inductor.py Scope): the passes the graph skips, forward and
+    # backward; the joint and backward graphs, compiled after the forward pipeline, skip them too
+    scope_skip: tuple[str, ...] = ()
     # option cudagraphs (mode="reduce-overhead"): "" (not asked for), "captured" (Inductor's CUDA-graph
     # trees record the compiled graphs at their second call and replay them), "not applied: <why>", or
     # Inductor's own where the graph was left to it whole
@@ -703,6 +706,7 @@ def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Opt
             return _with_padding_hint(compiled, hint, record)
         if scope is not None:
             opts = scope.options(opts)
+            record.scope_skip = scope.skipped()
             record.missed.append(scope.why())
     if self_check_pending:
         _run_deferred_self_check(example_inputs, opts)
@@ -839,7 +843,7 @@ def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options
         if compiled is not None:
             return _with_padding_hint(compiled, entry["hint"], record)
         entry, record = None, replace(record, fired={}, replaced={}, missed=own, copies=[], attention_forms={}, unpad={},
-                                      epilogue=[], lowered_from_cache=False)  # (lowered afresh below)
+                                      epilogue=[], lowered_from_cache=False, scope_skip=())  # (lowered afresh below)
     if entry is not None:
         if self_check_pending:
             _run_deferred_self_check(example_inputs, opts)
@@ -851,6 +855,8 @@ def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options
         if not isinstance(lowered, tuple):  # (compiled already: left to PyTorch or to Inductor whole)
             return lowered
         rewritten, hint, kept = lowered
+    if record.scope_skip:  # (fresh or read back from the compile cache: the joint and backward passes skip them too)
+        opts = replace(opts, skip=tuple(dict.fromkeys((*opts.skip, *record.scope_skip))))
     # AOTAutograd traces the graph as the cache keeps it, so that its own cache key is the same on a
     # later hit of the lowered graph; `rewritten`, with the passes' node metadata, names what each
     # fused node absorbed (carry_absorbed)

@@ -214,7 +214,7 @@ def load_record(key: str, record: Any) -> bool:
 
 #: The GraphRecord fields the lowered graph's entry restores (what the lowering and forward passes did).
 LOWERED_FIELDS = ("fired", "replaced", "missed", "copies", "attention_forms", "unpad", "epilogue",
-                  "aten_ops_before", "aten_ops_after", "bytes_saved")
+                  "aten_ops_before", "aten_ops_after", "bytes_saved", "scope_skip")
 
 
 def _symbolic(x: Any) -> bool:

@@ -68,10 +68,10 @@ class Scope:
     causal_keys: int | None = None
 
     def skipped(self) -> tuple[str, ...]:
-        """The forward passes the graph skips."""
+        """The passes the graph skips: the forward fusions outside its scope, and SCOPE_SKIPS_BACKWARD."""
         kept = ("attention_softmax", "attention") if self.causal_keys is not None else ()
         loss = LOSS_PASSES if self.loss is None else ()
-        return tuple(name for name in (*not_the_loss(), *loss) if name not in kept)
+        return tuple(name for name in (*not_the_loss(), *loss, *SCOPE_SKIPS_BACKWARD) if name not in kept)
 
     def options(self, opts: Any) -> Any:
         """`opts` for the graph's rewrite: the passes skipped, and the attention fused only where causal and long."""
@@ -148,10 +148,18 @@ def long_causal_attention(aten_gm: GraphModule, training: bool = True) -> int | 
 LARGE_LOGITS = 1 << 20
 
 #: The forward pipeline's passes a graph rewritten only for its loss still runs: the losses' own and the
-#: passes that fuse nothing. Every other pass, a fusion added later included, is skipped (not_the_loss);
-#: the backward passes run (they fold the loss's gradients and find nothing else of theirs).
+#: passes that fuse nothing. Every other pass, a fusion added later included, is skipped (not_the_loss).
+#: The backward passes run (they fold the scope's gradients: the loss's, the attention's bias sums),
+#: except SCOPE_SKIPS_BACKWARD.
 LOSS_PASSES = ("softcap", "cross_entropy", "linear_cross_entropy")
 LOSS_ONLY_PASSES = ("remove_metadata_asserts", "identity_clones", "noop_clones", *LOSS_PASSES, "unpad", "layout")
+
+#: The backward passes a graph rewritten for its scope only skips: aten_backward makes dmfx kernels of
+#: the ATen backward chains of what the forward left to Inductor (softmax, SiLU/GELU, norms), each a
+#: fusion barrier in Inductor's backward, with casts around it under autocast. With it, a one-layer
+#: LLaMA step (1024 tokens) whose forward dmfx left alone ran 0.67x Inductor in bf16 and 0.83x in
+#: float32; without it, 1.00x and 0.95x (bench/RESULTS.md, stop 46).
+SCOPE_SKIPS_BACKWARD = ("aten_backward",)
 
 
 def not_the_loss() -> tuple[str, ...]:

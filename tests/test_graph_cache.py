@@ -268,6 +268,43 @@ def test_a_kept_lowered_graph_compiled_afresh_gives_the_same_answers(fresh_cache
     assert_grads_close(grads2, grads1, 1e-5)
 
 
+def test_a_scoped_graph_compiled_afresh_from_its_kept_lowering_skips_the_scopes_backward_passes(fresh_cache):
+    """fuse="auto" rewrites a LLaMA graph for its loss only (dmfx/inductor.py Scope): its backward skips
+    aten_backward, which would make dmfx kernels (Inductor fusion barriers) of the ATen backward chains
+    Inductor owns. Where the lowered graph comes from the cache and AOTAutograd's entry does not, the
+    backward is derived and rewritten again: it skips them as the first compile did."""
+    from torch._inductor import config as inductor_config
+
+    from dmfx.cuda_ops import selfcheck
+
+    selfcheck.passes_to_skip(["cpu"])  # (the kernels built and checked: else the graph waits for them whole)
+    cfg = transformers.LlamaConfig(vocab_size=33000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, 33000, (1, 32), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        torch._dynamo.reset()
+        m = copy.deepcopy(base)
+        out = torch.compile(m, backend="dmfx", options=AUTO)(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad for n, p in m.named_parameters()}, dmfx.records()[-1]
+
+    loss1, grads1, rec1 = step()
+    with inductor_config.patch(comment_origin=not inductor_config.comment_origin):
+        loss2, grads2, rec2 = step()
+    assert rec2.lowered_from_cache and rec2.cache == "miss"
+    for rec in (rec1, rec2):
+        assert any("rewritten for its loss only" in m for m in rec.missed), rec.missed
+        assert "aten_backward" in rec.scope_skip and "aten_backward" not in rec.fired, rec.fired
+        assert rec.fired.get("fold_logits_grad") == 1, rec.fired
+        assert "attention_softmax_backward" not in str(rec.backward_graph.code)
+    assert rel_err(loss2, loss1) < 1e-6
+    assert_grads_close(grads2, grads1, 1e-5)
+
+
 def test_a_graph_left_to_inductor_whole_is_remembered(fresh_cache):
     """fuse="auto" on the CPU leaves a graph without dropout to Inductor: a later compile does not
     lower it again to find that out."""
