@@ -225,18 +225,24 @@ CAUSAL_FLASH_MIN_KEYS = 512
 #: below) it reads no [L, L] mask and writes no scores, where Inductor materializes both. Whole LLaMA
 #: inference forwards with eager attention, 4 layers, 1 thread (bench/RESULTS.md, stop 46): 1.30x
 #: Inductor at 2048 keys, 1.06x at 512, 1.03-1.05x at 256; at 128 a tie (LLaMA-lm, B=8) to 1.07x
-#: (LLaMA-small), so 128 is left to Inductor. Float32 scores only: under a bf16 autocast the same
-#: forward at 256 keys ran 0.92x Inductor (PyTorch's bf16 SDPA against Inductor's fused bf16 chain),
-#: at 1024 1.06x. Training, and bf16/fp16 scores, keep them from CAUSAL_FLASH_MIN_KEYS (the bf16 LLaMA
-#: step at 1024 tokens 1.03x Inductor with it, 0.93x without).
+#: (LLaMA-small), so 128 is left to Inductor. Training keeps them from CAUSAL_FLASH_MIN_KEYS.
 CAUSAL_INFER_MIN_KEYS = 256
+
+#: The same for bf16/fp16 scores (an autocast forward), where the attention becomes PyTorch's bf16 SDPA
+#: against Inductor's fused bf16 chain: LLaMA's inference forward ran 0.92x Inductor at 256 keys, 0.93x
+#: at 512 and 1.06x at 1024 (bench/RESULTS.md, stop 46). In training they keep the float32 threshold (the
+#: bf16 step at 512 keys 1.00x Inductor, at 1024 1.03-1.05x; 0.97x and 0.92-1.00x with the loss alone).
+CAUSAL_INFER_LOW_PRECISION_MIN_KEYS = 1024
 
 
 def causal_scope_min_keys(training: bool, dtype: torch.dtype) -> int:
     """The fewest keys of an eager causal attention whose scores (the QK^T GEMM's output) are of `dtype`
-    that fuse="auto" keeps for dmfx in a graph it otherwise leaves to Inductor: CAUSAL_INFER_MIN_KEYS
-    for float32 scores in inference, CAUSAL_FLASH_MIN_KEYS otherwise."""
-    return CAUSAL_INFER_MIN_KEYS if not training and dtype == torch.float32 else CAUSAL_FLASH_MIN_KEYS
+    that fuse="auto" keeps for dmfx in a graph it otherwise leaves to Inductor: CAUSAL_FLASH_MIN_KEYS in
+    training; in inference CAUSAL_INFER_MIN_KEYS for float32 scores, CAUSAL_INFER_LOW_PRECISION_MIN_KEYS
+    for bf16/fp16 ones."""
+    if training:
+        return CAUSAL_FLASH_MIN_KEYS
+    return CAUSAL_INFER_MIN_KEYS if dtype == torch.float32 else CAUSAL_INFER_LOW_PRECISION_MIN_KEYS
 
 
 def _flash_kernels(q4: Node, v4: Node) -> tuple[bool, bool]:

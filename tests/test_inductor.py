@@ -264,8 +264,8 @@ def test_an_inference_graph_without_dropout_keeps_causal_attention_from_256_keys
     else:
         assert rec.fallback.startswith("left to Inductor: no dropout in this graph") and not rec.fired
 
-    # the decision alone: bf16 scores promoted by a float32 causal mask (an autocast forward) over 256 keys
-    # are not in scope (PyTorch's bf16 SDPA was slower than Inductor's chain there); over 512 they are
+    # the decision alone: bf16 scores promoted by a float32 causal mask (an autocast forward) over 256 or
+    # 512 keys are not in scope (PyTorch's bf16 SDPA was slower than Inductor's chain there); over 1024 they are
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from dmfx.inductor import long_causal_attention
@@ -279,7 +279,9 @@ def test_an_inference_graph_without_dropout_keeps_causal_attention_from_256_keys
 
     assert long_causal_attention(scores_in(torch.float32, 256), training=False) == 256
     assert long_causal_attention(scores_in(torch.bfloat16, 256), training=False) is None
-    assert long_causal_attention(scores_in(torch.bfloat16, 512), training=False) == 512
+    assert long_causal_attention(scores_in(torch.bfloat16, 512), training=False) is None
+    assert long_causal_attention(scores_in(torch.bfloat16, 1024), training=False) == 1024
+    assert long_causal_attention(scores_in(torch.bfloat16, 512), training=True) == 512
     assert long_causal_attention(scores_in(torch.float32, 256), training=True) is None
 
 
