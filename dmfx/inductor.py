@@ -128,9 +128,10 @@ def long_causal_attention(aten_gm: GraphModule, training: bool = True) -> int | 
     """The most keys of an eager attention in `aten_gm` whose float32 softmax runs under a causal mask
     the graph computes from constants (HF's create_causal_mask without an attention mask:
     attention_softmax's causal_softmax_keys) over at least causal_scope_min_keys keys (512 in training;
-    in inference 256 for float32 scores, 1024 for bf16/fp16 ones); None where there is none. Inductor computes such an attention with the
-    [L, L] mask materialized, every key read and the scores written; as one causal attention it reads
-    no mask, and dmfx's kernel skips the keys past each block's diagonal: the LLaMA step with eager
+    in inference 256 for float32 scores, 1024 for bf16/fp16 ones); None where there is none. Inductor
+    computes such an attention with the [L, L] mask materialized, every key read and the scores
+    written; as one causal attention it reads no mask, and dmfx's kernel skips the keys past each
+    block's diagonal: the LLaMA step with eager
     attention at 2048 tokens ran 1.22x Inductor with it, 0.96x without, its inference forward 1.30x
     (bench/RESULTS.md). Not a model's own causal scaled_dot_product_attention calls (HF's "sdpa"):
     there PyTorch's kernel skips the masked half too, and the same step ran no faster with dmfx's
