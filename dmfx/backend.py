@@ -856,7 +856,9 @@ def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options
             return lowered
         rewritten, hint, kept = lowered
     if record.scope_skip:  # (fresh or read back from the compile cache: the joint and backward passes skip them too)
-        opts = replace(opts, skip=tuple(dict.fromkeys((*opts.skip, *record.scope_skip))))
+        from .inductor import skipping
+
+        opts = skipping(opts, record.scope_skip)
     # AOTAutograd traces the graph as the cache keeps it, so that its own cache key is the same on a
     # later hit of the lowered graph; `rewritten`, with the passes' node metadata, names what each
     # fused node absorbed (carry_absorbed)

@@ -78,7 +78,8 @@ class Scope:
         from dataclasses import replace
 
         scope = "long-causal" if self.causal_keys is not None else opts.attention_scope
-        return replace(opts, skip=tuple(dict.fromkeys((*opts.skip, *self.skipped()))), attention_scope=scope)
+        return replace(skipping(opts, self.skipped()), attention_scope=scope)
+
 
     def why(self) -> str:
         """The record's line for it."""
@@ -100,6 +101,12 @@ class Scope:
                            "the diagonal, where Inductor reads the whole [L, L] mask and writes the scores")
         return details
 
+
+def skipping(opts: Any, names: Sequence[str]) -> Any:
+    """`opts` (Options) with the passes `names` skipped as well."""
+    from dataclasses import replace
+
+    return replace(opts, skip=tuple(dict.fromkeys((*opts.skip, *names))))
 
 def auto_decision(aten_gm: GraphModule, devices: tuple[str, ...], training: bool) -> tuple[str | None, Scope | None]:
     """What fuse="auto" does with a graph under Inductor: ``(why, scope)``. `why`: the reason the graph is
@@ -131,11 +138,10 @@ def long_causal_attention(aten_gm: GraphModule, training: bool = True) -> int | 
     in inference 256 for float32 scores, 1024 for bf16/fp16 ones); None where there is none. Inductor
     computes such an attention with the [L, L] mask materialized, every key read and the scores
     written; as one causal attention it reads no mask, and dmfx's kernel skips the keys past each
-    block's diagonal: the LLaMA step with eager
-    attention at 2048 tokens ran 1.22x Inductor with it, 0.96x without, its inference forward 1.30x
-    (bench/RESULTS.md). Not a model's own causal scaled_dot_product_attention calls (HF's "sdpa"):
-    there PyTorch's kernel skips the masked half too, and the same step ran no faster with dmfx's
-    (1.015x against 1.027x)."""
+    block's diagonal: the LLaMA step with eager attention at 2048 tokens ran 1.22x Inductor with it,
+    0.96x without, its inference forward 1.30x (bench/RESULTS.md). Not a model's own causal
+    scaled_dot_product_attention calls (HF's "sdpa"): there PyTorch's kernel skips the masked half
+    too, and the same step ran no faster with dmfx's (1.015x against 1.027x)."""
     from .passes.attention import causal_scope_min_keys
     from .passes.attention_softmax import causal_softmax_keys
 

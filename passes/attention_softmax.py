@@ -253,9 +253,10 @@ def causal_softmax_keys(n: Node) -> tuple[int, torch.dtype] | None:
     Lq, Lk = zm.shape[2:]
     if not (isinstance(Lq, int) and Lq == Lk):
         return None
-    # either operand may be the mask: the scores, a GEMM's output, are never a constant
+    # either operand may be the mask: the scores, a GEMM's output, are never a constant. Their dtype is
+    # the unscaled scores', as match_attention_softmax reads it (_split_scale) for the same threshold
     for mask, scores in (z.args, z.args[::-1]):
-        sm = tensor_meta(scores)
+        sm = tensor_meta(_split_scale(scores)[0]) if isinstance(scores, Node) else None
         if isinstance(mask, Node) and sm is not None and _is_causal_constant(mask, zm.shape):
             return Lk, sm.dtype
     return None
