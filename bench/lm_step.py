@@ -140,10 +140,16 @@ def floor_step(model, kwargs, train: bool, autocast: torch.dtype | None = None, 
 
 
 def dmfx_options(name: str) -> dict:
-    """The options of the dmfx candidate `name`: "dmfx" (the default), "dmfx-fx" (compiler="fx"),
+    """`name` may end in ``@option=value[@...]`` (Python literals), e.g. ``dmfx@inductor_joint=False``.
+    The options of the dmfx candidate `name`: "dmfx" (the default), "dmfx-fx" (compiler="fx"),
     "dmfx-all" (every fusion that matches, also where fuse="auto" leaves a graph to Inductor),
     "dmfx-skip-<pass>[+<pass>...]" (an ablation: the default with those passes off) and
     "dmfx-all-skip-..." / "dmfx-fx-skip-..." (the same from fuse="all" / compiler="fx")."""
+    if "@" in name:
+        import ast
+
+        name, *extra = name.split("@")
+        return {**dmfx_options(name), **{k: ast.literal_eval(v) for k, v in (e.split("=", 1) for e in extra)}}
     if name == "dmfx":
         return {}
     if name == "dmfx-fx":

@@ -523,12 +523,13 @@ def _inductor(gm: GraphModule, example_inputs: Sequence[Any], kind: str, record:
               rewritten: GraphModule, cudagraphs: Any = None) -> Callable | None:
     """`gm` compiled by Inductor (dmfx/inductor.py); on failure (with opts.fallback) one warning and
     None: the caller runs it as a GraphModule, with dmfx's rewrites."""
-    from .inductor import compile_graph
+    from .inductor import compile_graph, uses_inductor_joint
 
     start = time.perf_counter()
     try:
         compiled = compile_graph(gm, example_inputs, kind, record.graph_id, _output_count(rewritten),
-                                 max_autotune=opts.max_autotune, cudagraphs=cudagraphs)
+                                 max_autotune=opts.max_autotune, cudagraphs=cudagraphs,
+                                 joint_passes=kind == "inference" and uses_inductor_joint(opts))
     except Exception as e:
         if not opts.fallback or _dynamo_signal(e):
             raise
@@ -620,10 +621,16 @@ def _partitioner(opts: Options, record: GraphRecord) -> Callable:
     the one place forward and backward are one graph, so layouts are chosen for both at once."""
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
+    from .inductor import joint_graph_passes, uses_inductor_joint
+
     split = min_cut_rematerialization_partition if opts.partitioner == "min_cut" else default_partition
+    inductor_joint = uses_inductor_joint(opts)
 
     def partition(joint: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
-        return split(rewrite_joint(joint, joint_inputs, opts, record), joint_inputs, **kwargs)
+        joint = rewrite_joint(joint, joint_inputs, opts, record)
+        if inductor_joint:
+            joint = joint_graph_passes(joint, joint_inputs)
+        return split(joint, joint_inputs, **kwargs)
 
     return partition
 
@@ -866,6 +873,8 @@ def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options
 
     from torch._dynamo.backends.common import aot_autograd
 
+    from .inductor import decompositions, uses_inductor_joint
+
     record.compiler = opts.compiler
     cudagraphs = None
     if capture and not record.fallback:
@@ -896,7 +905,7 @@ def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options
         bw_compiler=wrap(_compiler("backward", record, opts, rewritten, cache, cudagraphs, dmfx_tag)),
         inference_compiler=wrap(_compiler("inference", record, opts, rewritten, cache, cudagraphs, dmfx_tag)),
         partition_fn=_partitioner(opts, record),
-        decompositions={},
+        decompositions=decompositions() if uses_inductor_joint(opts) else {},
         keep_inference_input_mutations=True,
     )
     with graph_cache.tagged(dmfx_tag), record.caches_off():

@@ -277,7 +277,6 @@ def decompose(gm: GraphModule, example_inputs: Sequence[Any], visible: Sequence[
     `visible` (those the user sees) that are contiguous in `gm` stay so (pin_contiguous_outputs says
     why a decomposition may change them)."""
     from torch._guards import detect_fake_mode
-    from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
     outputs = _output_node(gm).args[0]
@@ -292,13 +291,37 @@ def decompose(gm: GraphModule, example_inputs: Sequence[Any], visible: Sequence[
 
     functional = torch.func.functionalize(run, remove="mutations")
     fake_mode = detect_fake_mode(example_inputs)
-    # Inductor's ``cat`` decomposition drops empty inputs and clones a lone remaining one with that one's
-    # layout, where eager's cat (the one `gm` was traced with) is contiguous: a ``view`` `gm` traced
-    # after it then fails (HF's rope with full rotary: ``cat([rotated, empty])``, under autocast). Only
-    # the legacy empty 1-D inputs, which Inductor's cat lowering cannot take (torch 2.11), are dropped.
-    table = {**select_decomp_table(), torch.ops.aten.cat.default: _cat_without_legacy_empties}
     with fake_mode if fake_mode is not None else torch._C._DisableTorchDispatch():  # (no fake mode: real inputs)
-        return make_fx(functional, decomposition_table=table)(*example_inputs)
+        return make_fx(functional, decomposition_table=decompositions())(*example_inputs)
+
+
+def decompositions() -> dict:
+    """Inductor's decomposition table, with its ``cat`` giving eager's layout (_cat_as_eager)."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return {**select_decomp_table(), torch.ops.aten.cat.default: _cat_as_eager}
+
+
+def uses_inductor_joint(opts: Any) -> bool:
+    """Whether AOTAutograd traces a graph's joint (or inference) graph with Inductor's decompositions and
+    Inductor's joint-graph passes run on it (option inductor_joint): under compiler="inductor", where the
+    option says True, or "auto" and the backward pass aten_backward, which matches undecomposed ATen
+    backward ops, is skipped."""
+    if opts.compiler != "inductor" or opts.inductor_joint is False:
+        return False
+    return opts.inductor_joint is True or "aten_backward" in opts.skip
+
+
+def joint_graph_passes(gm: GraphModule, example_inputs: Sequence[Any]) -> GraphModule:
+    """Inductor's joint-graph passes on `gm` (a joint graph before partitioning, or an inference graph),
+    as its compile_fx runs them: its pattern rewrites (pointless casts and views, no-op ops, uniform
+    constants folded, its attention patterns: they see dmfx's ops as opaque calls, so they rewrite only
+    what dmfx left to Inductor), and ATen's random ops as Inductor's."""
+    from torch._inductor.compile_fx import _recursive_joint_graph_passes
+
+    devices = [x.device for x in example_inputs if isinstance(x, torch.Tensor)]
+    device = next((d for d in devices if d.type != "cpu"), devices[0] if devices else None)
+    return _recursive_joint_graph_passes(gm, skip_invoke_subgraph=True, input_device=device)
 
 
 def replace_random(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
@@ -325,15 +348,21 @@ _ATEN_RANDOM = (torch.ops.aten.rand.default, torch.ops.aten.randn.default, torch
                 torch.ops.aten.randn_like.default)
 
 
-def _cat_without_legacy_empties(tensors: Sequence[torch.Tensor], dim: int = 0) -> Any:
-    """``cat`` with its legacy empty inputs (1-D of size 0, which cat allows whatever the others' shape)
-    left out; the op itself (NotImplemented) where there are none."""
-    from torch.fx.experimental.symbolic_shapes import guard_or_false
+def _cat_as_eager(tensors: Sequence[torch.Tensor], dim: int = 0) -> Any:
+    """Inductor's ``cat`` decomposition (empty inputs dropped; a lone remaining input cloned, one input
+    repeated expanded: HF's ``DynamicCache`` appends keys to an empty tensor, its rotary embedding
+    concatenates the frequencies with themselves), its result in the memory format eager's cat gives.
+    Inductor's clones a lone input with that input's strides, where eager's cat is contiguous (for a
+    transposed key, say), and a ``view`` a graph traced after eager's cat then fails (HF's rope with
+    full rotary: ``cat([rotated, empty])``, under autocast)."""
+    from torch._inductor.decomposition import cat
+    from torch._prims_common import suggest_memory_format
 
-    kept = [t for t in tensors if not (t.dim() == 1 and guard_or_false(t.shape[0] == 0))]
-    if not kept or len(kept) == len(tensors):
-        return NotImplemented
-    return torch.ops.aten.cat.default(kept, dim)
+    out = cat(tensors, dim)
+    if out is NotImplemented or not isinstance(out, torch.Tensor):
+        return out
+    formats = {suggest_memory_format(t) for t in tensors if t.dim() == out.dim()}
+    return out.contiguous(memory_format=formats.pop() if len(formats) == 1 else torch.contiguous_format)
 
 
 def _output_node(gm: GraphModule) -> Node:
@@ -362,11 +391,13 @@ def mark_user_visible_outputs(gm: GraphModule, visible: list[int]) -> None:
 
 
 def compile_graph(gm: GraphModule, example_inputs: Sequence[Any], kind: str, graph_id: int, user_outputs: int,
-                  max_autotune: bool = False, cudagraphs: "CudaGraphs | None" = None) -> Callable:
+                  max_autotune: bool = False, cudagraphs: "CudaGraphs | None" = None,
+                  joint_passes: bool = False) -> Callable:
     """`gm` (one of AOTAutograd's "forward", "backward" or "inference" graphs, after dmfx's passes)
     compiled by Inductor: a boxed callable. `user_outputs`: how many outputs the graph dmfx handed
     AOTAutograd returns (see user_visible_outputs). `cudagraphs`: the Dynamo graph's CUDA-graph
-    state (mode="reduce-overhead"), or None. Raises what Inductor raises."""
+    state (mode="reduce-overhead"), or None. `joint_passes`: run Inductor's joint-graph passes on it
+    first (an inference graph under uses_inductor_joint). Raises what Inductor raises."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
@@ -374,6 +405,8 @@ def compile_graph(gm: GraphModule, example_inputs: Sequence[Any], kind: str, gra
 
     visible = user_visible_outputs(gm, kind, user_outputs)
     decomposed = decompose(gm, example_inputs, visible)
+    if joint_passes:  # (an inference graph: a joint graph had them before it was partitioned)
+        decomposed = joint_graph_passes(decomposed, example_inputs)
     replace_random(decomposed, example_inputs)
     mark_user_visible_outputs(decomposed, visible)
     capture = cudagraphs is not None and bool(cudagraphs.enabled)

@@ -76,6 +76,13 @@ class Options:
     #: rewritten for its causal attention over many keys, and an attention is fused only where that is
     #: the case (passes/attention_softmax.py, passes/attention.py); "all": wherever the cost model says.
     attention_scope: str = "all"
+    #: With compiler="inductor", trace AOTAutograd's joint forward+backward graph with Inductor's
+    #: decompositions and run Inductor's joint-graph passes on it before partitioning, as Inductor's own
+    #: compile_fx does (its min-cut partitioner then recomputes decomposed element-wise ops instead of
+    #: saving them; its passes drop pointless casts and views). "auto": where the backward pass
+    #: aten_backward is skipped (it matches undecomposed ATen backward ops), as in the graphs fuse="auto"
+    #: rewrites for their loss or long causal attention only; False: never.
+    inductor_joint: bool | str = "auto"
     extra: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -108,6 +115,9 @@ class Options:
             raise ValueError(f"dmfx: option 'partitioner' must be 'min_cut' or 'default', got {options['partitioner']!r}")
         if options.get("stack_qkv", "auto") not in ("auto", True, False):
             raise ValueError(f"dmfx: option 'stack_qkv' must be 'auto', True or False, got {options['stack_qkv']!r}")
+        if options.get("inductor_joint", "auto") not in ("auto", True, False):
+            raise ValueError(
+                f"dmfx: option 'inductor_joint' must be 'auto', True or False, got {options['inductor_joint']!r}")
         if options.get("attention", "auto") not in ("auto", "flash", "gemm", "sdpa"):
             raise ValueError(
                 f"dmfx: option 'attention' must be 'auto', 'flash', 'gemm' or 'sdpa', got {options['attention']!r}"

@@ -162,15 +162,16 @@ def test_a_cuda_graph_is_left_to_inductor_under_fuse_auto():
     assert "fuse='all'" in WHY_LEFT_CUDA
 
 
-def _llama_trains_as_eager_under_inductor(cfg, ids):
-    """A LlamaForCausalLM of `cfg` compiled by dmfx's default (Inductor) trains as eager on `ids` as labels:
-    the loss, the logits, and every gradient through the loss plus a random cotangent on the logits.
-    Returns the graph's record."""
+def _llama_trains_as_eager_under_inductor(cfg, ids, **options):
+    """A LlamaForCausalLM of `cfg` compiled by dmfx's default (Inductor; `options` besides) trains as eager
+    on `ids` as labels: the loss, the logits, and every gradient through the loss plus a random cotangent on
+    the logits. Returns the graph's record."""
     import transformers
 
     m = transformers.LlamaForCausalLM(cfg).train()
     ref = copy.deepcopy(m)
-    out = torch.compile(m, backend="dmfx", options={"compiler": "inductor", "fallback": False})(input_ids=ids, labels=ids)
+    out = torch.compile(m, backend="dmfx", options={"compiler": "inductor", "fallback": False, **options})(
+        input_ids=ids, labels=ids)
     expect = ref(input_ids=ids, labels=ids)
     R = torch.randn_like(expect.logits)
     (out.loss + (out.logits * R).sum()).backward()
@@ -208,6 +209,7 @@ def test_a_graph_without_dropout_keeps_dmfxs_causal_attention_over_many_keys(seq
         assert [form for form, _ in rec.attention_forms.values()] == ["flash", "flash"], rec.attention_forms
         assert not set(rec.fired) & {"rms_norm", "rope", "glu", "qkv_attention", "cross_entropy", "aten_backward"}, rec.fired
         assert any("rewritten for its causal attention only" in m and "512 keys" in m for m in rec.missed), rec.missed
+        assert traced_with_inductors_decompositions(rec)
     else:
         assert rec.fallback.startswith("left to Inductor: no dropout in this graph") and not rec.fired
 
@@ -308,8 +310,39 @@ def test_a_graph_without_dropout_keeps_dmfxs_loss_where_the_logits_are_large(voc
         # (nor the ATen backward chains of what the forward left to Inductor: SCOPE_SKIPS_BACKWARD)
         assert not set(rec.fired) & {"rms_norm", "rope", "glu", "attention", "lower_sdpa_calls", "aten_backward"}, rec.fired
         assert any("rewritten for its loss only" in m and "[32, 33000]" in m for m in rec.missed), rec.missed
+        # the joint graph was traced with Inductor's decompositions (option inductor_joint): no aten.t left
+        assert traced_with_inductors_decompositions(rec)
     else:
         assert rec.fallback.startswith("left to Inductor: no dropout in this graph") and not rec.fired
+
+
+def traced_with_inductors_decompositions(rec):
+    """Whether the forward and backward graphs of `rec` were traced with Inductor's decompositions, as
+    option inductor_joint has them: no ``aten.t`` (Inductor's table makes it a ``permute``), which every
+    linear layer's ATen graph has otherwise."""
+    graphs = (rec.forward_graph, rec.backward_graph)
+    assert all(g is not None for g in graphs), "the record holds no forward and backward graphs"
+    return not any(n.target is torch.ops.aten.t.default for g in graphs for n in g.graph.nodes)
+
+
+def test_option_inductor_joint_false_traces_a_scoped_joint_graph_as_dmfxs_passes_see_it():
+    """Option inductor_joint=False: a graph rewritten for its loss only (aten_backward skipped) keeps
+    AOTAutograd's undecomposed joint graph, without Inductor's joint-graph passes (the "auto" default
+    decomposes it there: test_a_graph_without_dropout_keeps_dmfxs_loss_where_the_logits_are_large);
+    it trains as eager either way, and the loss is still dmfx's."""
+    import transformers
+
+    from dmfx.cuda_ops import selfcheck
+
+    selfcheck.passes_to_skip(["cpu"])
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=33000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    rec = _llama_trains_as_eager_under_inductor(cfg, torch.randint(0, 33000, (2, 16)), inductor_joint=False)
+    assert rec.fired.get("cross_entropy") == 1 and rec.fired.get("fold_logits_grad") == 1, rec.fired
+    assert not traced_with_inductors_decompositions(rec)
+    with pytest.raises(ValueError, match="inductor_joint"):
+        dmfx.with_options(inductor_joint="yes")
 
 
 @pytest.mark.parametrize("shift", ["labels", "logits"])
@@ -374,11 +407,14 @@ def test_an_evaluation_loss_over_large_logits_is_left_to_inductor():
     assert rec.fallback.startswith("left to Inductor: no dropout in this graph") and not rec.fired, rec.summary()
 
 
-def test_full_rotary_under_autocast_compiles_with_inductor():
+@pytest.mark.parametrize("joint", ["auto", True], ids=["retraced", "inductor-joint"])
+def test_full_rotary_under_autocast_compiles_with_inductor(joint):
     """HF's rope with rotary over the whole head (Phi-3) concatenates the rotated half with an empty
-    tensor. Inductor's cat decomposition dropped the empty one and kept the other's layout, where the
-    graph's later view expected eager's contiguous cat: under bf16 autocast Inductor could not compile
-    the graph (it ran as FX, or raised with fallback=False). dmfx's re-trace keeps cat as cat."""
+    tensor. Inductor's cat decomposition drops the empty one and clones the other with its layout, where
+    the graph's later view expected eager's contiguous cat: under bf16 autocast Inductor could not compile
+    the graph (it ran as FX, or raised with fallback=False). dmfx's decompositions give the clone eager's
+    layout (inductor._cat_as_eager), in its re-trace of each graph and in the joint graph AOTAutograd
+    traces with them (option inductor_joint)."""
     import transformers
 
     torch.manual_seed(0)
@@ -390,7 +426,8 @@ def test_full_rotary_under_autocast_compiles_with_inductor():
     ref = copy.deepcopy(m)
     ids = torch.randint(3, 128, (2, 16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = torch.compile(m, backend="dmfx", options=INDUCTOR)(input_ids=ids).last_hidden_state
+        out = torch.compile(m, backend="dmfx", options={**INDUCTOR, "inductor_joint": joint})(
+            input_ids=ids).last_hidden_state
         expect = ref(input_ids=ids).last_hidden_state
     R = torch.randn(expect.shape)
     (out.float() * R).sum().backward()
