@@ -361,7 +361,7 @@ def _cat_as_eager(tensors: Sequence[torch.Tensor], dim: int = 0) -> Any:
     out = cat(tensors, dim)
     if out is NotImplemented or not isinstance(out, torch.Tensor):
         return out
-    formats = {suggest_memory_format(t) for t in tensors if t.dim() == out.dim()}
+    formats = {suggest_memory_format(t) for t in tensors}  # (as eager's cat: a legacy empty input counts)
     return out.contiguous(memory_format=formats.pop() if len(formats) == 1 else torch.contiguous_format)
 
 

@@ -407,6 +407,32 @@ def test_an_evaluation_loss_over_large_logits_is_left_to_inductor():
     assert rec.fallback.startswith("left to Inductor: no dropout in this graph") and not rec.fired, rec.summary()
 
 
+@pytest.mark.parametrize("case", ["transposed", "channels-last", "repeated", "two", "promoted"])
+def test_cats_decomposition_gives_eager_values_and_layout(case):
+    """dmfx's decomposition of ``cat`` (Inductor's, for the joint graph and the re-trace of each graph it
+    compiles) gives eager's values, dtype and strides: a lone input left after a legacy empty one is
+    dropped (HF's DynamicCache, its rotary embedding) is copied into eager's memory format, not its own;
+    a repeated input is expanded, never concatenated."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dmfx.inductor import decompositions
+
+    x = torch.randn(2, 3, 4, 5)
+    fn, arg = {
+        "transposed": (lambda a: torch.cat([torch.empty(0), a], -2), x.transpose(1, 2)),
+        "channels-last": (lambda a: torch.cat([torch.empty(0), a], 1), x.to(memory_format=torch.channels_last)),
+        "repeated": (lambda a: torch.cat([a, a], -1), x.transpose(1, 2)),
+        "two": (lambda a: torch.cat([a, torch.empty(0), a * 2], 0), x.transpose(1, 2)),
+        "promoted": (lambda a: torch.cat([torch.empty(0, dtype=torch.float64), a], -1), x.transpose(1, 2)),
+    }[case]
+    gm = make_fx(fn, decomposition_table=decompositions())(arg)
+    out, expect = gm(arg), fn(arg)
+    assert torch.equal(out, expect) and out.dtype == expect.dtype and out.stride() == expect.stride(), \
+        (out.stride(), expect.stride())
+    if case == "repeated":
+        assert not any(n.target is torch.ops.aten.cat.default for n in gm.graph.nodes), gm.code
+
+
 @pytest.mark.parametrize("joint", ["auto", True], ids=["retraced", "inductor-joint"])
 def test_full_rotary_under_autocast_compiles_with_inductor(joint):
     """HF's rope with rotary over the whole head (Phi-3) concatenates the rotated half with an empty
