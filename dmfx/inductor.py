@@ -317,11 +317,15 @@ def joint_graph_passes(gm: GraphModule, example_inputs: Sequence[Any]) -> GraphM
     as its compile_fx runs them: its pattern rewrites (pointless casts and views, no-op ops, uniform
     constants folded, its attention patterns: they see dmfx's ops as opaque calls, so they rewrite only
     what dmfx left to Inductor), and ATen's random ops as Inductor's."""
+    from torch._guards import detect_fake_mode
     from torch._inductor.compile_fx import _recursive_joint_graph_passes
+    from torch._inductor.virtualized import V
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     devices = [x.device for x in example_inputs if isinstance(x, torch.Tensor)]
     device = next((d for d in devices if d.type != "cpu"), devices[0] if devices else None)
-    return _recursive_joint_graph_passes(gm, skip_invoke_subgraph=True, input_device=device)
+    with V.set_fake_mode(detect_fake_mode(example_inputs) or FakeTensorMode()):  # (as compile_fx runs them)
+        return _recursive_joint_graph_passes(gm, skip_invoke_subgraph=True, input_device=device)
 
 
 def replace_random(gm: GraphModule, example_inputs: Sequence[Any]) -> None:

@@ -485,11 +485,14 @@ def test_a_graph_with_dropout_is_fused_under_inductor_and_reproducible():
         assert rel_err(c_eval(x)[0], m(x)[0]) < 1e-5
 
 
-def test_a_dropout_no_pass_absorbs_compiles_under_inductor():
+@pytest.mark.parametrize("joint", ["auto", True], ids=["retraced", "inductor-joint"])
+def test_a_dropout_no_pass_absorbs_compiles_under_inductor(joint):
     """A native_dropout left in the graph (here: every dropout pass skipped; on CUDA, attention dropout
     where attention stays PyTorch's) decomposes to aten.rand, which Inductor's inner compiler takes only
-    after its replace_random pass (found on the first GPU run: a LoweringException). About p of the
-    elements are dropped, the kept ones scaled by 1/(1-p), and the backward uses the forward's mask."""
+    after its replace_random pass (found on the first GPU run: a LoweringException); with option
+    inductor_joint, Inductor's joint-graph passes replace it in the joint graph (under the graph's fake
+    mode, as compile_fx runs them: without it they raised). About p of the elements are dropped, the
+    kept ones scaled by 1/(1-p), and the backward uses the forward's mask."""
     from dmfx.passes import PIPELINE
 
     class Block(torch.nn.Module):
@@ -503,7 +506,8 @@ def test_a_dropout_no_pass_absorbs_compiles_under_inductor():
 
     m = Block().train()
     x = torch.randn(8, 32, 64, requires_grad=True)
-    c = torch.compile(m, backend="dmfx", options={**INDUCTOR, "skip": [p for p in PIPELINE if "dropout" in p]})
+    c = torch.compile(m, backend="dmfx", options={**INDUCTOR, "skip": [p for p in PIPELINE if "dropout" in p],
+                                                  "inductor_joint": joint})
     out, h = c(x)
     R = torch.randn_like(out)
     (out * R).sum().backward()
