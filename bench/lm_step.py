@@ -33,7 +33,8 @@ Usage: ``python -m bench.lm_step [--models llama-small,bert-mlm] [--layers 4] [-
 bytes kept from the forward for the backward (kept_for_backward);
 ``dmfx-skip-<pass>[+<pass>...]`` is dmfx's default with those passes skipped (an ablation, e.g.
 ``dmfx-skip-accumulate_embedding_grad``); ``dmfx-all-skip-<pass>+<pass>...`` / ``dmfx-fx-skip-...`` the same
-from ``fuse="all"`` / ``compiler="fx"``
+from ``fuse="all"`` / ``compiler="fx"``; any dmfx candidate may end in ``@option=value`` (a Python literal,
+repeatable), e.g. ``dmfx@inductor_joint=False``: the same with that option
 """
 
 from __future__ import annotations

@@ -20,8 +20,10 @@ graph, in torch 2.11 through 2.14), as Inductor's own ``compile_fx`` would call 
   convention); the strides of the activations the forward saves reach the backward through
   AOTAutograd's own record of the compiled forward's output strides.
 
-Inductor's graph-level passes that pattern-match attention (its SDPA rewrites) run in its
-``compile_fx`` before AOTAutograd, not here, so they never see dmfx's graphs.
+Inductor's joint-graph passes (its SDPA pattern rewrites among them) run on a graph only where
+option ``inductor_joint`` has AOTAutograd trace it as Inductor's ``compile_fx`` does (uses_inductor_joint:
+the graphs fuse="auto" rewrites for their loss or long causal attention only); they see dmfx's ops as
+opaque calls, so they rewrite only what dmfx left to Inductor, as Inductor alone would.
 """
 
 from __future__ import annotations

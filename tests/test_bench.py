@@ -158,3 +158,15 @@ def test_compile_cost_runs_each_backend_in_fresh_processes():
             assert r["first_step_s"] > 0 and r["second_step_s"] > 0 and r["dmfx_graphs"] == []
             assert r["mode"] == ("infer" if infer else "train")
         assert "bert-mlm" in compile_cost.table(results)
+
+
+def test_lm_step_candidate_names_carry_options():
+    """A dmfx candidate of bench.lm_step may end in ``@option=value`` (Python literals): the options it
+    compiles with are its base name's and those."""
+    from bench.lm_step import dmfx_options
+
+    assert dmfx_options("dmfx@inductor_joint=False") == {"inductor_joint": False}
+    assert dmfx_options("dmfx-all-skip-rope+glu@tune=True@attention='sdpa'") == {
+        "fuse": "all", "skip": ["rope", "glu"], "tune": True, "attention": "sdpa"}
+    with pytest.raises(ValueError, match="unknown candidate"):
+        dmfx_options("dmfx-nope@tune=True")
