@@ -81,7 +81,8 @@ class Options:
     #: compile_fx does (its min-cut partitioner then recomputes decomposed element-wise ops instead of
     #: saving them; its passes drop pointless casts and views). "auto": where the backward pass
     #: aten_backward is skipped (it matches undecomposed ATen backward ops), as in the graphs fuse="auto"
-    #: rewrites for their loss or long causal attention only; False: never.
+    #: rewrites for their loss or long causal attention only; True: always (a graph dmfx rewrites whole
+    #: then loses aten_backward's fusions: BERT MLM trained slower, bench/RESULTS.md stop 47); False: never.
     inductor_joint: bool | str = "auto"
     extra: dict = field(default_factory=dict, repr=False, compare=False)
 
