@@ -141,11 +141,11 @@ def floor_step(model, kwargs, train: bool, autocast: torch.dtype | None = None, 
 
 
 def dmfx_options(name: str) -> dict:
-    """`name` may end in ``@option=value[@...]`` (Python literals), e.g. ``dmfx@inductor_joint=False``.
-    The options of the dmfx candidate `name`: "dmfx" (the default), "dmfx-fx" (compiler="fx"),
+    """The options of the dmfx candidate `name`: "dmfx" (the default), "dmfx-fx" (compiler="fx"),
     "dmfx-all" (every fusion that matches, also where fuse="auto" leaves a graph to Inductor),
     "dmfx-skip-<pass>[+<pass>...]" (an ablation: the default with those passes off) and
-    "dmfx-all-skip-..." / "dmfx-fx-skip-..." (the same from fuse="all" / compiler="fx")."""
+    "dmfx-all-skip-..." / "dmfx-fx-skip-..." (the same from fuse="all" / compiler="fx"); any of them
+    followed by ``@option=value[@...]`` (Python literals), e.g. ``dmfx@inductor_joint=False``."""
     if "@" in name:
         import ast
 

@@ -82,7 +82,6 @@ class Scope:
         scope = "long-causal" if self.causal_keys is not None else opts.attention_scope
         return replace(skipping(opts, self.skipped()), attention_scope=scope)
 
-
     def why(self) -> str:
         """The record's line for it."""
         return WHY_SCOPE.format(what=self._what(), details="; ".join(self._details()))
@@ -109,6 +108,7 @@ def skipping(opts: Any, names: Sequence[str]) -> Any:
     from dataclasses import replace
 
     return replace(opts, skip=tuple(dict.fromkeys((*opts.skip, *names))))
+
 
 def auto_decision(aten_gm: GraphModule, devices: tuple[str, ...], training: bool) -> tuple[str | None, Scope | None]:
     """What fuse="auto" does with a graph under Inductor: ``(why, scope)``. `why`: the reason the graph is
@@ -365,7 +365,7 @@ def _cat_as_eager(tensors: Sequence[torch.Tensor], dim: int = 0) -> Any:
     from torch._prims_common import suggest_memory_format
 
     out = cat(tensors, dim)
-    if out is NotImplemented or not isinstance(out, torch.Tensor):
+    if out is NotImplemented:
         return out
     formats = {suggest_memory_format(t) for t in tensors}  # (as eager's cat: a legacy empty input counts)
     return out.contiguous(memory_format=formats.pop() if len(formats) == 1 else torch.contiguous_format)
