@@ -18,10 +18,14 @@ Two workloads, each candidate timed interleaved (A B C A B C ...), medians:
   embeddings, its logits returned), labels as HF's MLM collator makes them: 15% of the real tokens,
   -100 everywhere else (padding included). A token-level loss over ``[batch * seq, vocab]`` logits:
   under ``unpad`` the loss runs on the real rows and only the returned logits are scattered back.
+* ``--workload causal-lm``: a causal-LM fine-tuning step on a right-padded batch: issue 16's
+  ``LlamaForCausalLM`` (hidden 512, 8 heads / 4 kv heads, vocab 32000, ``--layers`` 4), every real
+  token labelled and padding -100 (HF's shift then puts no label on a padding position). Under
+  ``unpad`` each attention runs causal over the packed sequences.
 
 ``--candidates`` also takes ``dmfx-skip-<pass>`` and ``dmfx-unpad-skip-<pass>`` (that pass switched off).
 
-    python -m bench.padded [--workload embed|finetune|mlm] [--batch 32] [--rounds 15] [--threads 2] [--autocast bf16]
+    python -m bench.padded [--workload embed|finetune|mlm|causal-lm] [--batch 32] [--rounds 15] [--threads 2] [--autocast bf16]
 
 Page faults: PyTorch's CPU tensors come from glibc's malloc, which returns large freed blocks to the
 OS, so every step faults its activations in again (the kernel zeroes each fresh page); ONNX Runtime
@@ -210,11 +214,17 @@ def finetune(args) -> None:
 
     import dmfx
 
-    mlm = args.workload == "mlm"
-    Model = transformers.BertForMaskedLM if mlm else transformers.BertForSequenceClassification
-    cfg = transformers.BertConfig(num_labels=2, attn_implementation=args.attn)
-    if args.layers:
-        cfg.num_hidden_layers = args.layers
+    mlm, causal = args.workload == "mlm", args.workload == "causal-lm"
+    if causal:  # (bench/lm_step.py's llama-lm: the issue's LLaMA)
+        Model = transformers.LlamaForCausalLM
+        cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1376, num_attention_heads=8,
+                                       num_key_value_heads=4, vocab_size=32000, num_hidden_layers=args.layers or 4,
+                                       use_cache=False, attn_implementation=args.attn)
+    else:
+        Model = transformers.BertForMaskedLM if mlm else transformers.BertForSequenceClassification
+        cfg = transformers.BertConfig(num_labels=2, attn_implementation=args.attn)
+        if args.layers:
+            cfg.num_hidden_layers = args.layers
     torch.manual_seed(0)
     rng = random.Random(args.seed)
     S = args.seq
@@ -226,6 +236,8 @@ def finetune(args) -> None:
     if mlm:  # HF's MLM collator: 15% of the real tokens carry a label, everything else -100
         pick = (torch.rand(ids.shape, generator=torch.Generator().manual_seed(args.seed)) < 0.15) & mask.bool()
         labels = torch.where(pick, ids, torch.full_like(ids, -100))
+    elif causal:  # every real token is a label (right padding: no label falls on padding after HF's shift)
+        labels = ids.masked_fill(mask == 0, -100)
     else:
         labels = torch.randint(0, 2, (args.batch,))
     batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
@@ -234,8 +246,7 @@ def finetune(args) -> None:
     base = Model(cfg)
 
     # gradients first, dropout off: dmfx-unpad against eager
-    check = Model(transformers.BertConfig(
-        **{**cfg.to_dict(), "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}))
+    check = Model(type(cfg)(**{**cfg.to_dict(), "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}))
     check.load_state_dict(base.state_dict())
     check.train()
 
@@ -285,10 +296,11 @@ def finetune(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=("embed", "finetune", "mlm"), default="embed")
+    p.add_argument("--workload", choices=("embed", "finetune", "mlm", "causal-lm"), default="embed")
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq", type=int, default=128, help="finetune, mlm: the padded length")
-    p.add_argument("--layers", type=int, default=None, help="finetune, mlm: BERT layers (default 12)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="finetune, mlm: BERT layers (default 12); causal-lm: LLaMA layers (default 4)")
     p.add_argument("--min-words", type=int, default=4)
     p.add_argument("--max-words", type=int, default=120)
     p.add_argument("--attn", default="eager", help="the compiled candidates' attention implementation")

@@ -103,10 +103,21 @@ ACTS = _activations_of_the_kernels()
 def _memory_order(t: Tensor) -> list[int] | None:
     """The permutation that makes `t` contiguous when `t` is a permuted dense tensor with the last
     dim innermost (HF's q/k after view + transpose(1, 2)); None when it is contiguous or not dense."""
-    if t.dim() < 2 or t.is_contiguous():
+    from torch._prims_common import is_contiguous_or_false
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    # (guard-free: unpad's packed q and k have a data-dependent token count; its size-1 case, which the
+    # kernel reads as contiguous, lays the same elements out alike)
+    if t.dim() < 2 or is_contiguous_or_false(t):
         return None
-    order = sorted(range(t.dim() - 1), key=lambda d: -t.stride(d)) + [t.dim() - 1]
-    return order if t.permute(order).is_contiguous() else None
+    order = list(range(t.dim() - 1))
+    for i in range(1, len(order)):  # (an insertion sort by decreasing stride, stable as the kernel's)
+        j = i
+        while j > 0 and guard_or_false(t.stride(order[j - 1]) < t.stride(order[j])):
+            order[j - 1], order[j] = order[j], order[j - 1]
+            j -= 1
+    order.append(t.dim() - 1)
+    return order if is_contiguous_or_false(t.permute(order)) else None
 
 
 def _rope_layout(q: Tensor, k: Tensor) -> list[int] | None:

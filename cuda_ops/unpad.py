@@ -16,9 +16,16 @@
     emits this op, documents it). On CUDA finding the real tokens synchronizes with the host once
     (``nonzero``), as every unpadding implementation does (FlashAttention's ``unpad_input``).
 
-The op is computed with ATen ops (``nonzero``, ``cumsum``), once per forward pass: it has no kernel
-of its own and no autograd formula (its outputs are integer indices). The pass that emits it is
-passes/unpad.py.
+``dmfx::unpad_targets(Tensor target, Tensor mask, Tensor indices, int ignore_index) -> Tensor``
+    The targets of the real rows, ``target.reshape(-1)[indices]`` (``target`` ``[B * S]`` or
+    ``[B, S]``, ``indices`` unpad_index's), for a loss computed on the real rows alone. Raises
+    ValueError where a padding position's target is not ``ignore_index``: that position's loss term
+    needs logits the packed rows do not have. A causal LM's shifted labels put the first real
+    token's label on the padding position before it (left padding, holes); eager counts that term.
+
+Both ops are computed with ATen ops (``nonzero``, ``cumsum``, ``index_select``), once per forward
+pass: they have no kernel of their own and no autograd formula (their outputs are integer indices
+and targets). The pass that emits them is passes/unpad.py.
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ from ._library import LIB, check_tensor
 
 LIB.define("unpad_index(Tensor mask) -> (Tensor indices, Tensor cu_seqlens)")
 
-OPS = ("unpad_index",)
+LIB.define("unpad_targets(Tensor target, Tensor mask, Tensor indices, int ignore_index) -> Tensor")
+
+OPS = ("unpad_index", "unpad_targets")
 
 
 def _check_mask(mask: Tensor) -> None:
@@ -76,6 +85,43 @@ def _unpad_index_fake(mask: Tensor) -> tuple[Tensor, Tensor]:
     _constrain_range_for_size(tokens, min=0, max=rows if isinstance(rows, int) else None)
     return (mask.new_empty((tokens,), dtype=torch.int64),
             mask.new_empty((mask.shape[0] + 1,), dtype=torch.int32))
+
+
+def _check_targets(target: Tensor, mask: Tensor, indices: Tensor) -> None:
+    _check_mask(mask)
+    check_tensor("unpad_targets", "target", target)
+    check_tensor("unpad_targets", "indices", indices)
+    if target.numel() != mask.numel() or target.dim() not in (1, 2):
+        raise ValueError(f"dmfx::unpad_targets: target must hold one class index per position of the mask "
+                         f"{list(mask.shape)} ([batch * seq] or [batch, seq]), got shape {list(target.shape)}")
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        raise TypeError(f"dmfx::unpad_targets: target must hold integer class indices, got {target.dtype}")
+
+
+def _unpad_targets(target: Tensor, mask: Tensor, indices: Tensor, ignore_index: int) -> Tensor:
+    _check_targets(target, mask, indices)
+    flat = target.reshape(-1)
+    padding = (mask == 0).reshape(-1)
+    counted = padding & (flat != ignore_index)
+    if bool(counted.any()):
+        where = counted.nonzero()[0].item()
+        b, s = divmod(where, mask.shape[1])
+        raise ValueError(
+            f"dmfx::unpad_targets: the loss has target {flat[where].item()} at padding position [{b}, {s}] (not "
+            f"ignore_index {ignore_index}), whose logits unpad=True does not compute. A causal LM shifts the labels, "
+            f"so with left padding (or padding inside a sequence) the first real token's label falls on the padding "
+            f"position before it, and eager counts that term. Pad on the right, set the label of each sequence's "
+            f"first real token to {ignore_index}, or compile without options={{'unpad': True}}")
+    return flat.index_select(0, indices)
+
+
+LIB.impl("unpad_targets", _unpad_targets, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("dmfx::unpad_targets")
+def _unpad_targets_fake(target: Tensor, mask: Tensor, indices: Tensor, ignore_index: int) -> Tensor:
+    _check_targets(target, mask, indices)
+    return target.new_empty(indices.shape)
 
 
 def unpad_index(mask: Tensor) -> tuple[Tensor, Tensor]:

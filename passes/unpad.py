@@ -1,18 +1,18 @@
 """``unpad``: skip the padding of a batch (option ``unpad=True``).
 
-An encoder batch is padded to its longest sequence; every engine then computes every position, the
-padding too. Where a graph's attentions all read one HF padding mask (``attention_mask`` ``[B, S]``,
-1 for a real token, 0 for padding, as HF's mask utilities turn it into an additive or bool mask),
-this pass gathers the real tokens into packed ``[T, ...]`` tensors where they enter the encoder, runs
-every row-wise op on them (GEMMs, norms, activations, dropout, embeddings, element-wise glue), runs
-each attention as variable-length attention over the packed sequences
-(``dmfx::varlen_attention`` / ``qkv_varlen_attention``, offsets from ``dmfx::unpad_index``), and
-scatters the rows back to ``[B, S, ...]`` where a value leaves the packed region (a graph output, a
-pooler reading token 0). Positions where the mask is 0 then hold zeros in
-those outputs (as ModernBERT's own unpadding gives), instead of the values eager computes there from
-the real tokens: no real token ever reads them, so every real position's output and every parameter
-gradient are eager's as long as nothing downstream reads the padding positions' outputs (a loss over
-every position: give padding the label -100). Such a loss (``dmfx::cross_entropy``,
+An encoder's (or a decoder's: below) batch is padded to its longest sequence; every engine then
+computes every position, the padding too. Where a graph's attentions all read one HF padding mask
+(``attention_mask`` ``[B, S]``, 1 for a real token, 0 for padding, as HF's mask utilities turn it
+into an additive or bool mask), this pass gathers the real tokens into packed ``[T, ...]`` tensors
+where they enter the encoder, runs every row-wise op on them (GEMMs, norms, activations, dropout,
+embeddings, element-wise glue), runs each attention as variable-length attention over the packed
+sequences (``dmfx::varlen_attention`` / ``qkv_varlen_attention``, offsets from
+``dmfx::unpad_index``), and scatters the rows back to ``[B, S, ...]`` where a value leaves the
+packed region (a graph output, a pooler reading token 0). Positions where the mask is 0 then hold
+zeros in those outputs (as ModernBERT's own unpadding gives), instead of the values eager computes
+there from the real tokens: no real token ever reads them, so every real position's output and every
+parameter gradient are eager's as long as nothing downstream reads the padding positions' outputs (a
+loss over every position: give padding the label -100). Such a loss (``dmfx::cross_entropy``,
 ``dmfx::linear_cross_entropy``) runs on the packed rows and is read as it is (``WHOLE``): the loss
 over the real positions, with no ``[B * S, V]`` logits scattered for it.
 
@@ -31,15 +31,28 @@ readers join while they are row-wise. Operands from outside are gathered once (a
 ``[1, S, H]`` by each token's position, a ``[B, 1, ...]`` tensor by its sequence), and region values
 read outside are scattered once.
 
-Near-misses (recorded, the graph left as it is): a mask that is not a padding mask (causal, sliding
-window, a learned bias such as T5's, a mask computed from more than one input), attention
-probabilities read elsewhere, cross-attention, more than one padding mask, dtypes or head sizes the
-varlen kernels do not take.
+A decoder's padded batch works the same way: HF's causal mask built with an attention mask hides
+exactly the padding keys and each query's later keys (padding_mask_input tells the two kinds apart
+with its probes), and since the packed sequences keep their real tokens in order, each attention
+runs causal over them (``causal=True`` in the varlen op). Rotary tables are gathered by position
+(or, per sequence, as token tensors), HF's ``repeat_kv`` (unsqueeze, expand, a reshape merging the
+heads) and DynamicCache's concatenation onto empty tensors are row-wise. A causal LM's loss over the
+real rows differs from eager's where a padding position has a label: HF shifts the labels, so with
+left padding the first real token's label falls on the padding before it. ``dmfx::unpad_targets``
+(which packs the loss's targets) raises a ValueError saying so when that happens, since the labels
+are data. Under a symbolic sequence length a causal padding mask is left alone: probes at one length
+cannot tell it from a sliding window wider than that length.
+
+Near-misses (recorded, the graph left as it is): a mask that is not a padding mask, causal or not
+(a sliding window narrower than the sequence, a learned bias such as T5's, a mask computed from more
+than one input), attention probabilities read elsewhere, cross-attention, more than one padding
+mask, dtypes or head sizes the varlen kernels do not take.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -183,46 +196,60 @@ def _probes(B: int, S: int, dtype: torch.dtype, device: torch.device) -> list[to
 
 
 def padding_mask_input(gm: GraphModule, mask: Any, heads: Any, B: Any, S: Any,
-                       cache: dict) -> tuple[Node, None] | tuple[None, str]:
-    """(the graph input, None) when `mask` (an attention's mask over [B, heads, S, S] scores) is an HF
-    padding mask of it: key j of batch b is hidden (-inf, <= -1e30 or False) exactly where
+                       cache: dict) -> tuple[Node, bool, None] | tuple[None, bool, str]:
+    """(the graph input, causal, None) when `mask` (an attention's mask over [B, heads, S, S] scores) is
+    an HF padding mask of it: key j of batch b is hidden (-inf, <= -1e30 or False) exactly where
     ``input[b, j] == 0``, in every head and query row, and a kept key reads 0 (or True), so dropping
-    the mask from attention over the packed sequences changes no result. Decided by running the mask's
-    computation on probe masks (_probes). Else (None, why not)."""
+    the mask from attention over the packed sequences changes no result. `causal`: the mask hides the
+    keys after each query too (a decoder's padded batch: HF's causal mask with an attention mask), so
+    the attention over the packed sequences is causal within each sequence (the real tokens keep their
+    order). Decided by running the mask's computation on probe masks (_probes). Else (None, False,
+    why not)."""
     if mask is None:
-        return None, "the attention has no mask: nothing marks padding"
+        return None, False, "the attention has no mask: nothing marks padding"
     if not isinstance(mask, Node):
-        return None, "the attention mask is not a tensor of the graph"
+        return None, False, "the attention mask is not a tensor of the graph"
     if mask in cache:
         return cache[mask]
     found = _mask_program(gm, mask)
     if isinstance(found, str):
-        cache[mask] = None, found
+        cache[mask] = None, False, found
         return cache[mask]
     source, program = found
     sv = val(source)
     if sv.dim() != 2 or not (_eq(sv.shape[0], B) and _eq(sv.shape[1], S)):
-        cache[mask] = None, f"the attention mask comes from {source.name} {list(sv.shape)}, not a [batch, seq] padding mask"
+        cache[mask] = None, False, (f"the attention mask comes from {source.name} {list(sv.shape)}, not a [batch, seq] "
+                                    "padding mask")
         return cache[mask]
     b, s, h = _hint(B), _hint(S), _hint(heads)
     why = None
+    kinds = [False, True]  # (a padding mask; a causal one: the first probe that tells them apart decides)
     try:
         for probe in _probes(b, s, sv.dtype, sv.device):
             out = program(probe)
             full = torch.broadcast_to(out, (b, h, s, s))
-            expect = (probe != 0)[:, None, None, :].expand(b, h, s, s)
-            if out.dtype == torch.bool:
-                ok = torch.equal(full, expect)
-            else:
-                ok = bool(((full == 0) == expect).all()) and bool((full[~expect] <= _HIDDEN).all())
-            if not ok:
-                why = ("the attention mask is not a padding mask of its input (causal, a window, or values other than 0 "
-                       "and a large negative)")
+            padding = (probe != 0)[:, None, None, :].expand(b, h, s, s)
+            causal = padding & torch.ones(s, s, dtype=torch.bool, device=padding.device).tril()
+            kinds = [c for c in kinds if _hides_exactly(full, causal if c else padding)]
+            if not kinds:
+                why = ("the attention mask is not a padding mask of its input, causal or not (a window, or values other "
+                       "than 0 and a large negative)")
                 break
     except Exception as e:  # (shapes the probes cannot take, ops that need other inputs)
         why = f"the attention mask's computation could not be checked ({type(e).__name__})"
-    cache[mask] = (None, why) if why else (source, None)
+    if why is None and kinds[0] and not isinstance(S, int):
+        why = (f"a causal padding mask over a symbolic sequence length ({S}): probes at one length cannot tell it "
+               "from a sliding window wider than that length")
+    cache[mask] = (None, False, why) if why else (source, kinds[0], None)
     return cache[mask]
+
+
+def _hides_exactly(mask: torch.Tensor, kept: torch.Tensor) -> bool:
+    """Whether `mask` (bool: True keeps; float: added to the scores) keeps exactly the `kept` scores:
+    a kept one reads True or 0, a hidden one False or at most _HIDDEN."""
+    if mask.dtype == torch.bool:
+        return torch.equal(mask, kept)
+    return bool(((mask == 0) == kept).all()) and bool((mask[~kept] <= _HIDDEN).all())
 
 
 # ----------------------------------------------------------------------------------------- attention
@@ -310,7 +337,7 @@ def _attention_shapes(a: AttentionCall) -> tuple[Any, Any, Any, Any, torch.Tenso
     if any(t is None or t.dim() != 4 for t in (qm, km, vm)):
         return "q, k or v is not 4-D [B, H, S, D]"
     if not (_eq(qm.shape[2], km.shape[2]) and _eq(qm.shape[0], km.shape[0])):
-        return "cross-attention (queries and keys from different sequences)"
+        return "queries and keys of different lengths (cross-attention, or a decode step against a cache)"
     return qm.shape[0], qm.shape[1], qm.shape[2], qm.shape[3], qm
 
 
@@ -455,8 +482,28 @@ class Reduce(Rule):
         return tuple(args), kwargs
 
 
+def _head_merge_seq(x_shape: Any, out_shape: Any, seq: int, grid: Grid) -> int | None:
+    """The sequence dim of `x_shape` when a reshape to `out_shape` (tokens at dim `seq` > 1) keeps the
+    batch and sequence dims and only regroups the static dims between them and those after the
+    sequence (HF's repeat_kv: ``[B, kv_heads, n_rep, S, D]`` -> ``[B, heads, S, D]``); else None."""
+    if seq <= 1 or not (_eq(x_shape[0], out_shape[0]) and _eq(x_shape[0], grid.B)):
+        return None
+    fixed = lambda dims: all(isinstance(d, int) for d in dims)  # noqa: E731
+    if not (fixed(out_shape[1:seq]) and fixed(out_shape[seq + 1:])):
+        return None
+    for sx in range(1, len(x_shape)):
+        if not _eq(x_shape[sx], grid.S) or not (fixed(x_shape[1:sx]) and fixed(x_shape[sx + 1:])):
+            continue
+        if math.prod(x_shape[1:sx]) == math.prod(out_shape[1:seq]) and \
+                math.prod(x_shape[sx + 1:]) == math.prod(out_shape[seq + 1:]):
+            return sx
+    return None
+
+
 class Reshape(Rule):
-    """view / reshape keeping the tokens leading: [B, S, ...] or [B * S, ...] on both sides."""
+    """view / reshape keeping the tokens leading: [B, S, ...] or [B * S, ...] on both sides; or with
+    the batch and sequence dims kept, the dims between them and those after regrouped
+    (_head_merge_seq)."""
 
     def roles(self, n, tok, grid):
         out, x = tensor_meta(n), tensor_meta(n.args[0])
@@ -465,7 +512,8 @@ class Reshape(Rule):
         if _same_shape(out.shape, x.shape):  # (a view that changes nothing: HF's attention output [B, heads, S, d])
             return {("a", 0): Role("token", tok)}
         if tok.seq > 1:
-            return None
+            sx = _head_merge_seq(list(x.shape), list(out.shape), tok.seq, grid)
+            return None if sx is None else {("a", 0): Role("token", Tok(sx))}
         xtok = grid.tok_of(x.shape)
         if xtok is None or xtok.seq > 1:
             return None
@@ -475,9 +523,13 @@ class Reshape(Rule):
         return {("a", 0): Role("token", xtok)}
 
     def out_tok(self, n, path, tok, grid):
-        if _same_shape(tensor_meta(n).shape, tensor_meta(n.args[0]).shape):
+        out, x = list(tensor_meta(n).shape), list(tensor_meta(n.args[0]).shape)
+        if _same_shape(out, x):
             return tok
-        return grid.tok_of(tensor_meta(n).shape) if tok.seq <= 1 else None
+        if tok.seq > 1:  # (a head merge: the output's sequence dim is the one that maps back to x's)
+            found = [s for s in range(2, len(out)) if _head_merge_seq(x, out, s, grid) == tok.seq]
+            return Tok(found[0]) if len(found) == 1 else None
+        return grid.tok_of(tensor_meta(n).shape)
 
     def args(self, n, tok, T):
         return (n.args[0], tok.packed_shape(tensor_meta(n).shape, T)), {}
@@ -538,6 +590,26 @@ class Expand(Rule):
 
     def args(self, n, tok, T):
         return (n.args[0], tok.packed_shape(list(n.args[1]), -1)), {}
+
+
+class Unsqueeze(Rule):
+    """unsqueeze at a dim other than the batch's (HF's repeat_kv: ``k[:, :, None]``)."""
+
+    def roles(self, n, tok, grid):
+        d = n.args[1] % tensor_meta(n).dim()
+        if tok.flat or d == 0 or d == tok.seq:
+            return None
+        xtok = Tok(tok.seq - 1 if d < tok.seq else tok.seq)
+        return {("a", 0): Role("token", xtok)} if grid.fits(val(n.args[0]).shape, xtok) else None
+
+    def out_tok(self, n, path, tok, grid):
+        d = n.args[1] % tensor_meta(n).dim()
+        if tok.flat or d == 0:
+            return None
+        return Tok(tok.seq + 1 if d <= tok.seq else tok.seq)
+
+    def args(self, n, tok, T):
+        return (n.args[0], tok.packed_dim(n.args[1] % tensor_meta(n).dim())), {}
 
 
 class Linear(Rule):
@@ -646,6 +718,77 @@ class RowOp(Rule):
         return tuple(tok if isinstance(o, torch.Tensor) and o.dim() >= x.dim() - 1 and o.numel() != 0 else None for o in v)
 
 
+class Cat(Rule):
+    """cat of token tensors along a feature dim, or of one token tensor and legacy empty ``[0]``
+    tensors (which cat skips) along any dim but the batch's: HF's DynamicCache, whose first update
+    concatenates the keys and values to empty ones. The empty ones stay as they are ("bcast")."""
+
+    @staticmethod
+    def _dim(n: Node) -> int:
+        x = next(val(a) for a in n.args[0] if not _legacy_empty(val(a)))
+        d = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
+        return d % x.dim()
+
+    def roles(self, n, tok, grid):
+        tensors = list(n.args[0])
+        full = [a for a in tensors if not _legacy_empty(val(a))]
+        if tok.flat or not full or not grid.fits(tensor_meta(n).shape, tok):
+            return None
+        d = self._dim(n)
+        if d == 0 or (d == tok.seq and len(full) > 1):
+            return None
+        roles = {}
+        for j, a in enumerate(tensors):
+            if _legacy_empty(val(a)):
+                roles[("a", 0, j)] = Role("bcast")
+            elif grid.fits(val(a).shape, tok):
+                roles[("a", 0, j)] = Role("token", tok)
+            else:
+                return None
+        return roles
+
+    def out_tok(self, n, path, tok, grid):
+        return tok if not tok.flat and path[:2] == ("a", 0) and self._dim(n) != 0 else None
+
+    def args(self, n, tok, T):
+        return (n.args[0], tok.packed_dim(self._dim(n))), {}
+
+
+def _legacy_empty(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 1 and _eq(t.shape[0], 0)
+
+
+class Rope(Rule):
+    """``dmfx::rope(q [B, H, S, D], k [B, Hk, S, D], cos, sin, inverse, interleaved)``: each token's
+    q and k rotated by the angles of its position. cos and sin ([S, D] broadcast, HF's
+    ``[1, 1, S, D]`` from shared position ids) are a position table ("pos": gathered by each token's
+    position), or ``[B, 1, S, D]`` (position ids per sequence) a token tensor; the op broadcasts either
+    over the packed ``[H, T, D]``."""
+
+    def roles(self, n, tok, grid):
+        q, k = (val(n.args[i]) for i in (0, 1))
+        if tok.flat or q.dim() != 4 or tok.seq != 2 or not (grid.fits(q.shape, tok) and grid.fits(k.shape, tok)):
+            return None
+        roles = {("a", 0): Role("token", tok), ("a", 1): Role("token", tok)}
+        for i in (2, 3):
+            shape = [1] * (4 - val(n.args[i]).dim()) + list(val(n.args[i]).shape)
+            if len(shape) != 4 or not _eq(shape[1], 1) or not _eq(shape[2], grid.S):
+                return None
+            if _eq(shape[0], 1) and val(n.args[i]).dim() in (2, 4):
+                roles[("a", i)] = Role("pos")
+            elif val(n.args[i]).dim() == 4 and _eq(shape[0], grid.B):
+                roles[("a", i)] = Role("token", tok)
+            else:
+                return None
+        return roles
+
+    def out_tok(self, n, path, tok, grid):
+        return tok if path in (("a", 0), ("a", 1)) and tok.seq == 2 else None
+
+    def outputs(self, n, tok):
+        return (tok, tok)
+
+
 #: The annotation of a region node's output that is not a token tensor but a whole-batch value its
 #: packed node computes exactly (a loss reduced over the real rows): readers outside read the packed
 #: value itself, with no scatter.
@@ -740,12 +883,13 @@ _RULES.update({
     aten.mean: Reduce(1, 2), aten.sum: Reduce(1, 2), aten.amax: Reduce(1, 2), aten.var: Reduce(1, 3),
     aten._softmax: Reduce(1, None), aten._log_softmax: Reduce(1, None),
     aten.view: Reshape(), aten._unsafe_view: Reshape(), aten.reshape: Reshape(),
-    aten.transpose: Permute(), aten.permute: Permute(), aten.expand: Expand(),
+    aten.transpose: Permute(), aten.permute: Permute(), aten.expand: Expand(), aten.unsqueeze: Unsqueeze(),
     aten.addmm: Linear(1), aten.mm: Linear(0), aten.embedding: Embedding(), aten.native_layer_norm: LayerNorm(),
     aten.split: Split(2), aten.split_with_sizes: Split(2), aten.unbind: Split(1), aten.select: Split(1),
     aten.slice: Split(1), aten.narrow: Split(1),
     dmfx.layer_norm: RowOp((0,)), dmfx.rms_norm: RowOp((0,)), dmfx.bias_dropout_residual_norm: RowOp((0, 2)),
-    dmfx.dropout: RowOp((0,)), dmfx.bias_act_dropout: RowOp((0,)), dmfx.glu: RowOp((0, 1)),
+    dmfx.dropout: RowOp((0,)), dmfx.bias_act_dropout: RowOp((0,)), dmfx.glu: RowOp((0, 1)), dmfx.rope: Rope(),
+    aten.cat: Cat(),
     dmfx.cross_entropy: Loss(0, 1, 4), dmfx.linear_cross_entropy: Loss(0, 3, 6),
 })
 
@@ -789,9 +933,12 @@ class Region:
             return self.tok[x] == tok
         if x.target is operator.getitem and isinstance(x.args[0], Node):
             src = x.args[0]
-            if src in self.tok:
+            if src in self.tok:  # (another output of src is in already: this one joins with it)
                 outs = self.tok[src]
-                return isinstance(outs, tuple) and outs[x.args[1]] == tok
+                if not (isinstance(outs, tuple) and outs[x.args[1]] == tok):
+                    return False
+                self.tok[x] = tok
+                return True
         if x.target is operator.getitem and isinstance(x.args[0], Node):
             return self._demand_output(x, tok)
         rule = _rule(x)
@@ -925,6 +1072,7 @@ class Packer:
         self._pos: Node | None = None
         self._batch: Node | None = None
         self._sizes: dict[Any, Node] = {}
+        self.padded_readers: set[Node] = set()  # nodes outside the region that read its padded values
         last_input = [n for n in self.graph.nodes if n.op == "placeholder"][-1]
         with _at(self.graph, last_input):
             self.index = insert_call(self.graph, ctx, dmfx.unpad_index.default, (self.grid.mask,))
@@ -1037,7 +1185,9 @@ class Packer:
         if role.kind == "bcast":
             return x  # (a size-1 batch dim is squeezed by the caller, who knows the output's rank)
         shape = list(val(x).shape)
-        seq_at = out_tok.seq - (out_nd - len(shape))  # (pos and batch operands: out_tok.seq == 1)
+        # (pos and batch operands: out_tok.seq == 1, or a rope table; a tuple-valued op's operands have
+        # its outputs' rank)
+        seq_at = out_tok.seq - ((out_nd if out_nd is not None else len(shape)) - len(shape))
         rest = shape[seq_at + 1:]
         if not all(isinstance(d, int) for d in rest):
             raise _Unsupported(f"{x.name} has symbolic feature sizes")
@@ -1066,17 +1216,35 @@ class Packer:
         rule = _rule(n)
         out_tok = _first_tok(tok)
         roles = rule.roles(n, out_tok, self.grid)
+        checked = None
+        if isinstance(rule, Loss) and any(a.causal for a in self.region.attentions.values()):
+            checked = self._checked_targets(n, rule)
         args, kwargs = rule.args(n, out_tok, self.T)
         args, kwargs = list(args), dict(kwargs)
         out_nd = tensor_meta(n).dim() if isinstance(val(n), torch.Tensor) else None
         with _at(self.graph, self._latest(n, roles)):
             for path, role in roles.items():
                 x = _arg(n, path)
-                new = self.operand(x, role, out_tok, out_nd)
+                new = checked if checked is not None and path == ("a", rule.target_at) else \
+                    self.operand(x, role, out_tok, out_nd)
                 if role.kind == "bcast" and out_nd is not None and val(x).dim() == out_nd and not out_tok.flat:
                     new = self._call(aten.squeeze.dim, (x, 0))  # (its batch dim is 1: the packed output has none)
                 _set_arg(args, kwargs, path, new)
             self.packed[n] = self._call(n.target, tuple(args), kwargs)
+
+    def _checked_targets(self, n: Node, rule: Loss) -> Node:
+        """The packed targets of a causal LM's loss, read from the padded ones by ``dmfx::unpad_targets``,
+        which raises where a padding position has a target: the loss over the real rows is eager's only
+        where none has (its logits are not computed here), and HF's shift of the labels puts the first
+        real token's label on the padding position before it (left padding, holes). The labels are
+        data, so this is checked when the graph runs."""
+        target, ignore = n.args[rule.target_at], n.args[rule.target_at + 1]
+        if not isinstance(ignore, int):
+            raise _Unsupported(f"{n.name}'s ignore_index is not a constant")
+        with _at(self.graph, target if _later(target, self.indices) else self.indices):
+            packed = self._call(dmfx.unpad_targets.default, (target, self.grid.mask, self.indices, ignore))
+        self.padded_readers.add(packed)  # (the targets as eager has them, not scattered back from the rows)
+        return packed
 
     def _latest(self, n: Node, roles: dict) -> Node:
         """Where the packed node of `n` goes: after `n` and after every packed operand it reads."""
@@ -1220,10 +1388,11 @@ def unpad(gm: GraphModule, ctx: PassContext) -> None:
         why = _varlen_ok(qm, D, D if "qkv" in found.operands else tensor_meta(found.operands["v"]).shape[-1])
         source = None
         if why is None:
-            source, why = padding_mask_input(gm, found.mask, H, B, S, cache)
+            source, causal, why = padding_mask_input(gm, found.mask, H, B, S, cache)
         if why is not None:
             ctx.miss("unpad", n, why)
             continue
+        found.causal = found.causal or causal
         calls.append((found, source, B, S))
     if not calls:
         return
@@ -1306,7 +1475,7 @@ def padding_hint(gm: GraphModule) -> PaddingHint | None:
                 B, H, S = tensor_meta(n).shape[:3]
                 masks.append((m, H, B, S))
         for mask, H, B, S in masks:
-            source, why = padding_mask_input(gm, mask, H, B, S, cache)
+            source, _, why = padding_mask_input(gm, mask, H, B, S, cache)
             if source is not None:
                 found[source] = found.get(source, 0) + 1
     if not found:
@@ -1326,7 +1495,7 @@ def _rewrite(gm: GraphModule, ctx: PassContext, region: Region) -> None:
     for n in order:
         if n not in packer.packed:
             continue
-        outside = [u for u in n.users if u not in region.tok]
+        outside = [u for u in n.users if u not in region.tok and u not in packer.padded_readers]
         tok = region.tok[n]
         if outside and tok == WHOLE:  # (computed exactly on the real rows: read as it is)
             for u in outside:

@@ -357,14 +357,164 @@ def test_t5_learned_position_bias_is_left_alone():
     assert any("not from one padding mask alone" in m for m in unpad_misses(record)), record.missed
 
 
-def test_causal_mask_is_left_alone():
+def test_causal_mask_without_padding_is_left_alone():
+    """A causal mask with no attention mask is built from constants (or is SDPA's is_causal): nothing
+    marks padding."""
     cfg = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
                                   attn_pdrop=0.0, attn_implementation="eager")
     model = transformers.GPT2Model(cfg).eval()
-    ids, mask = padded_batch()
-    record, _ = _compile_and_compare(model, ids, mask)
+    ids, _ = padded_batch()
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD)
+    with torch.no_grad():
+        assert torch.allclose(compiled(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state, atol=1e-5)
+    record = dmfx.records()[-1]
     assert "unpad" not in record.fired
-    assert any("not a padding mask" in m for m in unpad_misses(record)), record.missed
+    # (as is_causal, no mask at all; or a mask of constants)
+    assert any("nothing marks padding" in m or "is a constant" in m for m in unpad_misses(record)), record.missed
+
+
+# ----------------------------------------------------------------------------------------- decoders
+
+
+def decoder(family: str, impl: str = "eager", **kw):
+    """A small HF causal LM of `family` (dropout off)."""
+    if family == "llama":  # (grouped-query attention, rotary positions, RMSNorm, SwiGLU)
+        cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, attn_implementation=impl, **kw)
+        return transformers.LlamaForCausalLM(cfg)
+    if family == "gpt2":  # (learned positions, LayerNorm, GELU)
+        cfg = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0, attn_implementation=impl, **kw)
+        return transformers.GPT2LMHeadModel(cfg)
+    if family == "mistral":
+        cfg = transformers.MistralConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, attn_implementation=impl, **kw)
+        return transformers.MistralForCausalLM(cfg)
+    raise ValueError(family)
+
+
+def causal_lm_step(run, ids, mask, labels, R, params, **kw):
+    """The loss and the logits, and every parameter's gradient of loss + (logits * R).sum()."""
+    for p in params:
+        p.grad = None
+    out = run(input_ids=ids, attention_mask=mask, labels=labels, **kw)
+    (out.loss + (out.logits * R).sum()).backward()
+    return out.loss.detach(), out.logits.detach(), [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
+
+
+@pytest.mark.parametrize("family,impl,layout", [("llama", "eager", "right"), ("llama", "sdpa", "right"),
+                                                ("llama", "eager", "left"), ("llama", "sdpa", "holes"),
+                                                ("gpt2", "eager", "right"), ("gpt2", "sdpa", "left")])
+def test_causal_lm_training_on_real_tokens_equals_eager(family, impl, layout):
+    """A decoder's padded batch (HF's causal mask with an attention mask): each attention runs causal
+    over the packed sequences (the real tokens keep their order, so a query's earlier real keys are
+    the ones it sees), the loss over the real rows (padding labelled -100, as HF's collators do). The
+    loss, the real positions' logits and every gradient (a random cotangent on the real logits) are
+    eager's; padding positions' logits are zeros."""
+    torch.manual_seed(0)
+    model = decoder(family, impl).train()
+    ids, mask = padded_batch(left=layout == "left", holes=layout == "holes")
+    labels = ids.masked_fill(mask == 0, -100)
+    # (HF's shift puts a sequence's label on the position before it: where that is padding, the label
+    # must be ignored, test_a_causal_lm_label_shifted_onto_padding_raises)
+    after_padding = torch.cat([torch.zeros_like(mask[:, :1]), 1 - mask[:, :-1]], 1).bool()
+    labels = labels.masked_fill(after_padding, -100)
+    real = mask.bool()
+    R = torch.randn(*ids.shape, 100) * real[..., None]
+    params = list(model.parameters())
+    ref_loss, ref_logits, ref_grads = causal_lm_step(model, ids, mask, labels, R, params)
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS)
+    loss, logits, grads = causal_lm_step(compiled, ids, mask, labels, R, params)
+    assert torch.allclose(loss, ref_loss, atol=1e-5)
+    assert torch.allclose(logits[real], ref_logits[real], atol=1e-5)
+    assert not logits[~real].any()
+    assert_grads_equal(grads, ref_grads)
+    # (GPT-2's loss is a graph of its own: an HF warning breaks the graph before it)
+    (record,) = [r for r in dmfx.records() if "attention_mask" in r.unpad.get("mask", "")] or dmfx.records()[-1:]
+    assert record.fired.get("unpad") == 2, (record.summary(), record.missed)
+    varlen = [n for n in record.forward_graph.graph.nodes if n.target is torch.ops.dmfx.varlen_attention.default]
+    assert len(varlen) == 2 and all(n.args[5] is True for n in varlen)  # (causal)
+
+
+@pytest.mark.parametrize("compiler", ["fx", "inductor"])
+def test_a_causal_lm_label_shifted_onto_padding_raises(compiler):
+    """Left padding with every real token labelled: HF's shift puts the first real token's label on the
+    padding position before it, a loss term eager counts from logits unpad does not compute. The
+    compiled step says so when it runs (the labels are data), instead of a different loss."""
+    model = decoder("llama").train()
+    ids, mask = padded_batch(left=True)
+    labels = ids.masked_fill(mask == 0, -100)
+    compiled = torch.compile(model, backend="dmfx", options={**UNPAD_GRAPHS, "compiler": compiler})
+    with pytest.raises(ValueError, match=r"target \d+ at padding position \[0, 3\] \(not ignore_index -100\)"):
+        compiled(input_ids=ids, attention_mask=mask, labels=labels)
+    # right padding, the same graph: no padding position has a target
+    ids, mask = padded_batch()
+    out = compiled(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    ref = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    assert torch.allclose(out.loss, ref.loss, atol=1e-5)
+
+
+def test_causal_lm_inference_with_position_ids_per_sequence():
+    """Left padding with position ids counted from each sequence's first real token (as generate()
+    makes them): the rotary tables are [B, 1, S, D], token tensors gathered like the activations."""
+    model = decoder("llama").eval()
+    ids, mask = padded_batch(left=True)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False).logits
+        out = compiled(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False).logits
+    real = mask.bool()
+    assert torch.allclose(out[real], ref[real], atol=1e-5)
+    assert dmfx.records()[-1].fired.get("unpad") == 2
+
+
+def test_generate_with_left_padding_gives_eagers_tokens():
+    """generate() on a left-padded prompt batch (the dynamic cache, the forward compiled): the prefill
+    runs on the real tokens (the cache it returns holds zeros at padding positions, which every later
+    step's mask hides), the decode steps (one query against the cache) stay as they are."""
+    torch.manual_seed(0)
+    model = decoder("llama").eval()
+    ids, mask = padded_batch(left=True)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    ref = model.generate(ids, **kw)
+    model.forward = torch.compile(model.forward, backend="dmfx", options=UNPAD_GRAPHS)
+    assert torch.equal(model.generate(ids, **kw), ref)
+    prefill = dmfx.records()[0]
+    assert prefill.fired.get("unpad") == 2, (prefill.summary(), prefill.missed)
+    decode = dmfx.records()[-1]
+    assert any("a decode step" in m for m in unpad_misses(decode)), decode.missed
+
+
+def test_a_sliding_window_narrower_than_the_batch_is_left_alone():
+    """Mistral's sliding window (4 keys) over 9 positions hides more than padding and the future: not
+    a causal padding mask, so the attentions stay padded (eager's answer either way)."""
+    model = decoder("mistral", sliding_window=4).eval()
+    ids, mask = padded_batch()
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        out = compiled(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert torch.allclose(out, ref, atol=1e-5)
+    record = dmfx.records()[-1]
+    assert "unpad" not in record.fired
+    assert any("not a padding mask of its input, causal or not" in m for m in unpad_misses(record)), record.missed
+
+
+def test_a_causal_padding_mask_over_a_symbolic_length_is_left_alone():
+    """Under dynamic=True the probes run at one sequence length, where a window wider than it looks
+    causal: a causal padding mask over a symbolic length is not unpadded (a padding mask alone still is)."""
+    model = decoder("llama").eval()
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD, dynamic=True)
+    with torch.no_grad():
+        for B, S, lengths in [(3, 9, (5, 9, 7)), (2, 12, (12, 3))]:
+            ids, mask = padded_batch(B, S, 0, lengths)
+            ref = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            out = compiled(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            assert torch.allclose(out, ref, atol=1e-5), (B, S)
+    record = dmfx.records()[-1]
+    assert "unpad" not in record.fired
+    assert any("symbolic sequence length" in m for m in unpad_misses(record)), record.missed
 
 
 def test_returned_attention_probabilities_are_left_alone():

@@ -88,3 +88,43 @@ def test_opcheck():
     for case in ("right", "holes", "all padding"):
         torch.library.opcheck(torch.ops.dmfx.unpad_index.default, (MASKS[case],),
                               test_utils=("test_schema", "test_autograd_registration"))
+
+
+# ----------------------------------------------------------------------------------------- unpad_targets
+
+
+def test_targets_of_the_real_rows():
+    mask = MASKS["holes"]
+    target = torch.randint(0, 7, mask.shape).masked_fill(mask == 0, -100)
+    indices, _ = U.unpad_index(mask)
+    for t in (target, target.reshape(-1)):
+        assert torch.equal(torch.ops.dmfx.unpad_targets(t, mask, indices, -100), target.reshape(-1)[mask.reshape(-1) != 0])
+
+
+def test_a_target_at_padding_raises_naming_the_position():
+    mask = MASKS["left"]
+    target = torch.randint(0, 7, mask.shape)  # (padding not ignored)
+    b, s = (mask == 0).nonzero()[0].tolist()
+    indices, _ = U.unpad_index(mask)
+    with pytest.raises(ValueError, match=rf"at padding position \[{b}, {s}\] \(not ignore_index -100\)"):
+        torch.ops.dmfx.unpad_targets(target, mask, indices, -100)
+    # ignored with another ignore_index: fine
+    out = torch.ops.dmfx.unpad_targets(target.masked_fill(mask == 0, 3), mask, indices, 3)
+    assert out.shape == indices.shape
+
+
+@pytest.mark.parametrize("target,why", [(torch.zeros(8), "integer class indices"),
+                                        (torch.zeros(2, 2, 2, dtype=torch.long), "one class index per position")])
+def test_targets_bad_input_raises(target, why):
+    mask = torch.ones(2, 4, dtype=torch.long)
+    indices, _ = U.unpad_index(mask)
+    with pytest.raises((ValueError, TypeError), match=why):
+        torch.ops.dmfx.unpad_targets(target, mask, indices, -100)
+
+
+def test_targets_opcheck():
+    mask = MASKS["holes"]
+    target = torch.randint(0, 7, mask.shape).masked_fill(mask == 0, -100)
+    indices, _ = U.unpad_index(mask)
+    torch.library.opcheck(torch.ops.dmfx.unpad_targets.default, (target, mask, indices, -100),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

@@ -515,7 +515,10 @@ struct BiasDropoutResidualNormFn : public torch::autograd::Function<BiasDropoutR
     return out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    const Opt grad_sum = g[1].defined() && g[1].sym_numel() != 0 ? Opt(g[1]) : c10::nullopt;  // (empty: no sum returned)
+    // (an empty one: no sum returned. Read without a guard: under unpad the sum has a data-dependent
+    // token count, and a symbolic numel is a sum that was returned)
+    const auto numel = g[1].defined() ? g[1].sym_numel().maybe_as_int() : std::optional<int64_t>(0);
+    const Opt grad_sum = numel.has_value() && *numel == 0 ? c10::nullopt : Opt(g[1]);
     // needs: x 0, bias 1, residual 2, weight 3, norm_bias 4
     auto d = norm_grads(ctx, g[0], grad_sum, {needs(ctx, 0), needs(ctx, 2), needs(ctx, 3), needs(ctx, 4), needs(ctx, 1)});
     return {d[0], d[4], d[1], d[2], d[3], Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
