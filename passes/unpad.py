@@ -355,8 +355,9 @@ def _varlen_ok(q: torch.Tensor, head_dim: Any, value_dim: Any) -> str | None:
 # A rule says, for a node and the token annotation of its output, which of its arguments are token
 # operands (and their annotation) and how the packed node is built; `forward` gives the output's
 # annotation from one token operand's. Operand roles: "token" (packed: its packed value), "bcast"
-# (broadcast over the tokens: as is, or without its size-1 batch dim), "pos" ([1, S, ...]: gathered by
-# each token's position), "batch" ([B, 1, ...]: gathered by each token's sequence).
+# (broadcast over the tokens: as is, or without its size-1 batch dim), "pos" ([1, S, ...], or size 1 in
+# every dim before the sequence's: gathered by each token's position), "batch" ([B, 1, ...]: gathered
+# by each token's sequence).
 
 
 @dataclass
@@ -403,8 +404,8 @@ def _elementwise_roles(n: Node, tok: Tok, grid: Grid) -> dict[tuple, Role] | Non
             roles[path] = Role("token", tok)
         elif one(b) and one(s):
             roles[path] = Role("bcast")
-        elif one(b) and s is not None and _eq(s, grid.S) and tok.seq == 1:
-            roles[path] = Role("pos")
+        elif s is not None and _eq(s, grid.S) and all(_eq(d, 1) for d in shape[:max(tok.seq - off, 0)]):
+            roles[path] = Role("pos")  # ([1, S, ...]; or [1, 1, S, D], rotary tables beside [B, H, S, D])
         elif off == 0 and _eq(b, grid.B) and one(s) and tok.seq == 1:
             roles[path] = Role("batch")
         else:
@@ -1276,13 +1277,26 @@ class Packer:
                 node = self._call(dmfx.qkv_varlen_attention.default,
                                   (ops["qkv"], a.heads, self.cu_seqlens, a.scale, a.causal, a.seed, a.p))
             else:
-                thd = [self._call(aten.transpose.int, (ops[x], 0, 1)) for x in "qkv"]
+                thd = [self._thd(ops[x]) for x in "qkv"]
                 node = self._call(dmfx.varlen_attention.default,
                                   (*thd, self.cu_seqlens, a.scale, a.causal, a.seed, a.p))
             out, _ = insert_getitems(g, node, 2)
             # the original output [B, H, S, Dv] packed is [H, T, Dv]
             self.packed[a.out] = self._call(aten.transpose.int, (out, 0, 1))
         record(self.ctx, "unpad", [a.node], into=node)
+
+    def _thd(self, x: Node) -> Node:
+        """Packed q, k or v ``[H, T, D]`` as the varlen op's ``[T, H, D]``: a transposed view where that
+        is dense (a fused op's or a GEMM's output laid out ``[T, H, D]``), else a contiguous copy. A
+        view of an ``[H, T, D]`` tensor an element-wise chain computed (rotary embeddings left
+        unfused, as under autocast) had its layout chosen by Inductor, which with the data-dependent
+        T need not be the one the backward's saved-tensor checks expect."""
+        from torch._prims_common import is_contiguous_or_false
+
+        t = self._call(aten.transpose.int, (x, 0, 1))
+        if is_contiguous_or_false(val(t)):
+            return t
+        return self._call(aten.clone.default, (t,), {"memory_format": torch.contiguous_format})
 
     def scatter(self, n: Node, tok: Tok) -> Node:
         """Region value `n` back in its padded shape, zeros at the padding. A reshape of another region

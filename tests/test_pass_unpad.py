@@ -436,6 +436,31 @@ def test_causal_lm_training_on_real_tokens_equals_eager(family, impl, layout):
     assert len(varlen) == 2 and all(n.args[5] is True for n in varlen)  # (causal)
 
 
+@pytest.mark.parametrize("impl,position_ids", [("eager", False), ("sdpa", True)])
+def test_causal_lm_training_under_bf16_autocast(impl, position_ids):
+    """Under bf16 autocast the rotary embedding stays ATen's element-wise chain (in the packed region:
+    its tables gathered by position, or as token tensors with position ids per sequence). Its
+    [H, T, D] result reaches the varlen op as a contiguous [T, H, D] copy: a transposed view of a
+    layout Inductor chose, with T data-dependent, failed the backward's saved-tensor stride check."""
+    torch.manual_seed(0)
+    model = decoder("llama", impl).train()
+    ids, mask = padded_batch()
+    labels = ids.masked_fill(mask == 0, -100)
+    real = mask.bool()
+    R = torch.randn(*ids.shape, 100) * real[..., None]
+    params = list(model.parameters())
+    kw = {"position_ids": torch.arange(ids.shape[1]).expand(ids.shape[0], -1).clone()} if position_ids else {}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss, ref_logits, ref_grads = causal_lm_step(model, ids, mask, labels, R, params, **kw)
+        compiled = torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS)
+        loss, logits, grads = causal_lm_step(compiled, ids, mask, labels, R, params, **kw)
+    assert torch.allclose(loss, ref_loss, atol=2e-3)
+    assert torch.allclose(logits[real].float(), ref_logits[real].float(), atol=1e-2)
+    assert_grads_equal(grads, ref_grads, tol=2e-2)
+    record = dmfx.records()[-1]
+    assert record.fired.get("unpad") == 2, (record.summary(), record.missed)
+
+
 @pytest.mark.parametrize("compiler", ["fx", "inductor"])
 def test_a_causal_lm_label_shifted_onto_padding_raises(compiler):
     """Left padding with every real token labelled: HF's shift puts the first real token's label on the
