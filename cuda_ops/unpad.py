@@ -108,10 +108,11 @@ def _unpad_targets(target: Tensor, mask: Tensor, indices: Tensor, ignore_index: 
         b, s = divmod(where, mask.shape[1])
         raise ValueError(
             f"dmfx::unpad_targets: the loss has target {flat[where].item()} at padding position [{b}, {s}] (not "
-            f"ignore_index {ignore_index}), whose logits unpad=True does not compute. A causal LM shifts the labels, "
-            f"so with left padding (or padding inside a sequence) the first real token's label falls on the padding "
-            f"position before it, and eager counts that term. Pad on the right, set the label of each sequence's "
-            f"first real token to {ignore_index}, or compile without options={{'unpad': True}}")
+            f"ignore_index {ignore_index}): eager counts that term, from the position's logits, which unpad=True "
+            f"does not compute. Give padding positions the label {ignore_index} (HF's collators do; labels=input_ids "
+            f"does not). A causal LM shifts the labels by one, so with left padding (or padding inside a sequence) "
+            f"each sequence's first real label falls on the padding before it: pad on the right, or label that token "
+            f"{ignore_index}. Or compile without options={{'unpad': True}}")
     return flat.index_select(0, indices)
 
 

@@ -761,10 +761,10 @@ def _legacy_empty(t: Any) -> bool:
 
 class Rope(Rule):
     """``dmfx::rope(q [B, H, S, D], k [B, Hk, S, D], cos, sin, inverse, interleaved)``: each token's
-    q and k rotated by the angles of its position. cos and sin ([S, D] broadcast, HF's
-    ``[1, 1, S, D]`` from shared position ids) are a position table ("pos": gathered by each token's
-    position), or ``[B, 1, S, D]`` (position ids per sequence) a token tensor; the op broadcasts either
-    over the packed ``[H, T, D]``."""
+    q and k rotated by the angles of its position. cos and sin (HF's ``[1, 1, S, D]`` from shared
+    position ids) are a position table ("pos": gathered by each token's position), or ``[B, 1, S, D]``
+    (position ids per sequence) a token tensor; the op broadcasts either over the packed
+    ``[H, T, D]``. Tables of another rank stay padded (the region stops there)."""
 
     def roles(self, n, tok, grid):
         q, k = (val(n.args[i]) for i in (0, 1))
@@ -775,7 +775,7 @@ class Rope(Rule):
             shape = [1] * (4 - val(n.args[i]).dim()) + list(val(n.args[i]).shape)
             if len(shape) != 4 or not _eq(shape[1], 1) or not _eq(shape[2], grid.S):
                 return None
-            if _eq(shape[0], 1) and val(n.args[i]).dim() in (2, 4):
+            if _eq(shape[0], 1) and val(n.args[i]).dim() == 4:  # (the op's rank: Packer.operand's rows)
                 roles[("a", i)] = Role("pos")
             elif val(n.args[i]).dim() == 4 and _eq(shape[0], grid.B):
                 roles[("a", i)] = Role("token", tok)

@@ -479,6 +479,16 @@ def test_a_causal_lm_label_shifted_onto_padding_raises(compiler):
     assert torch.allclose(out.loss, ref.loss, atol=1e-5)
 
 
+def test_labels_equal_to_input_ids_on_a_padded_batch_raise():
+    """labels=input_ids labels the padding with the pad token, terms eager counts: a clear error, not
+    the loss over the real tokens under eager's name."""
+    model = decoder("llama").train()
+    ids, mask = padded_batch()
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS)
+    with pytest.raises(ValueError, match="Give padding positions the label -100 .* labels=input_ids does not"):
+        compiled(input_ids=ids, attention_mask=mask, labels=ids)
+
+
 def test_causal_lm_inference_with_position_ids_per_sequence():
     """Left padding with position ids counted from each sequence's first real token (as generate()
     makes them): the rotary tables are [B, 1, S, D], token tensors gathered like the activations."""
