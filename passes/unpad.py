@@ -380,36 +380,38 @@ def _tensor_args(n: Node) -> list[tuple[tuple, Node]]:
     return found
 
 
+def _operand_role(shape: list, nd: int, tok: Tok, grid: Grid) -> Role | None:
+    """The role of an operand of `shape` broadcast against an output of rank `nd` with tokens at
+    `tok`; None where it is none of them (the op is not row-wise in it)."""
+    off = nd - len(shape)
+    if tok.flat:
+        if off == 0 and _eq(shape[0], grid.B * grid.S):
+            return Role("token", Tok(0))
+        return Role("bcast") if off > 0 or _eq(shape[0], 1) else None
+    b = shape[0 - off] if off <= 0 else None
+    s = shape[tok.seq - off] if tok.seq - off >= 0 else None
+    one = lambda x: x is None or _eq(x, 1)  # noqa: E731
+    if off == 0 and _eq(b, grid.B) and _eq(s, grid.S):
+        return Role("token", tok)
+    if one(b) and one(s):
+        return Role("bcast")
+    if s is not None and _eq(s, grid.S) and all(_eq(d, 1) for d in shape[:max(tok.seq - off, 0)]):
+        return Role("pos")  # ([1, S, ...]; or [1, 1, S, D], rotary tables beside [B, H, S, D])
+    if off == 0 and _eq(b, grid.B) and one(s) and tok.seq == 1:
+        return Role("batch")
+    return None
+
+
 def _elementwise_roles(n: Node, tok: Tok, grid: Grid) -> dict[tuple, Role] | None:
     out = tensor_meta(n)
     if out is None:
         return None
-    nd = out.dim()
     roles = {}
     for path, a in _tensor_args(n):
-        shape = list(val(a).shape)
-        off = nd - len(shape)
-        if tok.flat:
-            if off == 0 and _eq(shape[0], grid.B * grid.S):
-                roles[path] = Role("token", Tok(0))
-            elif off > 0 or _eq(shape[0], 1):
-                roles[path] = Role("bcast")
-            else:
-                return None
-            continue
-        b = shape[0 - off] if off <= 0 else None
-        s = shape[tok.seq - off] if tok.seq - off >= 0 else None
-        one = lambda x: x is None or _eq(x, 1)  # noqa: E731
-        if off == 0 and _eq(b, grid.B) and _eq(s, grid.S):
-            roles[path] = Role("token", tok)
-        elif one(b) and one(s):
-            roles[path] = Role("bcast")
-        elif s is not None and _eq(s, grid.S) and all(_eq(d, 1) for d in shape[:max(tok.seq - off, 0)]):
-            roles[path] = Role("pos")  # ([1, S, ...]; or [1, 1, S, D], rotary tables beside [B, H, S, D])
-        elif off == 0 and _eq(b, grid.B) and one(s) and tok.seq == 1:
-            roles[path] = Role("batch")
-        else:
+        role = _operand_role(list(val(a).shape), out.dim(), tok, grid)
+        if role is None:
             return None
+        roles[path] = role
     return roles
 
 
@@ -755,16 +757,25 @@ class Cat(Rule):
         return (n.args[0], tok.packed_dim(self._dim(n))), {}
 
 
+def _rank(v: Any) -> int | None:
+    """The rank a node's operands broadcast against: its output's, or a tuple-valued op's largest
+    output's (every row-wise tuple op here returns outputs of its rows' rank and statistics of less)."""
+    if isinstance(v, torch.Tensor):
+        return v.dim()
+    ranks = [o.dim() for o in v if isinstance(o, torch.Tensor)] if isinstance(v, (tuple, list)) else []
+    return max(ranks) if ranks else None
+
+
 def _legacy_empty(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() == 1 and _eq(t.shape[0], 0)
 
 
 class Rope(Rule):
     """``dmfx::rope(q [B, H, S, D], k [B, Hk, S, D], cos, sin, inverse, interleaved)``: each token's
-    q and k rotated by the angles of its position. cos and sin (HF's ``[1, 1, S, D]`` from shared
-    position ids) are a position table ("pos": gathered by each token's position), or ``[B, 1, S, D]``
-    (position ids per sequence) a token tensor; the op broadcasts either over the packed
-    ``[H, T, D]``. Tables of another rank stay padded (the region stops there)."""
+    q and k rotated by the angles of its position. cos and sin broadcast to q as an element-wise op's
+    operands do (_operand_role): HF's ``[1, 1, S, D]`` from shared position ids is a position table
+    ("pos": gathered by each token's position), ``[B, 1, S, D]`` (position ids per sequence) a token
+    tensor; the op broadcasts either over the packed ``[H, T, D]``."""
 
     def roles(self, n, tok, grid):
         q, k = (val(n.args[i]) for i in (0, 1))
@@ -772,15 +783,10 @@ class Rope(Rule):
             return None
         roles = {("a", 0): Role("token", tok), ("a", 1): Role("token", tok)}
         for i in (2, 3):
-            shape = [1] * (4 - val(n.args[i]).dim()) + list(val(n.args[i]).shape)
-            if len(shape) != 4 or not _eq(shape[1], 1) or not _eq(shape[2], grid.S):
+            role = _operand_role(list(val(n.args[i]).shape), q.dim(), tok, grid)
+            if role is None:
                 return None
-            if _eq(shape[0], 1) and val(n.args[i]).dim() == 4:  # (the op's rank: Packer.operand's rows)
-                roles[("a", i)] = Role("pos")
-            elif val(n.args[i]).dim() == 4 and _eq(shape[0], grid.B):
-                roles[("a", i)] = Role("token", tok)
-            else:
-                return None
+            roles[("a", i)] = role
         return roles
 
     def out_tok(self, n, path, tok, grid):
@@ -1186,9 +1192,7 @@ class Packer:
         if role.kind == "bcast":
             return x  # (a size-1 batch dim is squeezed by the caller, who knows the output's rank)
         shape = list(val(x).shape)
-        # (pos and batch operands: out_tok.seq == 1, or a rope table; a tuple-valued op's operands have
-        # its outputs' rank)
-        seq_at = out_tok.seq - ((out_nd if out_nd is not None else len(shape)) - len(shape))
+        seq_at = out_tok.seq - (out_nd - len(shape))  # (broadcast against the output, as _operand_role)
         rest = shape[seq_at + 1:]
         if not all(isinstance(d, int) for d in rest):
             raise _Unsupported(f"{x.name} has symbolic feature sizes")
@@ -1222,7 +1226,7 @@ class Packer:
             checked = self._checked_targets(n, rule)
         args, kwargs = rule.args(n, out_tok, self.T)
         args, kwargs = list(args), dict(kwargs)
-        out_nd = tensor_meta(n).dim() if isinstance(val(n), torch.Tensor) else None
+        out_nd = _rank(val(n))
         with _at(self.graph, self._latest(n, roles)):
             for path, role in roles.items():
                 x = _arg(n, path)
