@@ -479,6 +479,40 @@ def test_a_causal_lm_label_shifted_onto_padding_raises(compiler):
     assert torch.allclose(out.loss, ref.loss, atol=1e-5)
 
 
+def test_causal_lm_tied_head_a_layer_applied_twice_and_hidden_states_read_twice():
+    """Graph shapes beyond a plain stack: the LM head tied to the embeddings (a weight read by the
+    first and last GEMM, its gradient summed), one decoder layer applied twice (its weights read by
+    both applications), every layer's hidden state returned besides feeding the next (several
+    consumers, scattered where they leave the region; no cache: the shared layer would append its keys
+    twice). Real positions and gradients are eager's."""
+    torch.manual_seed(0)
+    model = decoder("llama", tie_word_embeddings=True).train()
+    model.model.layers[1] = model.model.layers[0]
+    ids, mask = padded_batch(holes=True)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels = labels.masked_fill(torch.cat([torch.zeros_like(mask[:, :1]), 1 - mask[:, :-1]], 1).bool(), -100)
+    real = mask.bool()
+    R = torch.randn(*ids.shape, 100) * real[..., None]
+    Rh = torch.randn(3, *ids.shape, 32) * real[..., None]
+    params = list(model.parameters())
+
+    def step(run):
+        for p in params:
+            p.grad = None
+        out = run(input_ids=ids, attention_mask=mask, labels=labels, output_hidden_states=True, use_cache=False)
+        hidden = torch.stack(out.hidden_states)
+        (out.loss + (out.logits * R).sum() + (hidden * Rh).sum()).backward()
+        return out.loss.detach(), hidden.detach(), [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
+
+    ref_loss, ref_hidden, ref_grads = step(model)
+    loss, hidden, grads = step(torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS))
+    assert torch.allclose(loss, ref_loss, atol=1e-5)
+    assert torch.allclose(hidden[:, real], ref_hidden[:, real], atol=1e-5)
+    assert_grads_equal(grads, ref_grads)
+    record = dmfx.records()[-1]
+    assert record.fired.get("unpad") == 2, (record.summary(), record.missed)
+
+
 def test_labels_equal_to_input_ids_on_a_padded_batch_raise():
     """labels=input_ids labels the padding with the pad token, terms eager counts: a clear error, not
     the loss over the real tokens under eager's name."""
