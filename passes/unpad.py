@@ -40,8 +40,8 @@ heads) and DynamicCache's concatenation onto empty tensors are row-wise. A causa
 real rows differs from eager's where a padding position has a label: HF shifts the labels, so with
 left padding the first real token's label falls on the padding before it. ``dmfx::unpad_targets``
 (which packs the loss's targets) raises a ValueError saying so when that happens, since the labels
-are data. Under a symbolic sequence length a causal padding mask is left alone: probes at one length
-cannot tell it from a sliding window wider than that length.
+are data. Under a symbolic sequence length the probes run at a second length past the mask's
+constants (_probe_shapes), where a sliding window wider than the example's length shows.
 
 Near-misses (recorded, the graph left as it is): a mask that is not a padding mask, causal or not
 (a sliding window narrower than the sequence, a learned bias such as T5's, a mask computed from more
@@ -158,9 +158,49 @@ def _ancestors(n: Node) -> list[Node]:
     return sorted(seen, key=order.__getitem__)
 
 
-def _mask_program(gm: GraphModule, mask: Node) -> tuple[Node, Callable[[torch.Tensor], torch.Tensor]] | str:
-    """The one tensor input `mask` is computed from and the computation as a function of it; else why
-    not (the mask reads parameters or several inputs: not a padding mask alone)."""
+@dataclass
+class _MaskProgram:
+    """An attention mask's computation, as a function of the one tensor input it reads and the values
+    of the SymInt inputs it reads (dynamic shapes)."""
+
+    source: Node
+    sizes: list[Any]  # the SymInt inputs' example values, in the order run takes them
+    run: Callable[..., torch.Tensor]  # run(mask, *sizes)
+    largest_constant: float  # the largest |constant| the computation reads (a window's width, say)
+
+
+# Constants at least this large are sentinels (a slice to the end: 2**63 - 1; a hidden score: finfo.min), not a
+# length or a window's width.
+_SENTINEL = 2**31
+# The longest probe (batch * length**2 scores): under a symbolic length a mask whose constants would need
+# a longer one is not checked.
+_PROBE_SCORES = 2**26
+
+
+def _constants(nodes: list[Node], gm: GraphModule) -> list[float]:
+    """The finite numbers the nodes read: scalar arguments and small tensor constants."""
+    found: list[float] = []
+
+    def visit(a: Any) -> Any:
+        if isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a):
+            found.append(abs(float(a)))
+        return a
+
+    for n in nodes:
+        if n.op == "call_function":
+            torch.fx.node.map_aggregate((n.args, n.kwargs), visit)
+        elif n.op == "get_attr":
+            t = getattr(gm, str(n.target), None)
+            if isinstance(t, torch.Tensor) and t.numel() <= 4096 and not t.is_complex():
+                v = t.detach().double().abs()
+                found += v[torch.isfinite(v)].flatten().tolist()
+    return [c for c in found if c < _SENTINEL]
+
+
+def _mask_program(gm: GraphModule, mask: Node) -> _MaskProgram | str:
+    """The one tensor input `mask` is computed from and the computation as a function of it (and of the
+    SymInt inputs it reads); else why not (the mask reads parameters or several inputs: not a padding
+    mask alone)."""
     nodes = _ancestors(mask)
     inputs = [n for n in nodes if n.op == "placeholder" and isinstance(val(n), torch.Tensor)]
     if not inputs:
@@ -170,17 +210,18 @@ def _mask_program(gm: GraphModule, mask: Node) -> tuple[Node, Callable[[torch.Te
         return f"the attention mask is computed from {names}, not from one padding mask alone (a learned bias?)"
     (source,) = inputs
     g = Graph()
-    env: dict[Node, Any] = {}
+    env: dict[Node, Any] = {source: g.placeholder("mask")}
+    sizes = []
     for n in nodes:
-        if n is source:
-            env[n] = g.placeholder("mask")
-        elif n.op == "placeholder":  # a SymInt input (dynamic shapes): its example value
-            env[n] = _hint(val(n))
-        else:
+        if n.op == "placeholder" and n is not source:  # a SymInt input (dynamic shapes)
+            env[n] = g.placeholder(f"size{len(sizes)}")
+            sizes.append(val(n))
+    for n in nodes:
+        if n.op != "placeholder":
             env[n] = g.node_copy(n, lambda a: env[a])
     g.output(env[mask])
     sub = GraphModule(gm, g)
-    return source, lambda m: sub(m)
+    return _MaskProgram(source, sizes, sub, max(_constants(nodes, gm), default=0.0))
 
 
 def _probes(B: int, S: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
@@ -195,6 +236,39 @@ def _probes(B: int, S: int, dtype: torch.dtype, device: torch.device) -> list[to
     return [p.to(dtype=dtype, device=device) for p in probes]
 
 
+def _probe_shapes(program: _MaskProgram, B: Any, S: Any) -> list[tuple[int, int, list[int]]] | str:
+    """The (batch, length, SymInt inputs' values) to probe the mask at: the example's; and under a
+    symbolic length a second, longer one. There, one length cannot tell a padding mask from a window
+    wider than it (ModernBERT's local attention, a sliding-window causal LM): the window's width is a
+    constant the mask's computation compares positions with, so the second length is past twice the
+    largest constant it reads, where any such window hides keys a padding mask keeps. Else why not."""
+    b, s = _hint(B), _hint(S)
+    shapes = [(b, s, [_hint(v) for v in program.sizes])]
+    if isinstance(S, int):
+        return shapes
+    s2 = max(2 * math.ceil(program.largest_constant) + 2, s + 1)
+    b2 = b if isinstance(B, int) else min(b, 3)
+    if b2 * s2 * s2 > _PROBE_SCORES:
+        return (f"under a symbolic sequence length ({S}) the attention mask must be checked at a length past its "
+                f"constants ({s2}), which is too large to probe: a window that wide would look like padding")
+    values = []
+    for v in program.sizes:
+        if _eq(v, S):
+            values.append(s2)
+        elif not isinstance(B, int) and _eq(v, B):
+            values.append(b2)
+        elif isinstance(v, torch.SymInt) and v.node.expr.free_symbols & (_symbols(S) | _symbols(B)):
+            return (f"the attention mask reads a size {v} computed from the batch's or the sequence's: it cannot be "
+                    "checked at another length")
+        else:
+            values.append(_hint(v))
+    return shapes + [(b2, s2, values)]
+
+
+def _symbols(x: Any) -> set:
+    return set(x.node.expr.free_symbols) if isinstance(x, torch.SymInt) else set()
+
+
 def padding_mask_input(gm: GraphModule, mask: Any, heads: Any, B: Any, S: Any,
                        cache: dict) -> tuple[Node, bool, None] | tuple[None, bool, str]:
     """(the graph input, causal, None) when `mask` (an attention's mask over [B, heads, S, S] scores) is
@@ -203,50 +277,55 @@ def padding_mask_input(gm: GraphModule, mask: Any, heads: Any, B: Any, S: Any,
     the mask from attention over the packed sequences changes no result. `causal`: the mask hides the
     keys after each query too (a decoder's padded batch: HF's causal mask with an attention mask), so
     the attention over the packed sequences is causal within each sequence (the real tokens keep their
-    order). Decided by running the mask's computation on probe masks (_probes). Else (None, False,
-    why not)."""
+    order). Decided by running the mask's computation on probe masks (_probes), at the example's
+    length and, under a symbolic length, at one past the mask's constants (_probe_shapes). Else (None,
+    False, why not)."""
     if mask is None:
         return None, False, "the attention has no mask: nothing marks padding"
     if not isinstance(mask, Node):
         return None, False, "the attention mask is not a tensor of the graph"
     if mask in cache:
         return cache[mask]
-    found = _mask_program(gm, mask)
-    if isinstance(found, str):
-        cache[mask] = None, False, found
+    program = _mask_program(gm, mask)
+    if isinstance(program, str):
+        cache[mask] = None, False, program
         return cache[mask]
-    source, program = found
+    source = program.source
     sv = val(source)
     if sv.dim() != 2 or not (_eq(sv.shape[0], B) and _eq(sv.shape[1], S)):
         cache[mask] = None, False, (f"the attention mask comes from {source.name} {list(sv.shape)}, not a [batch, seq] "
                                     "padding mask")
         return cache[mask]
-    b, s, h = _hint(B), _hint(S), _hint(heads)
-    why = None
+    shapes = _probe_shapes(program, B, S)
+    why = shapes if isinstance(shapes, str) else None
     kinds = [False, True]  # (a padding mask; a causal one: the first probe that tells them apart decides)
+    h = _hint(heads)
     try:
-        for probe in _probes(b, s, sv.dtype, sv.device):
-            out = program(probe)
-            full = torch.broadcast_to(out, (b, h, s, s))
-            padding = (probe != 0)[:, None, None, :].expand(b, h, s, s)
-            causal = padding & torch.ones(s, s, dtype=torch.bool, device=padding.device).tril()
-            kinds = [c for c in kinds if _hides_exactly(full, causal if c else padding)]
-            if not kinds:
-                why = ("the attention mask is not a padding mask of its input, causal or not (a window, or values other "
-                       "than 0 and a large negative)")
+        for b, s, sizes in [] if why else shapes:
+            causal = torch.ones(s, s, dtype=torch.bool, device=sv.device).tril()
+            for probe in _probes(b, s, sv.dtype, sv.device):
+                out = program.run(probe, *sizes)
+                torch.broadcast_to(out, (b, h, s, s))  # (else not a mask over these scores: raises)
+                padding = (probe != 0)[:, None, None, :]
+                kinds = [c for c in kinds if _hides_exactly(out, padding & causal if c else padding)]
+                if not kinds:
+                    why = ("the attention mask is not a padding mask of its input, causal or not (a window, or values "
+                           "other than 0 and a large negative)")
+                    break
+            if why:
                 break
     except Exception as e:  # (shapes the probes cannot take, ops that need other inputs)
         why = f"the attention mask's computation could not be checked ({type(e).__name__})"
-    if why is None and kinds[0] and not isinstance(S, int):
-        why = (f"a causal padding mask over a symbolic sequence length ({S}): probes at one length cannot tell it "
-               "from a sliding window wider than that length")
     cache[mask] = (None, False, why) if why else (source, kinds[0], None)
     return cache[mask]
 
 
 def _hides_exactly(mask: torch.Tensor, kept: torch.Tensor) -> bool:
     """Whether `mask` (bool: True keeps; float: added to the scores) keeps exactly the `kept` scores:
-    a kept one reads True or 0, a hidden one False or at most _HIDDEN."""
+    a kept one reads True or 0, a hidden one False or at most _HIDDEN. The two broadcast against each
+    other (a mask's head dim stays as it is)."""
+    shape = torch.broadcast_shapes(mask.shape, kept.shape)
+    mask, kept = mask.expand(shape), kept.expand(shape)
     if mask.dtype == torch.bool:
         return torch.equal(mask, kept)
     return bool(((mask == 0) == kept).all()) and bool((mask[~kept] <= _HIDDEN).all())
@@ -878,6 +957,34 @@ class Split(Rule):
         return tuple(args), kwargs
 
 
+
+class Slice(Split):
+    """slice along a feature dim, or a whole slice along any dim (from 0 to the end, step 1): the
+    identity, which dynamic shapes leave in the graph (HF's repeat_kv, ``k[:, :, None, :, :]``)."""
+
+    def __init__(self):
+        super().__init__(1)
+
+    def _whole(self, n: Node) -> bool:
+        x, dim, start, end, step = (*n.args, *[None] * (5 - len(n.args)))[:5]
+        start, end, step = (n.kwargs.get(k, v) for k, v in (("start", start), ("end", end), ("step", step)))
+        to_end = end is None or (isinstance(end, int) and end >= _SENTINEL) or _eq(end, val(x).shape[self._dim(n)])
+        return start in (None, 0) and step in (None, 1) and to_end
+
+    def roles(self, n, tok, grid):
+        if not self._whole(n):
+            return super().roles(n, tok, grid)
+        return {("a", 0): Role("token", tok)} if grid.fits(val(n.args[0]).shape, tok) else None
+
+    def out_tok(self, n, path, tok, grid):
+        return tok if self._whole(n) else super().out_tok(n, path, tok, grid)
+
+    def args(self, n, tok, T):
+        if not self._whole(n):
+            return super().args(n, tok, T)
+        d = self._dim(n)
+        return (n.args[0], tok.packed_dim(tok.seq if d == 0 else d)), {}
+
 _ELEMENTWISE = (
     aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.pow, aten.rsqrt, aten.sqrt, aten.exp, aten.log,
     aten.gelu, aten.relu, aten.silu, aten.tanh, aten.sigmoid, aten.erf, aten.where, aten.clone, aten.alias,
@@ -893,7 +1000,7 @@ _RULES.update({
     aten.transpose: Permute(), aten.permute: Permute(), aten.expand: Expand(), aten.unsqueeze: Unsqueeze(),
     aten.addmm: Linear(1), aten.mm: Linear(0), aten.embedding: Embedding(), aten.native_layer_norm: LayerNorm(),
     aten.split: Split(2), aten.split_with_sizes: Split(2), aten.unbind: Split(1), aten.select: Split(1),
-    aten.slice: Split(1), aten.narrow: Split(1),
+    aten.slice: Slice(), aten.narrow: Split(1),
     dmfx.layer_norm: RowOp((0,)), dmfx.rms_norm: RowOp((0,)), dmfx.bias_dropout_residual_norm: RowOp((0, 2)),
     dmfx.dropout: RowOp((0,)), dmfx.bias_act_dropout: RowOp((0,)), dmfx.glu: RowOp((0, 1)), dmfx.rope: Rope(),
     aten.cat: Cat(),

@@ -570,20 +570,51 @@ def test_a_sliding_window_narrower_than_the_batch_is_left_alone():
     assert any("not a padding mask of its input, causal or not" in m for m in unpad_misses(record)), record.missed
 
 
-def test_a_causal_padding_mask_over_a_symbolic_length_is_left_alone():
-    """Under dynamic=True the probes run at one sequence length, where a window wider than it looks
-    causal: a causal padding mask over a symbolic length is not unpadded (a padding mask alone still is)."""
-    model = decoder("llama").eval()
-    compiled = torch.compile(model, backend="dmfx", options=UNPAD, dynamic=True)
+def windowed(kind: str):
+    """A small model whose attention is a sliding window over 9 keys at most: Mistral's (causal) or
+    ModernBERT's local layers (bidirectional, every other layer)."""
+    if kind == "mistral":
+        return decoder("mistral", sliding_window=8).eval()
+    cfg = transformers.ModernBertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=64, local_attention=8, global_attn_every_n_layers=2,
+                                        embedding_dropout=0.0, mlp_dropout=0.0, attention_dropout=0.0, pad_token_id=0,
+                                        bos_token_id=None, eos_token_id=None, cls_token_id=None, sep_token_id=None)
+    return transformers.ModernBertModel(cfg).eval()
+
+
+@pytest.mark.parametrize("kind", ["mistral", "modernbert"])
+def test_a_window_wider_than_the_first_batch_is_left_alone_under_a_symbolic_length(kind):
+    """Under dynamic=True a sliding window wider than the first batch hides nothing there but padding
+    (and the future): probes at that length alone take it for a padding mask, and the graph, run
+    again for longer batches, would drop the window. The mask is probed at a second length past its
+    constants too, where the window shows: it is left alone, and the longer batch is eager's."""
+    model = windowed(kind)
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS, dynamic=True)
     with torch.no_grad():
-        for B, S, lengths in [(3, 9, (5, 9, 7)), (2, 12, (12, 3))]:
+        for B, S, lengths in [(2, 4, (4, 3)), (3, 16, (16, 9, 12))]:
             ids, mask = padded_batch(B, S, 0, lengths)
-            ref = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            out = compiled(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            assert torch.allclose(out, ref, atol=1e-5), (B, S)
+            ref = model(input_ids=ids, attention_mask=mask)
+            out = compiled(input_ids=ids, attention_mask=mask)
+            ref, out = (o.logits if kind == "mistral" else o.last_hidden_state for o in (ref, out))
+            real = mask.bool()
+            assert torch.allclose(out[real], ref[real], atol=1e-5), (B, S)
+    windows = [m for r in dmfx.records() for m in unpad_misses(r) if "not a padding mask of its input" in m]
+    assert windows, [r.missed for r in dmfx.records()]
+
+
+def test_a_window_too_wide_to_probe_is_left_alone_under_a_symbolic_length():
+    """A window constant of 5000 would need probes over 10002 positions: the mask is not checked, and
+    the reason says so."""
+    model = decoder("mistral", sliding_window=5000).eval()
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS, dynamic=True)
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+        out = compiled(input_ids=ids, attention_mask=mask).logits
+    assert torch.allclose(out, ref, atol=1e-5)
     record = dmfx.records()[-1]
     assert "unpad" not in record.fired
-    assert any("symbolic sequence length" in m for m in unpad_misses(record)), record.missed
+    assert any("too large to probe" in m for m in unpad_misses(record)), record.missed
 
 
 def test_returned_attention_probabilities_are_left_alone():
@@ -706,3 +737,28 @@ def test_dynamic_shapes_one_graph_for_every_batch_shape():
             assert not out[~real].any()
     (record,) = dmfx.records()
     assert record.fired.get("unpad") == 2
+
+
+@pytest.mark.parametrize("family,impl", [("llama", "eager"), ("llama", "sdpa"), ("gpt2", "eager")])
+def test_causal_lm_training_under_a_symbolic_length(family, impl):
+    """Under dynamic=True the mask is probed at a second length past its constants (where a sliding
+    window would show), so a causal padding mask over a symbolic length is unpadded: one graph runs
+    batches of other shapes, each equal to eager (HF's full slices, which dynamic shapes leave in
+    repeat_kv, are row-wise)."""
+    torch.manual_seed(0)
+    model = decoder(family, impl).train()
+    params = list(model.parameters())
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS, dynamic=True)
+    for B, S, lengths in [(3, 9, (5, 9, 7)), (2, 12, (12, 3))]:
+        ids, mask = padded_batch(B, S, 0, lengths)
+        labels = ids.masked_fill(mask == 0, -100)
+        real = mask.bool()
+        R = torch.randn(*ids.shape, 100) * real[..., None]
+        ref_loss, ref_logits, ref_grads = causal_lm_step(model, ids, mask, labels, R, params)
+        loss, logits, grads = causal_lm_step(compiled, ids, mask, labels, R, params)
+        assert torch.allclose(loss, ref_loss, atol=1e-5), (B, S)
+        assert torch.allclose(logits[real], ref_logits[real], atol=1e-5), (B, S)
+        assert not logits[~real].any()
+        assert_grads_equal(grads, ref_grads)
+    unpadded = [r for r in dmfx.records() if r.fired.get("unpad")]
+    assert len(unpadded) == 1 and unpadded[0].fired["unpad"] == 2, [r.summary() for r in dmfx.records()]
