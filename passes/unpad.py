@@ -14,7 +14,9 @@ there from the real tokens: no real token ever reads them, so every real positio
 parameter gradient are eager's as long as nothing downstream reads the padding positions' outputs (a
 loss over every position: give padding the label -100). Such a loss (``dmfx::cross_entropy``,
 ``dmfx::linear_cross_entropy``) runs on the packed rows and is read as it is (``WHOLE``): the loss
-over the real positions, with no ``[B * S, V]`` logits scattered for it.
+over the real positions, with no ``[B * S, V]`` logits scattered for it. Its targets are packed by
+``dmfx::unpad_targets``, which raises a ValueError where a padding position has a label that is not
+ignored: eager counts that term, from logits unpad does not compute.
 
 T, the number of real tokens, is a data-dependent size (an unbacked SymInt, cuda_ops/unpad.py): a
 batch with another number of real tokens runs the same graph, with no recompile and no kernel build.
@@ -1328,9 +1330,7 @@ class Packer:
         rule = _rule(n)
         out_tok = _first_tok(tok)
         roles = rule.roles(n, out_tok, self.grid)
-        checked = None
-        if isinstance(rule, Loss) and any(a.causal for a in self.region.attentions.values()):
-            checked = self._checked_targets(n, rule)
+        checked = self._checked_targets(n, rule) if isinstance(rule, Loss) else None
         args, kwargs = rule.args(n, out_tok, self.T)
         args, kwargs = list(args), dict(kwargs)
         out_nd = _rank(val(n))
@@ -1345,11 +1345,12 @@ class Packer:
             self.packed[n] = self._call(n.target, tuple(args), kwargs)
 
     def _checked_targets(self, n: Node, rule: Loss) -> Node:
-        """The packed targets of a causal LM's loss, read from the padded ones by ``dmfx::unpad_targets``,
-        which raises where a padding position has a target: the loss over the real rows is eager's only
-        where none has (its logits are not computed here), and HF's shift of the labels puts the first
-        real token's label on the padding position before it (left padding, holes). The labels are
-        data, so this is checked when the graph runs."""
+        """The packed targets of a loss, read from the padded ones by ``dmfx::unpad_targets``, which
+        raises where a padding position has a target: the loss over the real rows is eager's only where
+        none has (its logits are not computed here). A collator's labels ignore padding, but
+        ``labels=input_ids`` does not, and in a causal LM HF's shift of the labels puts the first real
+        token's label on the padding position before it (left padding, holes). The labels are data, so
+        this is checked when the graph runs."""
         target, ignore = n.args[rule.target_at], n.args[rule.target_at + 1]
         if not isinstance(ignore, int):
             raise _Unsupported(f"{n.name}'s ignore_index is not a constant")

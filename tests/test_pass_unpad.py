@@ -247,12 +247,13 @@ def test_weights_shaped_like_token_tensors_are_still_weights(B, S):
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_a_loss_over_every_position_is_the_loss_over_the_real_ones(reduction):
     """The contract for a loss over every position (the module docstring): it is eager's loss over the
-    real positions, which is eager's whole loss when padding holds the label -100, and what a padding
-    label that is not ignored adds is left out (padding positions have no eager logits here)."""
+    real positions, which is eager's whole loss when padding holds the label -100. A padding label
+    that is not ignored is a term eager counts from logits unpad does not compute: that raises, naming
+    the position, when the graph runs (the labels are data)."""
     model = transformers.BertForTokenClassification(transformers.BertConfig(vocab_size=100, num_labels=5, **SMALL))
     model.train()
     ids, mask = padded_batch()
-    labels = torch.randint(0, 5, ids.shape, generator=torch.Generator().manual_seed(4))  # (padding not ignored)
+    labels = torch.randint(0, 5, ids.shape, generator=torch.Generator().manual_seed(4))
     real_labels = labels.masked_fill(~mask.bool(), -100)
 
     def loss_of(run, y):
@@ -265,8 +266,10 @@ def test_a_loss_over_every_position_is_the_loss_over_the_real_ones(reduction):
     want.sum().backward()
     ref_grads = [p.grad.clone() for p in params]
     model.zero_grad(set_to_none=True)
-    compiled = torch.compile(lambda **kw: loss_of(model, labels), backend="dmfx", options=UNPAD_GRAPHS)
-    got = compiled()
+    compiled = torch.compile(lambda y: loss_of(model, y), backend="dmfx", options=UNPAD_GRAPHS)
+    with pytest.raises(ValueError, match=r"target \d+ at padding position \[0, 5\] \(not ignore_index -100\)"):
+        compiled(labels)  # (padding labelled: the first padding position is [0, 5])
+    got = compiled(real_labels)
     got.sum().backward()
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
     assert_grads_equal([p.grad for p in params], ref_grads)
@@ -477,6 +480,21 @@ def test_a_causal_lm_label_shifted_onto_padding_raises(compiler):
     out = compiled(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
     ref = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
     assert torch.allclose(out.loss, ref.loss, atol=1e-5)
+
+
+def test_gpt2_with_its_loss_type_set_checks_its_labels_in_the_graph():
+    """GPT-2's HF class names no loss type, so HF warns on every call and Dynamo breaks the graph there:
+    the loss reads the returned logits, zeros at padding, and a left-padded label goes unchecked (the
+    README says so). With ``model.loss_type = "ForCausalLM"`` the loss is in the graph and the label
+    raises, as LLaMA's does."""
+    model = decoder("gpt2").train()
+    model.loss_type = "ForCausalLM"
+    ids, mask = padded_batch(left=True)
+    labels = ids.masked_fill(mask == 0, -100)
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS)
+    with pytest.raises(ValueError, match=r"target \d+ at padding position \[0, 3\]"):
+        compiled(input_ids=ids, attention_mask=mask, labels=labels)
+    assert len(dmfx.records()) == 1  # (one graph: the loss in it)
 
 
 def test_causal_lm_tied_head_a_layer_applied_twice_and_hidden_states_read_twice():
