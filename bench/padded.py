@@ -25,7 +25,7 @@ Two workloads, each candidate timed interleaved (A B C A B C ...), medians:
 
 ``--candidates`` also takes ``dmfx-skip-<pass>`` and ``dmfx-unpad-skip-<pass>`` (that pass switched off).
 
-    python -m bench.padded [--workload embed|finetune|mlm|causal-lm] [--batch 32] [--rounds 15] [--threads 2] [--autocast bf16]
+    python -m bench.padded [--workload embed|finetune|mlm|causal-lm] [--batch 32] [--rounds 15] [--threads 2] [--autocast bf16] [--dynamic]
 
 Page faults: PyTorch's CPU tensors come from glibc's malloc, which returns large freed blocks to the
 OS, so every step faults its activations in again (the kernel zeroes each fresh page); ONNX Runtime
@@ -259,7 +259,7 @@ def finetune(args) -> None:
         loss.backward()
         return {n: p.grad.clone() for n, p in check.named_parameters()}
     g_ref = grads(check)
-    g_unpad = grads(torch.compile(check, backend="dmfx", options={"unpad": True}))
+    g_unpad = grads(torch.compile(check, backend="dmfx", options={"unpad": True}, dynamic=args.dynamic or None))
     top = max(g.abs().max().item() for g in g_ref.values())
     err = max((g_unpad[k] - g_ref[k]).abs().max().item() for k in g_ref) / top
     log(f"dmfx-unpad gradients vs eager (dropout off): max error {err:.2e} of the largest gradient")
@@ -287,6 +287,8 @@ def finetune(args) -> None:
         kw = kinds[base_name]
         if skip:
             kw = {**kw, "options": {**kw.get("options", {}), "skip": [skip]}}
+        if kw is not None and args.dynamic:
+            kw = {**kw, "dynamic": True}
         m = Model(cfg)
         m.load_state_dict(base.state_dict())
         cands[name] = case(name, m if kw is None else torch.compile(m, **kw))
@@ -311,6 +313,8 @@ def main() -> None:
     p.add_argument("--candidates", default=None)
     p.add_argument("--autocast", choices=("bf16",), default=None,
                    help="finetune, mlm: each step under torch.autocast('cpu', torch.bfloat16)")
+    p.add_argument("--dynamic", action="store_true",
+                   help="finetune, mlm, causal-lm: every compiled candidate with dynamic=True (symbolic sizes)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.workload == "embed":
