@@ -88,6 +88,27 @@ def _eq(a: Any, b: Any) -> bool:
         return False
 
 
+def _alike(a: Any, b: Any) -> bool:
+    """a == b known, or two SymInts of equal hints: Dynamo gives a recompiled frame's inputs' dims
+    symbols of their own (automatic dynamic shapes: the attention mask's batch s92 beside input_ids'
+    s52), equal in every call HF makes. _unify makes that a guard where the pass relies on it."""
+    return _eq(a, b) or (isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and _hint(a) == _hint(b))
+
+
+def _unify(a: Any, b: Any) -> bool:
+    """Whether a == b, made known to the ShapeEnv where the two are distinct symbols of equal hints: a
+    guard (Dynamo checks it before each call, so the compiled graph runs only where it holds), after
+    which _eq sees the two as one. False where it cannot be shown (an unbacked size)."""
+    if _eq(a, b):
+        return True
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    try:
+        return bool(guard_or_false(a == b)) and _eq(a, b)
+    except Exception:  # noqa: BLE001 (a size the ShapeEnv cannot reason about: not shown)
+        return False
+
+
 def _hint(x: Any) -> int:
     from .graph_utils import concrete_int
 
@@ -238,28 +259,31 @@ def _probes(B: int, S: int, dtype: torch.dtype, device: torch.device) -> list[to
     return [p.to(dtype=dtype, device=device) for p in probes]
 
 
-def _probe_shapes(program: _MaskProgram, B: Any, S: Any) -> list[tuple[int, int, list[int]]] | str:
+def _probe_shapes(program: _MaskProgram, Bs: tuple, Ss: tuple) -> list[tuple[int, int, list[int]]] | str:
     """The (batch, length, SymInt inputs' values) to probe the mask at: the example's; and under a
     symbolic length a second, longer one. There, one length cannot tell a padding mask from a window
     wider than it (ModernBERT's local attention, a sliding-window causal LM): the window's width is a
     constant the mask's computation compares positions with, so the second length is past twice the
-    largest constant it reads, where any such window hides keys a padding mask keeps. Else why not."""
-    b, s = _hint(B), _hint(S)
+    largest constant it reads, where any such window hides keys a padding mask keeps. `Bs` and `Ss`:
+    the sizes that are the batch and the length (the attention's and the mask's own: equal, _alike).
+    Else why not."""
+    b, s = _hint(Bs[0]), _hint(Ss[0])
     shapes = [(b, s, [_hint(v) for v in program.sizes])]
-    if isinstance(S, int):
+    if all(isinstance(x, int) for x in Ss):
         return shapes
     s2 = max(2 * math.ceil(program.largest_constant) + 2, s + 1)
-    b2 = b if isinstance(B, int) else min(b, 3)
+    b2 = b if all(isinstance(x, int) for x in Bs) else min(b, 3)
     if b2 * s2 * s2 > _PROBE_SCORES:
-        return (f"under a symbolic sequence length ({S}) the attention mask must be checked at a length past its "
-                f"constants ({s2}), which is too large to probe: a window that wide would look like padding")
+        return (f"under a symbolic sequence length ({Ss[0]}) the attention mask must be checked at a length past "
+                f"its constants ({s2}), which is too large to probe: a window that wide would look like padding")
+    symbols = set().union(*(_symbols(x) for x in (*Bs, *Ss)))
     values = []
     for v in program.sizes:
-        if _eq(v, S):
+        if any(_eq(v, x) for x in Ss):
             values.append(s2)
-        elif not isinstance(B, int) and _eq(v, B):
+        elif any(_eq(v, x) for x in Bs if not isinstance(x, int)):
             values.append(b2)
-        elif isinstance(v, torch.SymInt) and v.node.expr.free_symbols & (_symbols(S) | _symbols(B)):
+        elif _symbols(v) & symbols:
             return (f"the attention mask reads a size {v} computed from the batch's or the sequence's: it cannot be "
                     "checked at another length")
         else:
@@ -294,11 +318,11 @@ def padding_mask_input(gm: GraphModule, mask: Any, heads: Any, B: Any, S: Any,
         return cache[mask]
     source = program.source
     sv = val(source)
-    if sv.dim() != 2 or not (_eq(sv.shape[0], B) and _eq(sv.shape[1], S)):
+    if sv.dim() != 2 or not (_alike(sv.shape[0], B) and _alike(sv.shape[1], S)):
         cache[mask] = None, False, (f"the attention mask comes from {source.name} {list(sv.shape)}, not a [batch, seq] "
                                     "padding mask")
         return cache[mask]
-    shapes = _probe_shapes(program, B, S)
+    shapes = _probe_shapes(program, (B, sv.shape[0]), (S, sv.shape[1]))
     why = shapes if isinstance(shapes, str) else None
     kinds = [False, True]  # (a padding mask; a causal one: the first probe that tells them apart decides)
     h = _hint(heads)
@@ -959,7 +983,6 @@ class Split(Rule):
         return tuple(args), kwargs
 
 
-
 class Slice(Split):
     """slice along a feature dim, or a whole slice along any dim (from 0 to the end, step 1): the
     identity, which dynamic shapes leave in the graph (HF's repeat_kv, ``k[:, :, None, :, :]``)."""
@@ -1535,6 +1558,12 @@ def unpad(gm: GraphModule, ctx: PassContext) -> None:
     params = frozenset(p for p, yes in zip(placeholders, is_param) if yes) if len(is_param) == len(placeholders) \
         else frozenset()
     grid = Grid(source, chosen[0][2], chosen[0][3], params)
+    mask_shape = val(source).shape
+    if not (_unify(mask_shape[0], grid.B) and _unify(mask_shape[1], grid.S)):
+        for c in chosen:
+            ctx.miss("unpad", c[0].node, f"the padding mask {source.name} {list(mask_shape)} cannot be shown to have "
+                                         f"the batch's and sequence's sizes ({grid.B}, {grid.S})")
+        return
     region = Region(grid, [c[0] for c in chosen])
     for c in chosen:
         alone = Region(grid, [c[0]])

@@ -780,3 +780,28 @@ def test_causal_lm_training_under_a_symbolic_length(family, impl):
         assert_grads_equal(grads, ref_grads)
     unpadded = [r for r in dmfx.records() if r.fired.get("unpad")]
     assert len(unpadded) == 1 and unpadded[0].fired["unpad"] == 2, [r.summary() for r in dmfx.records()]
+
+
+def test_automatic_dynamic_shapes_keep_unpadding():
+    """torch.compile's default (dynamic=None): the first batch compiles static, a new length recompiles
+    with a symbolic length, a new batch size with a symbolic batch. Dynamo then gives the attention
+    mask's batch a symbol of its own beside input_ids' (s92 and s52), equal in every call: the pass
+    guards on their equality (Dynamo checks it per call) instead of leaving the graph padded. Every
+    graph unpads, each step equal to eager."""
+    torch.manual_seed(0)
+    model = decoder("llama").train()
+    params = list(model.parameters())
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS)
+    for B, S, lengths in [(3, 9, (5, 9, 7)), (3, 12, (12, 3, 8)), (2, 10, (10, 4))]:
+        ids, mask = padded_batch(B, S, 0, lengths)
+        labels = ids.masked_fill(mask == 0, -100)
+        real = mask.bool()
+        R = torch.randn(*ids.shape, 100) * real[..., None]
+        ref_loss, ref_logits, ref_grads = causal_lm_step(model, ids, mask, labels, R, params)
+        loss, logits, grads = causal_lm_step(compiled, ids, mask, labels, R, params)
+        assert torch.allclose(loss, ref_loss, atol=1e-5), (B, S)
+        assert torch.allclose(logits[real], ref_logits[real], atol=1e-5), (B, S)
+        assert_grads_equal(grads, ref_grads)
+    records = dmfx.records()
+    assert len(records) == 3 and all(r.fired.get("unpad") == 2 for r in records), \
+        [(r.fired.get("unpad"), unpad_misses(r)) for r in records]
