@@ -757,17 +757,12 @@ def test_dynamic_shapes_one_graph_for_every_batch_shape():
     assert record.fired.get("unpad") == 2
 
 
-@pytest.mark.parametrize("family,impl", [("llama", "eager"), ("llama", "sdpa"), ("gpt2", "eager")])
-def test_causal_lm_training_under_a_symbolic_length(family, impl):
-    """Under dynamic=True the mask is probed at a second length past its constants (where a sliding
-    window would show), so a causal padding mask over a symbolic length is unpadded: one graph runs
-    batches of other shapes, each equal to eager (HF's full slices, which dynamic shapes leave in
-    repeat_kv, are row-wise)."""
-    torch.manual_seed(0)
-    model = decoder(family, impl).train()
+def steps_match_eager(model, compiled, shapes):
+    """A training step of `compiled` on a right-padded batch of each (B, S, lengths) in `shapes`, every
+    real token labelled: loss, real logits and every gradient (a random cotangent) equal eager's, and
+    the padding positions' logits are zeros."""
     params = list(model.parameters())
-    compiled = torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS, dynamic=True)
-    for B, S, lengths in [(3, 9, (5, 9, 7)), (2, 12, (12, 3))]:
+    for B, S, lengths in shapes:
         ids, mask = padded_batch(B, S, 0, lengths)
         labels = ids.masked_fill(mask == 0, -100)
         real = mask.bool()
@@ -778,6 +773,18 @@ def test_causal_lm_training_under_a_symbolic_length(family, impl):
         assert torch.allclose(logits[real], ref_logits[real], atol=1e-5), (B, S)
         assert not logits[~real].any()
         assert_grads_equal(grads, ref_grads)
+
+
+@pytest.mark.parametrize("family,impl", [("llama", "eager"), ("llama", "sdpa"), ("gpt2", "eager")])
+def test_causal_lm_training_under_a_symbolic_length(family, impl):
+    """Under dynamic=True the mask is probed at a second length past its constants (where a sliding
+    window would show), so a causal padding mask over a symbolic length is unpadded: one graph runs
+    batches of other shapes, each equal to eager (HF's full slices, which dynamic shapes leave in
+    repeat_kv, are row-wise)."""
+    torch.manual_seed(0)
+    model = decoder(family, impl).train()
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS, dynamic=True)
+    steps_match_eager(model, compiled, [(3, 9, (5, 9, 7)), (2, 12, (12, 3))])
     unpadded = [r for r in dmfx.records() if r.fired.get("unpad")]
     assert len(unpadded) == 1 and unpadded[0].fired["unpad"] == 2, [r.summary() for r in dmfx.records()]
 
@@ -790,18 +797,8 @@ def test_automatic_dynamic_shapes_keep_unpadding():
     graph unpads, each step equal to eager."""
     torch.manual_seed(0)
     model = decoder("llama").train()
-    params = list(model.parameters())
     compiled = torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS)
-    for B, S, lengths in [(3, 9, (5, 9, 7)), (3, 12, (12, 3, 8)), (2, 10, (10, 4))]:
-        ids, mask = padded_batch(B, S, 0, lengths)
-        labels = ids.masked_fill(mask == 0, -100)
-        real = mask.bool()
-        R = torch.randn(*ids.shape, 100) * real[..., None]
-        ref_loss, ref_logits, ref_grads = causal_lm_step(model, ids, mask, labels, R, params)
-        loss, logits, grads = causal_lm_step(compiled, ids, mask, labels, R, params)
-        assert torch.allclose(loss, ref_loss, atol=1e-5), (B, S)
-        assert torch.allclose(logits[real], ref_logits[real], atol=1e-5), (B, S)
-        assert_grads_equal(grads, ref_grads)
+    steps_match_eager(model, compiled, [(3, 9, (5, 9, 7)), (3, 12, (12, 3, 8)), (2, 10, (10, 4))])
     records = dmfx.records()
     assert len(records) == 3 and all(r.fired.get("unpad") == 2 for r in records), \
         [(r.fired.get("unpad"), unpad_misses(r)) for r in records]
