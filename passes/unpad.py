@@ -276,23 +276,21 @@ def _probe_shapes(program: _MaskProgram, Bs: tuple, Ss: tuple) -> list[tuple[int
     if b2 * s2 * s2 > _PROBE_SCORES:
         return (f"under a symbolic sequence length ({Ss[0]}) the attention mask must be checked at a length past "
                 f"its constants ({s2}), which is too large to probe: a window that wide would look like padding")
-    symbols = set().union(*(_symbols(x) for x in (*Bs, *Ss)))
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    symbols = set(free_symbols((*Bs, *Ss)))
     values = []
     for v in program.sizes:
         if any(_eq(v, x) for x in Ss):
             values.append(s2)
         elif any(_eq(v, x) for x in Bs if not isinstance(x, int)):
             values.append(b2)
-        elif _symbols(v) & symbols:
+        elif set(free_symbols(v)) & symbols:
             return (f"the attention mask reads a size {v} computed from the batch's or the sequence's: it cannot be "
                     "checked at another length")
         else:
             values.append(_hint(v))
     return shapes + [(b2, s2, values)]
-
-
-def _symbols(x: Any) -> set:
-    return set(x.node.expr.free_symbols) if isinstance(x, torch.SymInt) else set()
 
 
 def padding_mask_input(gm: GraphModule, mask: Any, heads: Any, B: Any, S: Any,
