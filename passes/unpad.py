@@ -43,7 +43,9 @@ real rows differs from eager's where a padding position has a label: HF shifts t
 left padding the first real token's label falls on the padding before it. ``dmfx::unpad_targets``
 (which packs the loss's targets) raises a ValueError saying so when that happens, since the labels
 are data. Under a symbolic sequence length the probes run at a second length past the mask's
-constants (_probe_shapes), where a sliding window wider than the example's length shows.
+constants (_probe_shapes), where a sliding window wider than the example's length shows; where that
+length is too long to probe, or a window shows there, at the largest constant (the window's width),
+and the pass guards the graph to lengths up to it (a longer batch recompiles).
 
 Near-misses (recorded, the graph left as it is): a mask that is not a padding mask, causal or not
 (a sliding window narrower than the sequence, a learned bias such as T5's, a mask computed from more
@@ -57,7 +59,7 @@ import logging
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -105,6 +107,17 @@ def _unify(a: Any, b: Any) -> bool:
 
     try:
         return bool(guard_or_false(a == b)) and _eq(a, b)
+    except Exception:  # noqa: BLE001 (a size the ShapeEnv cannot reason about: not shown)
+        return False
+
+
+def _bound(S: Any, longest: int) -> bool:
+    """Whether S <= longest, made a guard where S is symbolic (Dynamo checks it before each call; a
+    longer batch recompiles): the graph's padding mask was checked up to that length only."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    try:
+        return bool(guard_or_false(S <= longest))
     except Exception:  # noqa: BLE001 (a size the ShapeEnv cannot reason about: not shown)
         return False
 
@@ -247,42 +260,48 @@ def _mask_program(gm: GraphModule, mask: Node) -> _MaskProgram | str:
     return _MaskProgram(source, sizes, sub, max(_constants(nodes, gm), default=0.0))
 
 
-def _probes(B: int, S: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+def _probes(B: int, S: int, dtype: torch.dtype, device: torch.device, window: bool = False) -> list[torch.Tensor]:
     """0/1 masks that tell a padding mask from any other: none padded, all padded, right and left
-    padding, and random holes."""
+    padding, and random holes. `window`: only those that show a window at a second length (none
+    padded, right padding), the kind of mask already known from the example's."""
     gen = torch.Generator().manual_seed(17)
     lengths = torch.randint(0, S + 1, (B,), generator=gen)
     pos = torch.arange(S)
     right = pos[None, :] < lengths[:, None]
-    probes = [torch.ones(B, S, dtype=torch.bool), torch.zeros(B, S, dtype=torch.bool), right, right.flip(1)]
-    probes += [torch.rand(B, S, generator=gen) < 0.5 for _ in range(3)]
+    probes = [torch.ones(B, S, dtype=torch.bool), right]
+    if not window:
+        probes += [torch.zeros(B, S, dtype=torch.bool), right.flip(1)]
+        probes += [torch.rand(B, S, generator=gen) < 0.5 for _ in range(3)]
     return [p.to(dtype=dtype, device=device) for p in probes]
 
 
-def _probe_shapes(program: _MaskProgram, Bs: tuple, Ss: tuple) -> list[tuple[int, int, list[int]]] | str:
-    """The (batch, length, SymInt inputs' values) to probe the mask at: the example's; and under a
-    symbolic length a second, longer one. There, one length cannot tell a padding mask from a window
-    wider than it (ModernBERT's local attention, a sliding-window causal LM): the window's width is a
-    constant the mask's computation compares positions with, so the second length is past twice the
-    largest constant it reads, where any such window hides keys a padding mask keeps. `Bs` and `Ss`:
-    the sizes that are the batch and the length (the attention's and the mask's own: equal, _alike).
-    Else why not."""
+_Shape = tuple[int, int, list[int]]  # (batch, length, the SymInt inputs' values) to probe a mask at
+
+
+def _probe_shapes(program: _MaskProgram, Bs: tuple, Ss: tuple) -> tuple[_Shape, list[tuple[_Shape, int | None]]] | str:
+    """The shape to probe the mask at (the example's), and under a symbolic length the second ones to
+    try in turn, each with the longest length the graph may then run at (None: any; else the pass
+    guards the graph on it). One length cannot tell a padding mask from a window wider than it
+    (ModernBERT's local attention, a sliding-window causal LM), and a window's width is a constant the
+    mask's computation compares positions with. So the first second length is past twice the largest
+    constant, where any such window hides keys a padding mask keeps; where it is too long to probe,
+    or a window shows there, the next is that constant itself (or the longest that can be probed, if
+    shorter), with the graph run only up to it. A window that hides anything at a length hides it at
+    every longer one, so one that hides nothing there hides nothing at any length the guard lets
+    through. `Bs` and `Ss`: the sizes that are the batch and the length (the attention's and the mask's
+    own: equal, _alike). Else why not."""
     b, s = _hint(Bs[0]), _hint(Ss[0])
-    shapes = [(b, s, [_hint(v) for v in program.sizes])]
+    example = (b, s, [_hint(v) for v in program.sizes])
     if all(isinstance(x, int) for x in Ss):
-        return shapes
-    s2 = max(2 * math.ceil(program.largest_constant) + 2, s + 1)
-    b2 = b if all(isinstance(x, int) for x in Bs) else min(b, 3)
-    if b2 * s2 * s2 > _PROBE_SCORES:
-        return (f"under a symbolic sequence length ({Ss[0]}) the attention mask must be checked at a length past "
-                f"its constants ({s2}), which is too large to probe: a window that wide would look like padding")
+        return example, []
     from torch.fx.experimental.symbolic_shapes import free_symbols
 
+    b2 = b if all(isinstance(x, int) for x in Bs) else min(b, 2)
     symbols = set(free_symbols((*Bs, *Ss)))
     values = []
     for v in program.sizes:
         if any(_eq(v, x) for x in Ss):
-            values.append(s2)
+            values.append(None)
         elif any(_eq(v, x) for x in Bs if not isinstance(x, int)):
             values.append(b2)
         elif set(free_symbols(v)) & symbols:
@@ -290,57 +309,93 @@ def _probe_shapes(program: _MaskProgram, Bs: tuple, Ss: tuple) -> list[tuple[int
                     "checked at another length")
         else:
             values.append(_hint(v))
-    return shapes + [(b2, s2, values)]
+    longest = math.isqrt(_PROBE_SCORES // b2)
+    past = 2 * math.ceil(program.largest_constant) + 2
+    lengths = [(max(past, s + 1), None)] if past <= longest else []
+    bound = min(math.floor(program.largest_constant), longest)
+    if bound > s:
+        lengths.append((bound, bound))
+    if not lengths:
+        return (f"under a symbolic sequence length ({Ss[0]}) the attention mask must be checked at a length past "
+                f"its example's ({s}) and its constants ({program.largest_constant:g}), which is too long to probe: "
+                "a window that wide would look like padding")
+    return example, [((b2, n, [n if v is None else v for v in values]), bound) for n, bound in lengths]
 
 
-def padding_mask_input(gm: GraphModule, mask: Any, heads: Any, B: Any, S: Any,
-                       cache: dict) -> tuple[Node, bool, None] | tuple[None, bool, str]:
-    """(the graph input, causal, None) when `mask` (an attention's mask over [B, heads, S, S] scores) is
+class MaskCheck(NamedTuple):
+    """What padding_mask_input found: the padding mask's graph input (None: not a padding mask), whether
+    the mask is causal too, why not (None: it is), and the longest sequence the finding holds for
+    (None: any; else the pass guards the graph on it, _probe_shapes)."""
+
+    source: Node | None
+    causal: bool
+    why: str | None
+    longest: int | None = None
+
+
+def padding_mask_input(gm: GraphModule, mask: Any, heads: Any, B: Any, S: Any, cache: dict) -> MaskCheck:
+    """MaskCheck(the graph input, causal, None, longest) when `mask` (an attention's mask over [B, heads, S, S] scores) is
     an HF padding mask of it: key j of batch b is hidden (-inf, <= -1e30 or False) exactly where
     ``input[b, j] == 0``, in every head and query row, and a kept key reads 0 (or True), so dropping
     the mask from attention over the packed sequences changes no result. `causal`: the mask hides the
     keys after each query too (a decoder's padded batch: HF's causal mask with an attention mask), so
     the attention over the packed sequences is causal within each sequence (the real tokens keep their
     order). Decided by running the mask's computation on probe masks (_probes), at the example's
-    length and, under a symbolic length, at one past the mask's constants (_probe_shapes). Else (None,
-    False, why not)."""
+    length and, under a symbolic length, at a second one past the mask's constants (_probe_shapes).
+    Else MaskCheck(None, False, why not)."""
     if mask is None:
-        return None, False, "the attention has no mask: nothing marks padding"
+        return MaskCheck(None, False, "the attention has no mask: nothing marks padding")
     if not isinstance(mask, Node):
-        return None, False, "the attention mask is not a tensor of the graph"
+        return MaskCheck(None, False, "the attention mask is not a tensor of the graph")
     if mask in cache:
         return cache[mask]
     program = _mask_program(gm, mask)
     if isinstance(program, str):
-        cache[mask] = None, False, program
+        cache[mask] = MaskCheck(None, False, program)
         return cache[mask]
     source = program.source
     sv = val(source)
     if sv.dim() != 2 or not (_alike(sv.shape[0], B) and _alike(sv.shape[1], S)):
-        cache[mask] = None, False, (f"the attention mask comes from {source.name} {list(sv.shape)}, not a [batch, seq] "
-                                    "padding mask")
+        cache[mask] = MaskCheck(None, False, f"the attention mask comes from {source.name} {list(sv.shape)}, not a "
+                                             "[batch, seq] padding mask")
         return cache[mask]
-    shapes = _probe_shapes(program, (B, sv.shape[0]), (S, sv.shape[1]))
-    why = shapes if isinstance(shapes, str) else None
-    kinds = [False, True]  # (a padding mask; a causal one: the first probe that tells them apart decides)
+    found = _probe_shapes(program, (B, sv.shape[0]), (S, sv.shape[1]))
+    if isinstance(found, str):
+        cache[mask] = MaskCheck(None, False, found)
+        return cache[mask]
+    example, seconds = found
     h = _hint(heads)
-    try:
-        for b, s, sizes in [] if why else shapes:
-            causal = torch.ones(s, s, dtype=torch.bool, device=sv.device).tril()
-            for probe in _probes(b, s, sv.dtype, sv.device):
-                out = program.run(probe, *sizes)
-                torch.broadcast_to(out, (b, h, s, s))  # (else not a mask over these scores: raises)
-                padding = (probe != 0)[:, None, None, :]
-                kinds = [c for c in kinds if _hides_exactly(out, padding & causal if c else padding)]
-                if not kinds:
-                    why = ("the attention mask is not a padding mask of its input, causal or not (a window, or values "
-                           "other than 0 and a large negative)")
-                    break
-            if why:
+
+    def kinds_at(shape: _Shape, kinds: list[bool], window: bool) -> list[bool]:
+        """Which of `kinds` (False: a padding mask; True: a causal one) the mask is at `shape`."""
+        b, s, sizes = shape
+        causal = torch.ones(s, s, dtype=torch.bool, device=sv.device).tril()
+        for probe in _probes(b, s, sv.dtype, sv.device, window):
+            out = program.run(probe, *sizes)
+            torch.broadcast_to(out, (b, h, s, s))  # (else not a mask over these scores: raises)
+            padding = (probe != 0)[:, None, None, :]
+            kinds = [c for c in kinds if _hides_exactly(out, padding & causal if c else padding)]
+            if not kinds:
                 break
+        return kinds
+
+    try:
+        kinds = kinds_at(example, [False, True], False)  # (the first probe that tells the two apart decides)
+        if not kinds:
+            why = ("the attention mask is not a padding mask of its input, causal or not (a window, or values other "
+                   "than 0 and a large negative)")
+        else:
+            why, longest = None, None
+            for shape, bound in seconds:
+                there = kinds_at(shape, kinds, True)
+                if there:
+                    why, kinds, longest = None, there, bound
+                    break
+                why = (f"the attention mask hides more than padding{' and later keys' if kinds == [True] else ''} "
+                       f"at {shape[1]} tokens (a window wider than this batch)")
     except Exception as e:  # (shapes the probes cannot take, ops that need other inputs)
         why = f"the attention mask's computation could not be checked ({type(e).__name__})"
-    cache[mask] = (None, False, why) if why else (source, kinds[0], None)
+    cache[mask] = MaskCheck(None, False, why) if why else MaskCheck(source, kinds[0], None, longest)
     return cache[mask]
 
 
@@ -1535,12 +1590,12 @@ def unpad(gm: GraphModule, ctx: PassContext) -> None:
         why = _varlen_ok(qm, D, D if "qkv" in found.operands else tensor_meta(found.operands["v"]).shape[-1])
         source = None
         if why is None:
-            source, causal, why = padding_mask_input(gm, found.mask, H, B, S, cache)
+            source, causal, why, longest = padding_mask_input(gm, found.mask, H, B, S, cache)
         if why is not None:
             ctx.miss("unpad", n, why)
             continue
         found.causal = found.causal or causal
-        calls.append((found, source, B, S))
+        calls.append((found, source, B, S, longest))
     if not calls:
         return
     sources = {}
@@ -1576,6 +1631,12 @@ def unpad(gm: GraphModule, ctx: PassContext) -> None:
             region.attentions.pop(c[0].node)
             ctx.miss("unpad", c[0].node, "q, k or v is packed in two different layouts")
     if not region.attentions:
+        return
+    bounds = [c[4] for c in chosen if c[4] is not None and c[0].node in region.attentions]
+    if bounds and not _bound(grid.S, min(bounds)):
+        for c in chosen:
+            ctx.miss("unpad", c[0].node, f"the sequence length {grid.S} cannot be bounded by {min(bounds)}, the longest "
+                                         "its attention mask was checked at")
         return
     region.grow_forward()
     try:
@@ -1628,7 +1689,7 @@ def padding_hint(gm: GraphModule) -> PaddingHint | None:
                 B, H, S = tensor_meta(n).shape[:3]
                 masks.append((m, H, B, S))
         for mask, H, B, S in masks:
-            source, _, why = padding_mask_input(gm, mask, H, B, S, cache)
+            source = padding_mask_input(gm, mask, H, B, S, cache).source
             if source is not None:
                 found[source] = found.get(source, 0) + 1
     if not found:

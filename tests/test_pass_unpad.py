@@ -3,6 +3,8 @@ tokens alone. Outputs at real positions and every parameter gradient equal eager
 hold zeros, a batch with another number of real tokens runs the same graph, and whatever is not an
 HF padding mask is left alone with the reason recorded."""
 
+import sys
+
 import pytest
 import torch
 
@@ -600,39 +602,75 @@ def windowed(kind: str):
     return transformers.ModernBertModel(cfg).eval()
 
 
-@pytest.mark.parametrize("kind", ["mistral", "modernbert"])
-def test_a_window_wider_than_the_first_batch_is_left_alone_under_a_symbolic_length(kind):
-    """Under dynamic=True a sliding window wider than the first batch hides nothing there but padding
-    (and the future): probes at that length alone take it for a padding mask, and the graph, run
-    again for longer batches, would drop the window. The mask is probed at a second length past its
-    constants too, where the window shows: it is left alone, and the longer batch is eager's."""
-    model = windowed(kind)
-    compiled = torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS, dynamic=True)
+def windowed_outputs_match_eager(model, compiled, shapes):
+    """Inference on padded batches of `shapes` ((B, S, lengths) each), equal to eager at the real
+    positions. A decoder runs without its cache: HF's sliding-window cache guards on the length
+    itself (a slice of the last window - 1 keys), which would recompile at the window's width."""
+    kw = {} if isinstance(model, transformers.ModernBertModel) else {"use_cache": False}
     with torch.no_grad():
-        for B, S, lengths in [(2, 4, (4, 3)), (3, 16, (16, 9, 12))]:
+        for B, S, lengths in shapes:
             ids, mask = padded_batch(B, S, 0, lengths)
-            ref = model(input_ids=ids, attention_mask=mask)
-            out = compiled(input_ids=ids, attention_mask=mask)
-            ref, out = (o.logits if kind == "mistral" else o.last_hidden_state for o in (ref, out))
+            ref = model(input_ids=ids, attention_mask=mask, **kw)
+            out = compiled(input_ids=ids, attention_mask=mask, **kw)
+            ref, out = (o.logits if hasattr(o, "logits") else o.last_hidden_state for o in (ref, out))
             real = mask.bool()
             assert torch.allclose(out[real], ref[real], atol=1e-5), (B, S)
-    windows = [m for r in dmfx.records() for m in unpad_misses(r) if "not a padding mask of its input" in m]
-    assert windows, [r.missed for r in dmfx.records()]
 
 
-def test_a_window_too_wide_to_probe_is_left_alone_under_a_symbolic_length():
-    """A window constant of 5000 would need probes over 10002 positions: the mask is not checked, and
-    the reason says so."""
-    model = decoder("mistral", sliding_window=5000).eval()
+def test_a_window_wider_than_the_first_batch_bounds_the_length_under_a_symbolic_length():
+    """Under dynamic=True a sliding window wider than the first batch hides nothing there but padding
+    and the future: probes at that length alone take it for a padding mask, and the graph, run again
+    for longer batches, would drop the window. Mistral's window of 8 shows at a second length past
+    its constants (18); at its width (8) it still hides nothing, so the graph is unpadded with a guard
+    that the length is at most 8. A longer batch recompiles, and there the window shows in the
+    example itself: that graph stays padded. Every output is eager's."""
+    model = windowed("mistral")
     compiled = torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS, dynamic=True)
-    ids, mask = padded_batch()
-    with torch.no_grad():
-        ref = model(input_ids=ids, attention_mask=mask).logits
-        out = compiled(input_ids=ids, attention_mask=mask).logits
-    assert torch.allclose(out, ref, atol=1e-5)
-    record = dmfx.records()[-1]
-    assert "unpad" not in record.fired
-    assert any("too large to probe" in m for m in unpad_misses(record)), record.missed
+    windowed_outputs_match_eager(model, compiled, [(2, 4, (4, 3)), (3, 7, (7, 2, 5)), (3, 16, (16, 9, 12))])
+    first, second = dmfx.records()  # (the 7-token batch ran the first graph: the guard let it through)
+    assert first.fired.get("unpad") == 2, unpad_misses(first)
+    assert "unpad" not in second.fired
+    assert any("not a padding mask of its input" in m for m in unpad_misses(second)), second.missed
+
+
+def test_a_bidirectional_window_wider_than_the_first_batch_is_left_alone_under_a_symbolic_length():
+    """ModernBERT's local layers (a window of 4 keys either side) over a first batch of 4 tokens: the
+    window shows at a second length past its constants, and at its width there is nothing longer than
+    the batch to bound it by, so those layers stay padded; the global layer is unpadded. Every output
+    is eager's, the longer batch's too."""
+    model = windowed("modernbert")
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS, dynamic=True)
+    windowed_outputs_match_eager(model, compiled, [(2, 4, (4, 3)), (3, 16, (16, 9, 12))])
+    records = dmfx.records()
+    assert len(records) == 1 and records[0].fired.get("unpad") == 1, [unpad_misses(r) for r in records]
+    assert any("hides more than padding at 10 tokens" in m for m in unpad_misses(records[0])), records[0].missed
+
+
+def test_mistrals_window_of_4096_is_unpadded_under_a_symbolic_length():
+    """Mistral's own window (4096 keys, its config's default): under dynamic=True a second length past
+    twice its width is too long to probe, so the mask is probed at 4096 and the graph guarded to at
+    most 4096 tokens. It is unpadded, and equal to eager at two shapes."""
+    model = decoder("mistral").eval()
+    assert model.config.sliding_window == 4096
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS, dynamic=True)
+    windowed_outputs_match_eager(model, compiled, [(3, 9, (5, 9, 7)), (2, 12, (12, 3))])
+    records = dmfx.records()
+    assert len(records) == 1 and records[0].fired.get("unpad") == 2, [unpad_misses(r) for r in records]
+
+
+def test_a_window_too_wide_to_probe_bounds_the_length_or_is_left_alone(monkeypatch):
+    """With probes of at most 2 x 20 x 20 scores, a window of 30: the mask is probed at 20 tokens (the
+    longest allowed) and the graph guarded to at most 20. A batch of 24 recompiles, and there no
+    second length between 24 and 30 can be probed: that graph stays padded, with the reason."""
+    monkeypatch.setattr(sys.modules["dmfx.passes.unpad"], "_PROBE_SCORES", 2 * 20 * 20)
+    model = decoder("mistral", sliding_window=30).eval()
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS, dynamic=True)
+    windowed_outputs_match_eager(model, compiled, [(3, 9, (5, 9, 7)), (2, 20, (20, 3)), (2, 24, (24, 13)),
+                                                   (2, 12, (12, 5))])
+    first, second = dmfx.records()
+    assert first.fired.get("unpad") == 2, unpad_misses(first)
+    assert "unpad" not in second.fired
+    assert any("too long to probe" in m for m in unpad_misses(second)), second.missed
 
 
 def test_returned_attention_probabilities_are_left_alone():
