@@ -21,11 +21,15 @@ Two workloads, each candidate timed interleaved (A B C A B C ...), medians:
 * ``--workload causal-lm``: a causal-LM fine-tuning step on a right-padded batch: issue 16's
   ``LlamaForCausalLM`` (hidden 512, 8 heads / 4 kv heads, vocab 32000, ``--layers`` 4), every real
   token labelled and padding -100 (HF's shift then puts no label on a padding position). Under
-  ``unpad`` each attention runs causal over the packed sequences.
+  ``unpad`` each attention runs causal over the packed sequences. ``--family mistral``: the same sizes
+  as ``MistralForCausalLM`` (a 4096-token sliding window: under ``--dynamic`` the case unpad guards
+  the length for). ``--workload mlm --family modernbert``: ``ModernBertForMaskedLM`` at ModernBERT-base's
+  sizes (local layers with a 128-token window, which unpad leaves padded, and global layers).
 
 ``--candidates`` also takes ``dmfx-skip-<pass>`` and ``dmfx-unpad-skip-<pass>`` (that pass switched off).
 
-    python -m bench.padded [--workload embed|finetune|mlm|causal-lm] [--batch 32] [--rounds 15] [--threads 2] [--autocast bf16] [--dynamic]
+    python -m bench.padded [--workload embed|finetune|mlm|causal-lm] [--family ...] [--batch 32] [--rounds 15]
+                           [--threads 2] [--autocast bf16] [--dynamic]
 
 Page faults: PyTorch's CPU tensors come from glibc's malloc, which returns large freed blocks to the
 OS, so every step faults its activations in again (the kernel zeroes each fresh page); ONNX Runtime
@@ -215,11 +219,18 @@ def finetune(args) -> None:
     import dmfx
 
     mlm, causal = args.workload == "mlm", args.workload == "causal-lm"
-    if causal:  # (bench/lm_step.py's llama-lm: the issue's LLaMA)
-        Model = transformers.LlamaForCausalLM
-        cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1376, num_attention_heads=8,
-                                       num_key_value_heads=4, vocab_size=32000, num_hidden_layers=args.layers or 4,
-                                       use_cache=False, attn_implementation=args.attn)
+    if causal:  # (bench/lm_step.py's llama-lm: the issue's LLaMA; Mistral: the same sizes and a sliding window)
+        family = args.family or "llama"
+        Model, Config = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
+                         "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig)}[family]
+        cfg = Config(hidden_size=512, intermediate_size=1376, num_attention_heads=8, num_key_value_heads=4,
+                     vocab_size=32000, num_hidden_layers=args.layers or 4, use_cache=False,
+                     attn_implementation=args.attn)
+    elif mlm and args.family == "modernbert":  # ModernBERT-base's sizes: local layers of a 128-token window
+        Model = transformers.ModernBertForMaskedLM
+        cfg = transformers.ModernBertConfig(num_hidden_layers=args.layers or 6, pad_token_id=0, bos_token_id=None,
+                                            eos_token_id=None, cls_token_id=None, sep_token_id=None,
+                                            attn_implementation=args.attn)
     else:
         Model = transformers.BertForMaskedLM if mlm else transformers.BertForSequenceClassification
         cfg = transformers.BertConfig(num_labels=2, attn_implementation=args.attn)
@@ -306,6 +317,9 @@ def main() -> None:
     p.add_argument("--min-words", type=int, default=4)
     p.add_argument("--max-words", type=int, default=120)
     p.add_argument("--attn", default="eager", help="the compiled candidates' attention implementation")
+    p.add_argument("--family", choices=("llama", "mistral", "bert", "modernbert"), default=None,
+                   help="causal-lm: llama (default) or mistral (a 4096-token sliding window); mlm: bert (default) "
+                        "or modernbert (ModernBERT-base's sizes, --layers default 6: 2 global, 4 local)")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)

@@ -333,16 +333,18 @@ class MaskCheck(NamedTuple):
     longest: int | None = None
 
 
-def padding_mask_input(gm: GraphModule, mask: Any, heads: Any, B: Any, S: Any, cache: dict) -> MaskCheck:
-    """MaskCheck(the graph input, causal, None, longest) when `mask` (an attention's mask over [B, heads, S, S] scores) is
-    an HF padding mask of it: key j of batch b is hidden (-inf, <= -1e30 or False) exactly where
+def padding_mask_input(gm: GraphModule, mask: Any, heads: Any, B: Any, S: Any, cache: dict,
+                       bounded: bool = True) -> MaskCheck:
+    """MaskCheck(the graph input, causal, None, longest) when `mask` (an attention's mask over
+    [B, heads, S, S] scores) is an HF padding mask of it: key j of batch b is hidden (-inf, <= -1e30 or False) exactly where
     ``input[b, j] == 0``, in every head and query row, and a kept key reads 0 (or True), so dropping
     the mask from attention over the packed sequences changes no result. `causal`: the mask hides the
     keys after each query too (a decoder's padded batch: HF's causal mask with an attention mask), so
     the attention over the packed sequences is causal within each sequence (the real tokens keep their
     order). Decided by running the mask's computation on probe masks (_probes), at the example's
-    length and, under a symbolic length, at a second one past the mask's constants (_probe_shapes).
-    Else MaskCheck(None, False, why not)."""
+    length and, under a symbolic length, at a second one past the mask's constants (_probe_shapes;
+    `bounded`: also at the window's width, with `longest` set, where that fails). Else MaskCheck(None,
+    False, why not)."""
     if mask is None:
         return MaskCheck(None, False, "the attention has no mask: nothing marks padding")
     if not isinstance(mask, Node):
@@ -364,6 +366,9 @@ def padding_mask_input(gm: GraphModule, mask: Any, heads: Any, B: Any, S: Any, c
         cache[mask] = MaskCheck(None, False, found)
         return cache[mask]
     example, seconds = found
+    if not bounded and seconds and all(bound is not None for _, bound in seconds):
+        return MaskCheck(None, False, "the attention mask would be checked at its window's width only (not bounded)")
+    seconds = [x for x in seconds if bounded or x[1] is None]
     h = _hint(heads)
 
     def kinds_at(shape: _Shape, kinds: list[bool], window: bool) -> list[bool]:
@@ -1588,7 +1593,7 @@ def unpad(gm: GraphModule, ctx: PassContext) -> None:
             continue
         B, H, S, D, qm = shapes
         why = _varlen_ok(qm, D, D if "qkv" in found.operands else tensor_meta(found.operands["v"]).shape[-1])
-        source = None
+        source = longest = None
         if why is None:
             source, causal, why, longest = padding_mask_input(gm, found.mask, H, B, S, cache)
         if why is not None:
@@ -1672,7 +1677,9 @@ def _eager_attention_masks(n: Node) -> list[Node]:
 def padding_hint(gm: GraphModule) -> PaddingHint | None:
     """Whether `gm` (a lowered graph, fused or not) has attentions that read one HF padding mask, so
     that ``unpad=True`` would skip its padding: the hint the backend logs once, at the first call,
-    when the batch is mostly padding (the option is off). None when it has none."""
+    when the batch is mostly padding (the option is off). None when it has none. A mask unpad would
+    only take with a guard on the length (a window checked at its width) is not hinted: that check
+    probes thousands of positions, not worth a log line's compile time."""
     cache: dict = {}
     found: dict[Node, int] = {}
     for n in gm.graph.nodes:
@@ -1689,7 +1696,7 @@ def padding_hint(gm: GraphModule) -> PaddingHint | None:
                 B, H, S = tensor_meta(n).shape[:3]
                 masks.append((m, H, B, S))
         for mask, H, B, S in masks:
-            source = padding_mask_input(gm, mask, H, B, S, cache).source
+            source = padding_mask_input(gm, mask, H, B, S, cache, bounded=False).source
             if source is not None:
                 found[source] = found.get(source, 0) + 1
     if not found:

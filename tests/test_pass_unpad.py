@@ -732,6 +732,26 @@ def test_a_mostly_padded_batch_suggests_the_option(options, caplog):
     assert record.unpad == {"option": False, "mask": record.unpad["mask"], "attentions": 2, "padding": 0.4815}
 
 
+def test_the_hint_never_probes_a_windows_width(monkeypatch):
+    """Without unpad, the padding hint of a graph under a symbolic length probes the mask at the example's
+    length and past its constants where that is short, never at a window's width (Mistral's 4096
+    would cost seconds of compile time for a log line): such a graph is not hinted. With unpad it is
+    probed there and unpadded."""
+    unpad_module = sys.modules["dmfx.passes.unpad"]
+    lengths = []
+    probes = unpad_module._probes
+    monkeypatch.setattr(unpad_module, "_probes", lambda B, S, *a: lengths.append(S) or probes(B, S, *a))
+    model = decoder("mistral").eval()
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        torch.compile(model, backend="dmfx", dynamic=True)(input_ids=ids, attention_mask=mask, use_cache=False)
+        assert max(lengths, default=0) <= 9 and not dmfx.records()[-1].unpad
+        torch._dynamo.reset()
+        torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS, dynamic=True)(input_ids=ids, attention_mask=mask,
+                                                                                  use_cache=False)
+    assert max(lengths) == 4096 and dmfx.records()[-1].fired.get("unpad") == 2
+
+
 def test_unpadded_graph_records_its_mask_and_padding():
     model, pad = encoder("bert")
     model.eval()
