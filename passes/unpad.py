@@ -262,15 +262,15 @@ def _mask_program(gm: GraphModule, mask: Node) -> _MaskProgram | str:
 
 def _probes(B: int, S: int, dtype: torch.dtype, device: torch.device, window: bool = False) -> list[torch.Tensor]:
     """0/1 masks that tell a padding mask from any other: none padded, all padded, right and left
-    padding, and random holes. `window`: only those that show a window at a second length (none
-    padded, right padding), the kind of mask already known from the example's."""
+    padding, and random holes. `window`: only the one that shows a window at a second length (none
+    padded: a window hides keys there), the kind of mask already known from the example's."""
     gen = torch.Generator().manual_seed(17)
     lengths = torch.randint(0, S + 1, (B,), generator=gen)
     pos = torch.arange(S)
     right = pos[None, :] < lengths[:, None]
-    probes = [torch.ones(B, S, dtype=torch.bool), right]
+    probes = [torch.ones(B, S, dtype=torch.bool)]
     if not window:
-        probes += [torch.zeros(B, S, dtype=torch.bool), right.flip(1)]
+        probes += [right, torch.zeros(B, S, dtype=torch.bool), right.flip(1)]
         probes += [torch.rand(B, S, generator=gen) < 0.5 for _ in range(3)]
     return [p.to(dtype=dtype, device=device) for p in probes]
 
@@ -296,7 +296,7 @@ def _probe_shapes(program: _MaskProgram, Bs: tuple, Ss: tuple) -> tuple[_Shape, 
         return example, []
     from torch.fx.experimental.symbolic_shapes import free_symbols
 
-    b2 = b if all(isinstance(x, int) for x in Bs) else min(b, 2)
+    b2 = b if all(isinstance(x, int) for x in Bs) else 1  # (one sequence shows a window)
     symbols = set(free_symbols((*Bs, *Ss)))
     values = []
     for v in program.sizes:

@@ -659,10 +659,10 @@ def test_mistrals_window_of_4096_is_unpadded_under_a_symbolic_length():
 
 
 def test_a_window_too_wide_to_probe_bounds_the_length_or_is_left_alone(monkeypatch):
-    """With probes of at most 2 x 20 x 20 scores, a window of 30: the mask is probed at 20 tokens (the
+    """With probes of at most 20 x 20 scores, a window of 30: the mask is probed at 20 tokens (the
     longest allowed) and the graph guarded to at most 20. A batch of 24 recompiles, and there no
     second length between 24 and 30 can be probed: that graph stays padded, with the reason."""
-    monkeypatch.setattr(sys.modules["dmfx.passes.unpad"], "_PROBE_SCORES", 2 * 20 * 20)
+    monkeypatch.setattr(sys.modules["dmfx.passes.unpad"], "_PROBE_SCORES", 20 * 20)
     model = decoder("mistral", sliding_window=30).eval()
     compiled = torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS, dynamic=True)
     windowed_outputs_match_eager(model, compiled, [(3, 9, (5, 9, 7)), (2, 20, (20, 3)), (2, 24, (24, 13)),
