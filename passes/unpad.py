@@ -101,23 +101,22 @@ def _unify(a: Any, b: Any) -> bool:
     """Whether a == b, made known to the ShapeEnv where the two are distinct symbols of equal hints: a
     guard (Dynamo checks it before each call, so the compiled graph runs only where it holds), after
     which _eq sees the two as one. False where it cannot be shown (an unbacked size)."""
-    if _eq(a, b):
-        return True
-    from torch.fx.experimental.symbolic_shapes import guard_or_false
-
-    try:
-        return bool(guard_or_false(a == b)) and _eq(a, b)
-    except Exception:  # noqa: BLE001 (a size the ShapeEnv cannot reason about: not shown)
-        return False
+    return _eq(a, b) or (_shown(lambda: a == b) and _eq(a, b))
 
 
 def _bound(S: Any, longest: int) -> bool:
     """Whether S <= longest, made a guard where S is symbolic (Dynamo checks it before each call; a
     longer batch recompiles): the graph's padding mask was checked up to that length only."""
+    return _shown(lambda: S <= longest)
+
+
+def _shown(condition: Callable[[], Any]) -> bool:
+    """Whether the size condition holds, made a guard where it reads symbols (its example values
+    decide); False where the ShapeEnv cannot reason about it (an unbacked size)."""
     from torch.fx.experimental.symbolic_shapes import guard_or_false
 
     try:
-        return bool(guard_or_false(S <= longest))
+        return bool(guard_or_false(condition()))
     except Exception:  # noqa: BLE001 (a size the ShapeEnv cannot reason about: not shown)
         return False
 
@@ -264,12 +263,10 @@ def _probes(B: int, S: int, dtype: torch.dtype, device: torch.device, window: bo
     """0/1 masks that tell a padding mask from any other: none padded, all padded, right and left
     padding, and random holes. `window`: only the one that shows a window at a second length (none
     padded: a window hides keys there), the kind of mask already known from the example's."""
-    gen = torch.Generator().manual_seed(17)
-    lengths = torch.randint(0, S + 1, (B,), generator=gen)
-    pos = torch.arange(S)
-    right = pos[None, :] < lengths[:, None]
     probes = [torch.ones(B, S, dtype=torch.bool)]
     if not window:
+        gen = torch.Generator().manual_seed(17)
+        right = torch.arange(S)[None, :] < torch.randint(0, S + 1, (B,), generator=gen)[:, None]
         probes += [right, torch.zeros(B, S, dtype=torch.bool), right.flip(1)]
         probes += [torch.rand(B, S, generator=gen) < 0.5 for _ in range(3)]
     return [p.to(dtype=dtype, device=device) for p in probes]
@@ -336,15 +333,15 @@ class MaskCheck(NamedTuple):
 def padding_mask_input(gm: GraphModule, mask: Any, heads: Any, B: Any, S: Any, cache: dict,
                        bounded: bool = True) -> MaskCheck:
     """MaskCheck(the graph input, causal, None, longest) when `mask` (an attention's mask over
-    [B, heads, S, S] scores) is an HF padding mask of it: key j of batch b is hidden (-inf, <= -1e30 or False) exactly where
-    ``input[b, j] == 0``, in every head and query row, and a kept key reads 0 (or True), so dropping
-    the mask from attention over the packed sequences changes no result. `causal`: the mask hides the
-    keys after each query too (a decoder's padded batch: HF's causal mask with an attention mask), so
-    the attention over the packed sequences is causal within each sequence (the real tokens keep their
-    order). Decided by running the mask's computation on probe masks (_probes), at the example's
-    length and, under a symbolic length, at a second one past the mask's constants (_probe_shapes;
-    `bounded`: also at the window's width, with `longest` set, where that fails). Else MaskCheck(None,
-    False, why not)."""
+    [B, heads, S, S] scores) is an HF padding mask of it: key j of batch b is hidden (-inf, <= -1e30
+    or False) exactly where ``input[b, j] == 0``, in every head and query row, and a kept key reads 0
+    (or True), so dropping the mask from attention over the packed sequences changes no result.
+    `causal`: the mask hides the keys after each query too (a decoder's padded batch: HF's causal mask
+    with an attention mask), so the attention over the packed sequences is causal within each sequence
+    (the real tokens keep their order). Decided by running the mask's computation on probe masks
+    (_probes), at the example's length and, under a symbolic length, at a second one past the mask's
+    constants (_probe_shapes; `bounded`: also at the window's width, with `longest` set, where that
+    fails). Else MaskCheck(None, False, why not)."""
     if mask is None:
         return MaskCheck(None, False, "the attention has no mask: nothing marks padding")
     if not isinstance(mask, Node):
@@ -366,9 +363,13 @@ def padding_mask_input(gm: GraphModule, mask: Any, heads: Any, B: Any, S: Any, c
         cache[mask] = MaskCheck(None, False, found)
         return cache[mask]
     example, seconds = found
-    if not bounded and seconds and all(bound is not None for _, bound in seconds):
-        return MaskCheck(None, False, "the attention mask would be checked at its window's width only (not bounded)")
-    seconds = [x for x in seconds if bounded or x[1] is None]
+    if not bounded:
+        unbounded = [x for x in seconds if x[1] is None]
+        if seconds and not unbounded:
+            cache[mask] = MaskCheck(None, False, "the attention mask would be checked at its window's width only "
+                                                 "(not bounded)")
+            return cache[mask]
+        seconds = unbounded
     h = _hint(heads)
 
     def kinds_at(shape: _Shape, kinds: list[bool], window: bool) -> list[bool]:
