@@ -44,8 +44,9 @@ left padding the first real token's label falls on the padding before it. ``dmfx
 (which packs the loss's targets) raises a ValueError saying so when that happens, since the labels
 are data. Under a symbolic sequence length the probes run at a second length past the mask's
 constants (_probe_shapes), where a sliding window wider than the example's length shows; where that
-length is too long to probe, or a window shows there, at the largest constant (the window's width),
-and the pass guards the graph to lengths up to it (a longer batch recompiles).
+length is too long to probe, a window shows there, or the mask scales positions (_scaled_positions:
+its threshold may lie past every constant), at the largest constant (the window's width), and the
+pass guards the graph to lengths up to it (a longer batch recompiles).
 
 Near-misses (recorded, the graph left as it is): a mask that is not a padding mask, causal or not
 (a sliding window narrower than the sequence, a learned bias such as T5's, a mask computed from more
@@ -202,6 +203,8 @@ class _MaskProgram:
     sizes: list[Any]  # the SymInt inputs' example values, in the order run takes them
     run: Callable[..., torch.Tensor]  # run(mask, *sizes)
     largest_constant: float  # the largest |constant| the computation reads (a window's width, say)
+    constant_sum: float  # the sum of every |constant| it reads (a threshold made of several: _probe_shapes)
+    scaled: str | None  # an op that scales positions before they are compared (_scaled_positions), by name
 
 
 # Constants at least this large are sentinels (a slice to the end: 2**63 - 1; a hidden score: finfo.min), not a
@@ -232,6 +235,64 @@ def _constants(nodes: list[Node], gm: GraphModule) -> list[float]:
     return [c for c in found if c < _SENTINEL]
 
 
+# Ops that keep a position (an index from arange, or a size) a position shifted by constants or by other
+# positions. A mask that compares only such values (HF's causal masks and windows) hides a key where two
+# positions differ by more than a sum of its constants, the same keys at every length. Any other op on a
+# position (a product, a floor division: a chunked attention, a scaled window) may compare it with a
+# threshold far past every constant (_probe_shapes).
+_SHIFTS = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Scalar, aten.rsub.Tensor,
+           aten.neg.default, aten.abs.default, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default,
+           aten.maximum.default, aten.minimum.default, aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther,
+           aten._to_copy.default, torch.ops.prims.convert_element_type.default, aten.clone.default, aten.alias.default,
+           aten.lift_fresh_copy.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+           aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.permute.default,
+           aten.t.default, aten.transpose.int, aten.slice.Tensor, aten.select.int, aten.contiguous.default,
+           operator.add, operator.sub, operator.neg, operator.getitem}
+# Ops that read a tensor at positions: the padding mask's value at a key is data, not a position.
+_READS = {aten.index.Tensor, aten.gather.default, aten.index_select.default}
+
+
+def _position_source(n: Node) -> bool | None:
+    """True where `n` makes positions (arange with step 1, a size), False where it makes them scaled
+    (arange or iota with another step), None where it makes none."""
+    if n.target in (aten.arange.default, aten.arange.start, aten.sym_size.int):
+        return True
+    if n.target is aten.arange.start_step:
+        return n.args[2] == 1
+    if n.target is torch.ops.prims.iota.default:
+        return n.kwargs.get("step") == 1
+    return None
+
+
+def _scaled_positions(nodes: list[Node]) -> str | None:
+    """The first op in `nodes` (a mask's computation, in graph order) that scales positions rather than
+    shift them (_SHIFTS), by name; None if none does. A position: a value computed from an arange of
+    step 1 or a size, by shifts, and not a bool (a comparison's result is not a position)."""
+    positional: set[Node] = set()
+    for n in nodes:
+        if n.op == "placeholder" and isinstance(val(n), torch.SymInt):  # (a size: dynamic shapes)
+            positional.add(n)
+        if n.op != "call_function":
+            continue
+        made = _position_source(n)
+        if made is not None:
+            if not made:
+                return str(n.target)
+            positional.add(n)
+            continue
+        if not any(a in positional for a in n.all_input_nodes):
+            continue
+        if n.target in _READS and n.args[0] not in positional:
+            continue  # (a value of the padding mask)
+        v = val(n)
+        if isinstance(v, torch.Tensor) and v.dtype == torch.bool:
+            continue  # (a comparison, or a logical op)
+        if n.target not in _SHIFTS:
+            return str(n.target)
+        positional.add(n)
+    return None
+
+
 def _mask_program(gm: GraphModule, mask: Node) -> _MaskProgram | str:
     """The one tensor input `mask` is computed from and the computation as a function of it (and of the
     SymInt inputs it reads); else why not (the mask reads parameters or several inputs: not a padding
@@ -256,7 +317,8 @@ def _mask_program(gm: GraphModule, mask: Node) -> _MaskProgram | str:
             env[n] = g.node_copy(n, lambda a: env[a])
     g.output(env[mask])
     sub = GraphModule(gm, g)
-    return _MaskProgram(source, sizes, sub, max(_constants(nodes, gm), default=0.0))
+    constants = _constants(nodes, gm)
+    return _MaskProgram(source, sizes, sub, max(constants, default=0.0), sum(constants), _scaled_positions(nodes))
 
 
 def _probes(B: int, S: int, dtype: torch.dtype, device: torch.device, window: bool = False) -> list[torch.Tensor]:
@@ -280,13 +342,15 @@ def _probe_shapes(program: _MaskProgram, Bs: tuple, Ss: tuple) -> tuple[_Shape, 
     try in turn, each with the longest length the graph may then run at (None: any; else the pass
     guards the graph on it). One length cannot tell a padding mask from a window wider than it
     (ModernBERT's local attention, a sliding-window causal LM), and a window's width is a constant the
-    mask's computation compares positions with. So the first second length is past twice the largest
-    constant, where any such window hides keys a padding mask keeps; where it is too long to probe,
-    or a window shows there, the next is that constant itself (or the longest that can be probed, if
-    shorter), with the graph run only up to it. A window that hides anything at a length hides it at
-    every longer one, so one that hides nothing there hides nothing at any length the guard lets
-    through. `Bs` and `Ss`: the sizes that are the batch and the length (the attention's and the mask's
-    own: equal, _alike). Else why not."""
+    mask's computation compares positions with. So the first second length is past twice the sum of
+    its constants, where a window made of shifted positions (_scaled_positions: none scaled) hides
+    keys a padding mask keeps; where positions are scaled (a threshold may lie past every constant),
+    or that length is too long to probe, or a window shows there, the next is the largest constant
+    itself (or the longest that can be probed, if shorter), with the graph run only up to it. A mask
+    that hides a key at one length hides it at every longer one (it compares positions), so one that
+    hides nothing there hides nothing at any length the guard lets through. `Bs` and `Ss`: the sizes
+    that are the batch and the length (the attention's and the mask's own: equal, _alike). Else why
+    not."""
     b, s = _hint(Bs[0]), _hint(Ss[0])
     example = (b, s, [_hint(v) for v in program.sizes])
     if all(isinstance(x, int) for x in Ss):
@@ -307,11 +371,15 @@ def _probe_shapes(program: _MaskProgram, Bs: tuple, Ss: tuple) -> tuple[_Shape, 
         else:
             values.append(_hint(v))
     longest = math.isqrt(_PROBE_SCORES // b2)
-    past = 2 * math.ceil(program.largest_constant) + 2
-    lengths = [(max(past, s + 1), None)] if past <= longest else []
+    past = 2 * math.ceil(program.constant_sum) + 2
+    lengths = [(max(past, s + 1), None)] if past <= longest and not program.scaled else []
     bound = min(math.floor(program.largest_constant), longest)
     if bound > s:
         lengths.append((bound, bound))
+    if not lengths and program.scaled:
+        return (f"under a symbolic sequence length ({Ss[0]}) the attention mask scales positions ({program.scaled}), "
+                f"so it is checked only up to its largest constant ({program.largest_constant:g}), which is no longer "
+                f"than its example ({s})")
     if not lengths:
         return (f"under a symbolic sequence length ({Ss[0]}) the attention mask must be checked at a length past "
                 f"its example's ({s}) and its constants ({program.largest_constant:g}), which is too long to probe: "

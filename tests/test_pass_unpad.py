@@ -621,7 +621,7 @@ def test_a_window_wider_than_the_first_batch_bounds_the_length_under_a_symbolic_
     """Under dynamic=True a sliding window wider than the first batch hides nothing there but padding
     and the future: probes at that length alone take it for a padding mask, and the graph, run again
     for longer batches, would drop the window. Mistral's window of 8 shows at a second length past
-    its constants (18); at its width (8) it still hides nothing, so the graph is unpadded with a guard
+    its constants; at its width (8) it still hides nothing, so the graph is unpadded with a guard
     that the length is at most 8. A longer batch recompiles, and there the window shows in the
     example itself: that graph stays padded. Every output is eager's."""
     model = windowed("mistral")
@@ -643,7 +643,8 @@ def test_a_bidirectional_window_wider_than_the_first_batch_is_left_alone_under_a
     windowed_outputs_match_eager(model, compiled, [(2, 4, (4, 3)), (3, 16, (16, 9, 12))])
     records = dmfx.records()
     assert len(records) == 1 and records[0].fired.get("unpad") == 1, [unpad_misses(r) for r in records]
-    assert any("hides more than padding at 10 tokens" in m for m in unpad_misses(records[0])), records[0].missed
+    # (at twice the sum of the mask's constants: its dims' too, some 48 tokens)
+    assert any("hides more than padding at" in m for m in unpad_misses(records[0])), records[0].missed
 
 
 def test_mistrals_window_of_4096_is_unpadded_under_a_symbolic_length():
@@ -671,6 +672,45 @@ def test_a_window_too_wide_to_probe_bounds_the_length_or_is_left_alone(monkeypat
     assert first.fired.get("unpad") == 2, unpad_misses(first)
     assert "unpad" not in second.fired
     assert any("too long to probe" in m for m in unpad_misses(second)), second.missed
+
+
+class ScaledWindow(torch.nn.Module):
+    """One attention under a window of scaled positions, ``|q - k| // 16 <= 4`` (keys up to 79 away):
+    at twice the sum of its constants it still hides nothing but padding."""
+
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x, attention_mask):
+        B, S, D = x.shape
+        pos = torch.arange(S, device=x.device)
+        band = (pos[:, None] - pos[None, :]).abs() // 16 <= 4
+        keep = band[None, None] & attention_mask[:, None, None, :].bool()
+        q, k, v = (f(x).view(B, S, self.heads, D // self.heads).transpose(1, 2) for f in (self.q, self.k, self.v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return self.o(out.transpose(1, 2).reshape(B, S, D))
+
+
+def test_a_window_of_scaled_positions_bounds_the_length_under_a_symbolic_length():
+    """A threshold the mask reaches by scaling positions (a floor division) lies past every constant,
+    so no length past them proves it is no window: the graph is unpadded only up to its largest
+    constant (16), guarded. A batch of 120 tokens, where the window shows, recompiles and stays padded.
+    (Probed past its constants with no guard, the graph gave a wrong answer at 120, 8e-2 from eager.)"""
+    torch.manual_seed(0)
+    model = ScaledWindow().eval()
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS, dynamic=True)
+    with torch.no_grad():
+        for B, S in [(2, 9), (3, 16), (2, 120)]:
+            x, mask = torch.randn(B, S, 32), torch.ones(B, S, dtype=torch.long)
+            mask[1, S // 2:] = 0
+            real = mask.bool()
+            assert torch.allclose(compiled(x, mask)[real], model(x, mask)[real], atol=1e-5), S
+    first, second = dmfx.records()  # (the 16-token batch ran the first graph)
+    assert first.fired.get("unpad") == 1, unpad_misses(first)
+    assert "unpad" not in second.fired
+    assert any("scales positions (aten.floor_divide" in m for m in unpad_misses(second)), second.missed
 
 
 def test_returned_attention_probabilities_are_left_alone():
