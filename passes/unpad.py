@@ -250,6 +250,13 @@ _SHIFTS = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, a
            operator.add, operator.sub, operator.neg, operator.getitem}
 # Ops that read a tensor at positions: the padding mask's value at a key is data, not a position.
 _READS = {aten.index.Tensor, aten.gather.default, aten.index_select.default}
+# Ops whose values are constants, whatever sizes they take (a mask's zeros of the scores' shape).
+_FILLS = {aten.zeros.default, aten.ones.default, aten.empty.memory_format, aten.full.default, aten.new_zeros.default,
+          aten.new_ones.default, aten.new_empty.default, aten.new_full.default, aten.scalar_tensor.default,
+          aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default}
+# Ops whose size arguments are shapes or offsets, not values: only their tensor input carries positions.
+_SIZED = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+          aten.slice.Tensor, aten.select.int, aten.narrow.default}
 
 
 def _position_source(n: Node) -> bool | None:
@@ -267,7 +274,8 @@ def _position_source(n: Node) -> bool | None:
 def _scaled_positions(nodes: list[Node]) -> str | None:
     """The first op in `nodes` (a mask's computation, in graph order) that scales positions rather than
     shift them (_SHIFTS), by name; None if none does. A position: a value computed from an arange of
-    step 1 or a size, by shifts, and not a bool (a comparison's result is not a position)."""
+    step 1 or a size, by shifts, and not a bool (a comparison's result is not a position); a size an
+    op takes as a shape (_SIZED, _FILLS) makes no value a position."""
     positional: set[Node] = set()
     for n in nodes:
         if n.op == "placeholder" and isinstance(val(n), torch.SymInt):  # (a size: dynamic shapes)
@@ -280,7 +288,10 @@ def _scaled_positions(nodes: list[Node]) -> str | None:
                 return str(n.target)
             positional.add(n)
             continue
-        if not any(a in positional for a in n.all_input_nodes):
+        if n.target in _FILLS:
+            continue
+        sized = n.target in _SIZED
+        if not any(a in positional and (not sized or isinstance(val(a), torch.Tensor)) for a in n.all_input_nodes):
             continue
         if n.target in _READS and n.args[0] not in positional:
             continue  # (a value of the padding mask)
@@ -1643,12 +1654,24 @@ def _later(a: Node, b: Node) -> bool:
 # ----------------------------------------------------------------------------------------- the pass
 
 
+class _Unpaddable(NamedTuple):
+    """An attention the pass may run over packed sequences: the call, the padding mask it reads, its
+    batch and sequence sizes, and the longest length its mask was checked at (None: any; MaskCheck)."""
+
+    call: AttentionCall
+    source: Node
+    B: Any
+    S: Any
+    longest: int | None
+
+
 def unpad(gm: GraphModule, ctx: PassContext) -> None:
     """The pass (module docstring); runs only with the option ``unpad=True``."""
     if not getattr(ctx, "unpad", False):
         return
     graph = gm.graph
-    calls, cache = [], {}
+    calls: list[_Unpaddable] = []
+    cache: dict = {}
     for n in list(graph.nodes):
         found = attention_call(n)
         if found is None:
@@ -1669,47 +1692,47 @@ def unpad(gm: GraphModule, ctx: PassContext) -> None:
             ctx.miss("unpad", n, why)
             continue
         found.causal = found.causal or causal
-        calls.append((found, source, B, S, longest))
+        calls.append(_Unpaddable(found, source, B, S, longest))
     if not calls:
         return
     sources = {}
     for c in calls:
-        sources.setdefault(c[1], []).append(c)
+        sources.setdefault(c.source, []).append(c)
     source, chosen = max(sources.items(), key=lambda kv: len(kv[1]))
     for other, cs in sources.items():
         if other is not source:
             for c in cs:
-                ctx.miss("unpad", c[0].node, f"another padding mask ({other.name}) than {source.name}: one per graph is unpadded")
+                ctx.miss("unpad", c.call.node, f"another padding mask ({other.name}) than {source.name}: one per graph is unpadded")
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     is_param = ctx.input_is_parameter or ()
     params = frozenset(p for p, yes in zip(placeholders, is_param) if yes) if len(is_param) == len(placeholders) \
         else frozenset()
-    grid = Grid(source, chosen[0][2], chosen[0][3], params)
+    grid = Grid(source, chosen[0].B, chosen[0].S, params)
     mask_shape = val(source).shape
     if not (_unify(mask_shape[0], grid.B) and _unify(mask_shape[1], grid.S)):
         for c in chosen:
-            ctx.miss("unpad", c[0].node, f"the padding mask {source.name} {list(mask_shape)} cannot be shown to have "
+            ctx.miss("unpad", c.call.node, f"the padding mask {source.name} {list(mask_shape)} cannot be shown to have "
                                          f"the batch's and sequence's sizes ({grid.B}, {grid.S})")
         return
-    region = Region(grid, [c[0] for c in chosen])
+    region = Region(grid, [c.call for c in chosen])
     for c in chosen:
-        alone = Region(grid, [c[0]])
-        if not (_seed_attention(alone, c[0]) and _self_attention(alone, c[0])):
-            region.attentions.pop(c[0].node)
-            ctx.miss("unpad", c[0].node, "q, k and v are not computed from one token tensor (cross-attention) or in "
+        alone = Region(grid, [c.call])
+        if not (_seed_attention(alone, c.call) and _self_attention(alone, c.call)):
+            region.attentions.pop(c.call.node)
+            ctx.miss("unpad", c.call.node, "q, k and v are not computed from one token tensor (cross-attention) or in "
                                          "one layout")
             continue
         snapshot = (dict(region.tok), dict(region.entries))
-        if not _seed_attention(region, c[0]):
+        if not _seed_attention(region, c.call):
             region.tok, region.entries = snapshot
-            region.attentions.pop(c[0].node)
-            ctx.miss("unpad", c[0].node, "q, k or v is packed in two different layouts")
+            region.attentions.pop(c.call.node)
+            ctx.miss("unpad", c.call.node, "q, k or v is packed in two different layouts")
     if not region.attentions:
         return
-    bounds = [c[4] for c in chosen if c[4] is not None and c[0].node in region.attentions]
+    bounds = [c.longest for c in chosen if c.longest is not None and c.call.node in region.attentions]
     if bounds and not _bound(grid.S, min(bounds)):
         for c in chosen:
-            ctx.miss("unpad", c[0].node, f"the sequence length {grid.S} cannot be bounded by {min(bounds)}, the longest "
+            ctx.miss("unpad", c.call.node, f"the sequence length {grid.S} cannot be bounded by {min(bounds)}, the longest "
                                          "its attention mask was checked at")
         return
     region.grow_forward()
