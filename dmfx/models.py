@@ -246,9 +246,11 @@ def build_model(name: str, batch: int = 8, seq: int = 128, layers: int | None = 
 
 
 
-def loss_of(out: Any) -> torch.Tensor:
+def loss_of(out: Any, mask: torch.Tensor | None = None) -> torch.Tensor:
     """The scalar a training step differentiates: ``.loss`` when present, else the sum of the means of
-    the floating-point outputs that require grad."""
+    the floating-point outputs that require grad. `mask` (a ``[B, S]`` padding mask): outputs whose
+    first dims are ``[B, S]`` are multiplied by it first, so the padding positions reach no loss (what
+    ``unpad`` needs of a loss over every position)."""
     loss = getattr(out, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
@@ -257,8 +259,14 @@ def loss_of(out: Any) -> torch.Tensor:
     ts = [t for t in [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)] if t.is_floating_point() and t.requires_grad]
     if not ts:
         raise ValueError("dmfx.explain(training=True): the model returned no floating-point tensor that requires grad")
-    total = ts[0].float().mean()
+
+    def masked(t: torch.Tensor) -> torch.Tensor:
+        if mask is None or t.dim() < 2 or tuple(t.shape[:2]) != tuple(mask.shape):
+            return t
+        return t * mask.reshape(*mask.shape, *[1] * (t.dim() - 2)).to(t.dtype)
+
+    total = masked(ts[0]).float().mean()
     for t in ts[1:]:
-        total = total + t.float().mean()
+        total = total + masked(t).float().mean()
     return total
 

@@ -16,7 +16,12 @@ loss over every position: give padding the label -100). Such a loss (``dmfx::cro
 ``dmfx::linear_cross_entropy``) runs on the packed rows and is read as it is (``WHOLE``): the loss
 over the real positions, with no ``[B * S, V]`` logits scattered for it. Its targets are packed by
 ``dmfx::unpad_targets``, which raises a ValueError where a padding position has a label that is not
-ignored: eager counts that term, from logits unpad does not compute.
+ignored: eager counts that term, from logits unpad does not compute. A reader in the graph that
+reduces a scattered value along the batch or the sequence (padding_reader: an unmasked mean over the
+tokens, a cumsum) would see those zeros where eager has values: the graph is left alone, unless the
+value is a product with the padding mask (zero there in eager too). Values the region computes from
+the inputs without a GEMM, an embedding or an attention (_recomputed) are read outside it as the graph
+computes them on the padded batch, not scattered.
 
 T, the number of real tokens, is a data-dependent size (an unbacked SymInt, cuda_ops/unpad.py): a
 batch with another number of real tokens runs the same graph, with no recompile and no kernel build.
@@ -48,7 +53,8 @@ length is too long to probe, a window shows there, or the mask scales positions 
 its threshold may lie past every constant), at the largest constant (the window's width), and the
 pass guards the graph to lengths up to it (a longer batch recompiles).
 
-Near-misses (recorded, the graph left as it is): a mask that is not a padding mask, causal or not
+Near-misses (recorded, the graph left as it is): a reduction over the padding (above), a mask that is
+not a padding mask, causal or not
 (a sliding window narrower than the sequence, a learned bias such as T5's, a mask computed from more
 than one input), attention probabilities read elsewhere, cross-attention, more than one padding
 mask, dtypes or head sizes the varlen kernels do not take.
@@ -1736,6 +1742,13 @@ def unpad(gm: GraphModule, ctx: PassContext) -> None:
                                          "its attention mask was checked at")
         return
     region.grow_forward()
+    reader = padding_reader(region)
+    if reader is not None:
+        for a in region.attentions:
+            ctx.miss("unpad", a, f"{reader[0].name} ({reader[0].target}) reduces {reader[1].name} along the batch or "
+                                 "the sequence, padding positions included: eager has values there, unpad would have "
+                                 "zeros (mask them: multiply by the padding mask)")
+        return
     try:
         _rewrite(gm, ctx, region)
     except _Unsupported as e:
@@ -1798,6 +1811,95 @@ def padding_hint(gm: GraphModule) -> PaddingHint | None:
     return PaddingHint(inputs.index(source), source.name, count)
 
 
+# ----------------------------------------------------------------------------------------- readers of the padding
+
+# Reductions (and scans) that read every position along their dims: the position of each one's dim
+# argument (None: every dim) and its default when absent (None: every dim).
+_REDUCTIONS = {
+    aten.sum.default: (None, None), aten.sum.dim_IntList: (1, None), aten.mean.default: (None, None),
+    aten.mean.dim: (1, None), aten.amax.default: (1, None), aten.amin.default: (1, None),
+    aten.max.default: (None, None), aten.min.default: (None, None), aten.max.dim: (1, None), aten.min.dim: (1, None),
+    aten.prod.default: (None, None), aten.prod.dim_int: (1, None), aten.var.correction: (1, None),
+    aten.std.correction: (1, None), aten.var_mean.correction: (1, None), aten.logsumexp.default: (1, None),
+    aten.cumsum.default: (1, None), aten.cumprod.default: (1, None), aten.argmax.default: (1, None),
+    aten.argmin.default: (1, None), aten.any.dim: (1, None), aten.all.dim: (1, None), aten.any.default: (None, None),
+    aten.all.default: (None, None), aten.linalg_vector_norm.default: (2, None), aten.sort.default: (1, -1),
+    aten.topk.default: (2, -1),
+}
+# Ops a padded value passes through unchanged in what it reads (a view, a copy, a cast).
+_PASS_THROUGH = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
+                 aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
+                 aten.expand.default, aten.clone.default, aten._to_copy.default, aten.alias.default,
+                 aten.contiguous.default, torch.ops.prims.convert_element_type.default}
+
+
+def _reduced_dims(n: Node, nd: int) -> list[int] | None:
+    """The dims reduction `n` (in _REDUCTIONS) reads along, over a tensor of `nd` dims; None: every one."""
+    at, default = _REDUCTIONS[n.target]
+    dim = n.kwargs.get("dim", n.args[at] if at is not None and len(n.args) > at else default)
+    if dim is None or (isinstance(dim, (list, tuple)) and not dim):
+        return None
+    return [d % max(nd, 1) for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
+
+
+def _masked_by(n: Node, source: Node) -> bool:
+    """Whether `n` is a product with the padding mask (`source`, through views and casts): zero at the
+    padding positions in eager too (a masked mean pooling's ``hidden * mask[..., None]``)."""
+    if not is_op(n, aten.mul.Tensor):
+        return False
+    for a in n.args:
+        while isinstance(a, Node) and a is not source and a.target in _PASS_THROUGH:
+            a = a.args[0]
+        if a is source:
+            return True
+    return False
+
+
+_HEAVY = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.embedding.default,
+          aten.convolution.default}
+
+
+def _recomputed(n: Node, region: Region) -> bool:
+    """Whether readers outside the region read region value `n` as the graph computes it on the padded
+    batch rather than scattered back: a value the region computes from the inputs with no GEMM,
+    embedding, attention or dmfx op (RoBERTa's ``input_ids != pad`` before the cumsum of its positions,
+    a padding mask cast to float for a pooling), cheap to compute twice, and eager's value at the
+    padding positions too (scattered back, it would read zeros there)."""
+    def light(x: Node) -> bool:
+        return x not in region.attentions and x.target not in _HEAVY and not (
+            isinstance(x.target, torch._ops.OpOverload) and x.target.namespace == "dmfx")
+
+    return all(light(a) for a in _ancestors(n) if a in region.tok)
+
+
+def padding_reader(region: Region) -> tuple[Node, Node] | None:
+    """A reader outside the region of a value it scatters back to [B, S, ...] that reads along the
+    batch or the sequence (a reduction or a scan over a dim of their size, through views: an unmasked
+    mean over the tokens, a cumsum), with the value it reads; None if there is none. Such a reader
+    reads the padding positions, where eager has values and the unpadded graph zeros, so the result
+    of real rows would differ: the pass leaves the graph alone. A value multiplied by the padding
+    mask (zero there in eager too) may be read so, and so may one _recomputed. Picking positions (the pooler's token 0) is not
+    such a reader: its contract is the graph outputs' (module docstring)."""
+    grid = region.grid
+    sizes = (grid.B, grid.S, grid.B * grid.S)
+    for n, tok in region.tok.items():
+        if not isinstance(tok, Tok) or _masked_by(n, grid.mask) or _recomputed(n, region):
+            continue
+        stack = [u for u in n.users if u not in region.tok]
+        while stack:
+            u = stack.pop()
+            if u.target in _PASS_THROUGH:
+                stack += [w for w in u.users if w not in region.tok]
+            elif u.target in _REDUCTIONS and isinstance(u.args[0], Node):
+                meta = tensor_meta(u.args[0])
+                if meta is None:
+                    return u, n
+                dims = _reduced_dims(u, meta.dim())
+                if dims is None or any(_alike(meta.shape[d], x) for d in dims for x in sizes):
+                    return u, n
+    return None
+
+
 def _rewrite(gm: GraphModule, ctx: PassContext, region: Region) -> None:
     graph = gm.graph
     packer = Packer(gm, ctx, region)
@@ -1814,8 +1916,8 @@ def _rewrite(gm: GraphModule, ctx: PassContext, region: Region) -> None:
             for u in outside:
                 u.replace_input_with(n, packer.packed[n])
             continue
-        if not outside or not isinstance(tok, Tok):
-            continue
+        if not outside or not isinstance(tok, Tok) or _recomputed(n, region):
+            continue  # (outside readers of a recomputed value read it as the graph computes it)
         full = packer.scatter(n, tok)
         for u in outside:
             u.replace_input_with(n, full)

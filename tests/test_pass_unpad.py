@@ -713,6 +713,48 @@ def test_a_window_of_scaled_positions_bounds_the_length_under_a_symbolic_length(
     assert any("scales positions (aten.floor_divide" in m for m in unpad_misses(second)), second.missed
 
 
+class Pooled(torch.nn.Module):
+    """An encoder and a pooling of its tokens in the same graph, as sentence-transformers compiles it."""
+
+    def __init__(self, encoder, how):
+        super().__init__()
+        self.encoder, self.how = encoder, how
+
+    def forward(self, input_ids, attention_mask):
+        h = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        if self.how == "mean":  # (over every position: the padding's too)
+            return h.mean(1)
+        if self.how == "cumsum":
+            return h.cumsum(1)[:, -1]
+        if self.how == "max over the batch":
+            return h.amax(0)
+        m = attention_mask[..., None].to(h.dtype)
+        if self.how == "masked mean":
+            return (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
+        return h[:, 0]  # "cls"
+
+
+@pytest.mark.parametrize("how,unpadded", [("mean", False), ("cumsum", False), ("max over the batch", False),
+                                          ("masked mean", True), ("cls", True)])
+def test_a_reduction_over_the_padding_in_the_graph_is_left_alone(how, unpadded):
+    """A reduction over the tokens that reads the padding positions (an unmasked mean, a cumsum, a max
+    over the batch) would see eager's values there and the unpadded graph's zeros: the pass leaves the
+    graph alone and says which op. A mean over the tokens multiplied by the padding mask (zero there in
+    eager too) and the first token are unpadded. Every result is eager's (right padding: token 0 is
+    real)."""
+    model, pad = encoder("bert")
+    model = Pooled(model.eval(), how)
+    ids, mask = padded_batch(pad_id=pad)
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS)
+    with torch.no_grad():
+        assert torch.allclose(compiled(ids, mask), model(ids, mask), atol=1e-5)
+    record = dmfx.records()[-1]
+    assert bool(record.fired.get("unpad")) == unpadded, unpad_misses(record)
+    if not unpadded:
+        assert any("along the batch or the sequence, padding positions included" in m
+                   for m in unpad_misses(record)), record.missed
+
+
 def test_returned_attention_probabilities_are_left_alone():
     model, pad = encoder("bert")
     model.eval()

@@ -4,7 +4,8 @@
    skipped (the lowering passes run in both, as they do for any graph): the "before" and "after"
    graphs at the same ATen level. One step runs on each (training: forward + backward of a scalar made
    from the outputs, ``.loss`` when there is one, else the sum of the means of the float outputs,
-   dmfx.models.loss_of; inference: eval mode under ``no_grad``).
+   dmfx.models.loss_of, with the padding positions of ``attention_mask`` left out under the option
+   ``unpad``; inference: eval mode under ``no_grad``).
 2. Costs every operator of the forward and backward (or inference) graphs the backend kept in its
    records (dmfx.records()) from their fake values (cost.py), and lists for each dmfx kernel the ATen
    ops it absorbed, which the passes wrote on it (passes/fusion.py).
@@ -81,9 +82,10 @@ def _step_fn(compiled_model: Callable, training: bool) -> Callable:
 _step_ids = itertools.count()
 
 
-def _compile_and_run(model, args, kwargs, training: bool, options: dict):
+def _compile_and_run(model, args, kwargs, training: bool, options: dict, mask_loss: bool = False):
     """Compile a copy of `model` with dmfx under `options`, run one step (compiling), one counted step
-    and one memory-tracked step. Returns (what was compiled, runtime bytes, peak memory)."""
+    and one memory-tracked step. Returns (what was compiled, runtime bytes, peak memory). `mask_loss`:
+    the training loss leaves out the padding positions of the ``attention_mask`` argument (loss_of)."""
     m = copy.deepcopy(model)
     m.train(training)
     graphs: list[_Compiled] = []
@@ -91,7 +93,7 @@ def _compile_and_run(model, args, kwargs, training: bool, options: dict):
 
     if training:
         def forward(*a, **k):
-            return loss_of(m(*a, **k))
+            return loss_of(m(*a, **k), k.get("attention_mask") if mask_loss else None)
     else:
         def forward(*a, **k):
             return m(*a, **k)
@@ -150,15 +152,20 @@ def explain(model: torch.nn.Module, *args: Any, training: bool = True, measure: 
     after_options = dict(dmfx_options or {})
     Options.from_user(after_options)  # a bad option is an error here, naming it, not in the backend
     device = device_of((args, kwargs, list(model.parameters())[:1]))
-    after, after_rt, after_peak = _compile_and_run(model, args, kwargs, training, after_options)
+    # (under unpad a training loss over every position must leave the padding out, or it reads what unpad
+    # does not compute and the pass leaves the graph padded; every compile below takes the same loss)
+    mask = kwargs.get("attention_mask")
+    mask_loss = bool(after_options.get("unpad")) and isinstance(mask, torch.Tensor) and mask.dim() == 2
+    after, after_rt, after_peak = _compile_and_run(model, args, kwargs, training, after_options, mask_loss)
     unfused = {"skip": [p for p in ALL_PASSES if p not in LOWERING]}  # (what every lowered graph gets stays)
-    before, before_rt, before_peak = _compile_and_run(model, args, kwargs, training, unfused)
+    before, before_rt, before_peak = _compile_and_run(model, args, kwargs, training, unfused, mask_loss)
     if not after:
         raise RuntimeError("dmfx.explain: dmfx compiled no graph for this model (nothing to explain)")
     rows_of_tokens = [_real_token_hint(c) for c in after]
     unpad = None
     if after_options.get("unpad") and any(r is not None for r in rows_of_tokens):
-        padded, padded_rt, _ = _compile_and_run(model, args, kwargs, training, {**after_options, "unpad": False})
+        padded, padded_rt, _ = _compile_and_run(model, args, kwargs, training, {**after_options, "unpad": False},
+                                                mask_loss)
         unpad = _unpad_section(rows_of_tokens, after_rt, padded_rt, padded)
     fallbacks = [c.record.fallback for c in after if c.record.fallback]
 
