@@ -20,8 +20,8 @@ ignored: eager counts that term, from logits unpad does not compute. A reader in
 reduces a scattered value along the batch or the sequence (padding_reader: an unmasked mean over the
 tokens, a cumsum) would see those zeros where eager has values: the graph is left alone, unless the
 value is a product with the padding mask (zero there in eager too). Values the region computes from
-the inputs without a GEMM, an embedding or an attention (_recomputed) are read outside it as the graph
-computes them on the padded batch, not scattered.
+the inputs without a GEMM, an embedding or an attention are read outside it as the graph computes
+them on the padded batch, not scattered (recomputed_values).
 
 T, the number of real tokens, is a data-dependent size (an unbacked SymInt, cuda_ops/unpad.py): a
 batch with another number of real tokens runs the same graph, with no recompile and no kernel build.
@@ -1742,7 +1742,8 @@ def unpad(gm: GraphModule, ctx: PassContext) -> None:
                                          "its attention mask was checked at")
         return
     region.grow_forward()
-    reader = padding_reader(region)
+    recomputed = recomputed_values(region)
+    reader = padding_reader(region, recomputed)
     if reader is not None:
         for a in region.attentions:
             ctx.miss("unpad", a, f"{reader[0].name} ({reader[0].target}) reduces {reader[1].name} along the batch or "
@@ -1750,7 +1751,7 @@ def unpad(gm: GraphModule, ctx: PassContext) -> None:
                                  "zeros (mask them: multiply by the padding mask)")
         return
     try:
-        _rewrite(gm, ctx, region)
+        _rewrite(gm, ctx, region, recomputed)
     except _Unsupported as e:
         raise RuntimeError(f"dmfx: unpad: {e}") from e
 
@@ -1859,31 +1860,36 @@ _HEAVY = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.de
           aten.convolution.default}
 
 
-def _recomputed(n: Node, region: Region) -> bool:
-    """Whether readers outside the region read region value `n` as the graph computes it on the padded
-    batch rather than scattered back: a value the region computes from the inputs with no GEMM,
-    embedding, attention or dmfx op (RoBERTa's ``input_ids != pad`` before the cumsum of its positions,
-    a padding mask cast to float for a pooling), cheap to compute twice, and eager's value at the
-    padding positions too (scattered back, it would read zeros there)."""
-    def light(x: Node) -> bool:
-        return x not in region.attentions and x.target not in _HEAVY and not (
-            isinstance(x.target, torch._ops.OpOverload) and x.target.namespace == "dmfx")
+def recomputed_values(region: Region) -> set[Node]:
+    """The region values readers outside the region read as the graph computes them on the padded batch
+    rather than scattered back: those the region computes from the inputs with no GEMM, embedding,
+    attention or dmfx op (RoBERTa's ``input_ids != pad`` before the cumsum of its positions, a padding
+    mask cast to float for a pooling), cheap to compute twice, and eager's values at the padding
+    positions too (scattered back, they would read zeros there)."""
+    light: set[Node] = set()
+    for n in region.grid.mask.graph.nodes:  # (graph order: a node's inputs are decided before it)
+        if n not in region.tok or n in region.attentions or n.target in _HEAVY:
+            continue
+        if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "dmfx":
+            continue
+        if all(a in light for a in n.all_input_nodes if a in region.tok):
+            light.add(n)
+    return light
 
-    return all(light(a) for a in _ancestors(n) if a in region.tok)
 
-
-def padding_reader(region: Region) -> tuple[Node, Node] | None:
+def padding_reader(region: Region, recomputed: set[Node]) -> tuple[Node, Node] | None:
     """A reader outside the region of a value it scatters back to [B, S, ...] that reads along the
     batch or the sequence (a reduction or a scan over a dim of their size, through views: an unmasked
     mean over the tokens, a cumsum), with the value it reads; None if there is none. Such a reader
     reads the padding positions, where eager has values and the unpadded graph zeros, so the result
     of real rows would differ: the pass leaves the graph alone. A value multiplied by the padding
-    mask (zero there in eager too) may be read so, and so may one _recomputed. Picking positions (the pooler's token 0) is not
-    such a reader: its contract is the graph outputs' (module docstring)."""
+    mask (zero there in eager too) may be read so, and so may one in `recomputed` (recomputed_values).
+    Picking positions (the pooler's token 0) is not such a reader: its contract is the graph outputs'
+    (module docstring)."""
     grid = region.grid
     sizes = (grid.B, grid.S, grid.B * grid.S)
     for n, tok in region.tok.items():
-        if not isinstance(tok, Tok) or _masked_by(n, grid.mask) or _recomputed(n, region):
+        if not isinstance(tok, Tok) or n in recomputed or _masked_by(n, grid.mask):
             continue
         stack = [u for u in n.users if u not in region.tok]
         while stack:
@@ -1900,7 +1906,7 @@ def padding_reader(region: Region) -> tuple[Node, Node] | None:
     return None
 
 
-def _rewrite(gm: GraphModule, ctx: PassContext, region: Region) -> None:
+def _rewrite(gm: GraphModule, ctx: PassContext, region: Region, recomputed: set[Node]) -> None:
     graph = gm.graph
     packer = Packer(gm, ctx, region)
     order = [n for n in graph.nodes if n in region.tok]
@@ -1916,7 +1922,7 @@ def _rewrite(gm: GraphModule, ctx: PassContext, region: Region) -> None:
             for u in outside:
                 u.replace_input_with(n, packer.packed[n])
             continue
-        if not outside or not isinstance(tok, Tok) or _recomputed(n, region):
+        if not outside or not isinstance(tok, Tok) or n in recomputed:
             continue  # (outside readers of a recomputed value read it as the graph computes it)
         full = packer.scatter(n, tok)
         for u in outside:
