@@ -241,6 +241,11 @@ def _constants(nodes: list[Node], gm: GraphModule) -> list[float]:
     return [c for c in found if c < _SENTINEL]
 
 
+# Ops a padded value passes through unchanged in what it reads (a view, a copy, a cast).
+_PASS_THROUGH = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
+                 aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
+                 aten.expand.default, aten.clone.default, aten._to_copy.default, aten.alias.default,
+                 aten.contiguous.default, torch.ops.prims.convert_element_type.default}
 # Ops that keep a position (an index from arange, or a size) a position shifted by constants or by other
 # positions. A mask that compares only such values (HF's causal masks and windows) hides a key where two
 # positions differ by more than a sum of its constants, the same keys at every length. Any other op on a
@@ -249,11 +254,8 @@ def _constants(nodes: list[Node], gm: GraphModule) -> list[float]:
 _SHIFTS = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Scalar, aten.rsub.Tensor,
            aten.neg.default, aten.abs.default, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default,
            aten.maximum.default, aten.minimum.default, aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther,
-           aten._to_copy.default, torch.ops.prims.convert_element_type.default, aten.clone.default, aten.alias.default,
-           aten.lift_fresh_copy.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-           aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.permute.default,
-           aten.t.default, aten.transpose.int, aten.slice.Tensor, aten.select.int, aten.contiguous.default,
-           operator.add, operator.sub, operator.neg, operator.getitem}
+           aten.lift_fresh_copy.default, aten.slice.Tensor, aten.select.int,
+           operator.add, operator.sub, operator.neg, operator.getitem} | _PASS_THROUGH
 # Ops that read a tensor at positions: the padding mask's value at a key is data, not a position.
 _READS = {aten.index.Tensor, aten.gather.default, aten.index_select.default}
 # Ops whose values are constants, whatever sizes they take (a mask's zeros of the scores' shape).
@@ -1827,13 +1829,6 @@ _REDUCTIONS = {
     aten.all.default: (None, None), aten.linalg_vector_norm.default: (2, None), aten.sort.default: (1, -1),
     aten.topk.default: (2, -1),
 }
-# Ops a padded value passes through unchanged in what it reads (a view, a copy, a cast).
-_PASS_THROUGH = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
-                 aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
-                 aten.expand.default, aten.clone.default, aten._to_copy.default, aten.alias.default,
-                 aten.contiguous.default, torch.ops.prims.convert_element_type.default}
-
-
 def _reduced_dims(n: Node, nd: int) -> list[int] | None:
     """The dims reduction `n` (in _REDUCTIONS) reads along, over a tensor of `nd` dims; None: every one."""
     at, default = _REDUCTIONS[n.target]
