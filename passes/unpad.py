@@ -111,6 +111,19 @@ def _unify(a: Any, b: Any) -> bool:
     return _eq(a, b) or (_shown(lambda: a == b) and _eq(a, b))
 
 
+def _unify_token_inputs(placeholders: list[Node], params: frozenset, grid: Any) -> None:
+    """Make the other [B, S, ...] inputs' batch and length the grid's (a guard, _unify) where Dynamo gave
+    them symbols of their own (automatic dynamic shapes: a recompiled frame's labels [s18, s96] beside
+    the mask's [s52, s16], equal in every call HF makes). Else their ops (the loss over the labels) do
+    not join the region: they would read the scattered values, zeros at the padding."""
+    for p in placeholders:
+        v = val(p)
+        if p in params or p is grid.mask or not isinstance(v, torch.Tensor) or v.dim() < 2:
+            continue
+        if _alike(v.shape[0], grid.B) and _alike(v.shape[1], grid.S):
+            _unify(v.shape[0], grid.B) and _unify(v.shape[1], grid.S)
+
+
 def _bound(S: Any, longest: int) -> bool:
     """Whether S <= longest, made a guard where S is symbolic (Dynamo checks it before each call; a
     longer batch recompiles): the graph's padding mask was checked up to that length only."""
@@ -1722,6 +1735,7 @@ def unpad(gm: GraphModule, ctx: PassContext) -> None:
             ctx.miss("unpad", c.call.node, f"the padding mask {source.name} {list(mask_shape)} cannot be shown to have "
                                          f"the batch's and sequence's sizes ({grid.B}, {grid.S})")
         return
+    _unify_token_inputs(placeholders, params, grid)
     region = Region(grid, [c.call for c in chosen])
     for c in chosen:
         alone = Region(grid, [c.call])

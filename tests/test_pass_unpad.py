@@ -942,3 +942,20 @@ def test_automatic_dynamic_shapes_keep_unpadding():
     records = dmfx.records()
     assert len(records) == 3 and all(r.fired.get("unpad") == 2 for r in records), \
         [(r.fired.get("unpad"), unpad_misses(r)) for r in records]
+
+
+def test_a_labelled_padding_position_raises_under_automatic_dynamic_shapes():
+    """Under automatic dynamic shapes a frame recompiled for a new batch size gives the labels symbols
+    of their own beside the mask's ([s18, s96] beside [s52, s16]). The pass makes them the grid's (a
+    guard Dynamo checks per call), so the loss runs on the packed rows and a label at a padding
+    position raises in every graph, as in the first. (The loss read the scattered logits outside the
+    packed region instead: zeros at that position, a loss 1.5e-2 from eager's, silently.)"""
+    model = decoder("llama").train()
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS)
+    for B, S, lengths in [(3, 9, (5, 4, 7)), (3, 12, (12, 3, 8)), (2, 10, (10, 4))]:
+        ids, mask = padded_batch(B, S, 0, lengths)
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[1, -1] = 5  # (row 1 is padded in every batch)
+        with pytest.raises(ValueError, match="the loss has target 5 at padding position"):
+            compiled(input_ids=ids, attention_mask=mask, labels=labels)
+    assert len(dmfx.records()) == 3 and all(r.fired.get("unpad") == 2 for r in dmfx.records())
