@@ -505,6 +505,44 @@ def padding_mask_input(gm: GraphModule, mask: Any, heads: Any, B: Any, S: Any, c
     return cache[mask]
 
 
+def hides_padding_keys(gm: GraphModule, mask: Any, source: Node, cache: dict) -> bool:
+    """Whether `mask`, an attention's mask over keys on `source`'s [B, S] grid (a cross-attention's
+    queries may be other tokens), hides key j of batch b in every head and query row wherever
+    ``source[b, j] == 0``, other keys too or not (a window over the padding mask: ModernBERT's local
+    layers), decided as padding_mask_input decides its kind: on its probes, and under a symbolic
+    length also at a second length past the mask's constants (no bound). Such an attention may read
+    keys and values scattered back from packed rows (zeros at the padding): it never reads those."""
+    if not isinstance(mask, Node):
+        return False
+    if ("keys", mask) in cache:
+        return cache["keys", mask]
+    program = _mask_program(gm, mask)
+    ok = False
+    if not isinstance(program, str) and program.source is source:
+        B, S = val(source).shape
+        found = _probe_shapes(program, (B,), (S,))
+        if not isinstance(found, str):
+            example, seconds = found
+            unbounded = [shape for shape, bound in seconds if bound is None]
+            if unbounded or not seconds:
+                try:
+                    ok = all(_hides(program.run(p, *sizes), (p == 0)[:, None, None, :])
+                             for b, s, sizes in [example, *unbounded]
+                             for p in _probes(b, s, val(source).dtype, val(source).device))
+                except Exception:  # (shapes the probes cannot take)
+                    ok = False
+    cache["keys", mask] = ok
+    return ok
+
+
+def _hides(mask: torch.Tensor, hidden: torch.Tensor) -> bool:
+    """Whether `mask` (bool: True keeps; float: added to the scores) hides every score `hidden` marks
+    (False, or at most _HIDDEN), whatever it does with the others. The two broadcast (_hides_exactly)."""
+    shape = torch.broadcast_shapes(mask.shape, hidden.shape)
+    mask, hidden = mask.expand(shape), hidden.expand(shape)
+    return not bool(mask[hidden].any()) if mask.dtype == torch.bool else bool((mask[hidden] <= _HIDDEN).all())
+
+
 def _hides_exactly(mask: torch.Tensor, kept: torch.Tensor) -> bool:
     """Whether `mask` (bool: True keeps; float: added to the scores) keeps exactly the `kept` scores:
     a kept one reads True or 0, a hidden one False or at most _HIDDEN. The two broadcast against each
@@ -1759,10 +1797,10 @@ def unpad(gm: GraphModule, ctx: PassContext) -> None:
         return
     region.grow_forward()
     recomputed = recomputed_values(region)
-    reader = padding_reader(region, recomputed)
+    reader = padding_reader(region, recomputed, lambda m: hides_padding_keys(gm, m, grid.mask, cache))
     if reader is not None:
         for a in region.attentions:
-            ctx.miss("unpad", a, f"{reader[0].name} ({reader[0].target}) reduces {reader[1].name} along the batch or "
+            ctx.miss("unpad", a, f"{reader[0].name} ({reader[0].target}) reads {reader[1].name} along the batch or "
                                  "the sequence, padding positions included: eager has values there, unpad would have "
                                  "zeros (mask them: multiply by the padding mask)")
         return
@@ -1886,32 +1924,93 @@ def recomputed_values(region: Region) -> set[Node]:
     return light
 
 
-def padding_reader(region: Region, recomputed: set[Node]) -> tuple[Node, Node] | None:
+# Ops that pick positions (the pooler's token 0, a classifier's last real token): what they read is
+# the module docstring's contract (a graph output's padding positions), not a reduction over them.
+_PICKS = {aten.select.int, aten.slice.Tensor, aten.index.Tensor, aten.gather.default, aten.index_select.default,
+          aten.narrow.default}
+# Row-wise ops with a dim argument: softmax over the tokens reads every position along them.
+_ALONG = {aten._softmax.default: 1, aten._log_softmax.default: 1, aten.softmax.int: 1, aten.log_softmax.int: 1}
+# GEMMs: (the position of the first operand, the dim it contracts) and the same for the second.
+_GEMMS = {aten.mm.default: ((0, 1), (1, 0)), aten.addmm.default: ((1, 1), (2, 0)), aten.bmm.default: ((0, 2), (1, 1)),
+          aten.baddbmm.default: ((1, 2), (2, 1))}
+# Losses over rows: the position of their reduction argument (0: none, a per-row loss).
+_LOSSES = {dmfx.cross_entropy.default: 4, dmfx.linear_cross_entropy.default: 6, aten.nll_loss_forward.default: 3,
+           aten.nll_loss2d_forward.default: 3}
+
+
+def _pointwise(n: Node) -> bool:
+    return isinstance(n.target, torch._ops.OpOverload) and torch.Tag.pointwise in n.target.tags
+
+
+def _reads_padding(u: Node, via: Node, sizes: tuple, source: Node, hides_padding: Callable[[Any], bool]) -> bool | None:
+    """Whether op `u`, reading the padding positions of `via` (a scattered value, or one computed from
+    it), reads along them (True: its real rows would read eager's values there), passes them on
+    position for position (None: its readers are looked at), or neither (False: a pick, a product with
+    the padding mask `source`). `hides_padding(mask)`: whether an attention mask hides the padding
+    keys."""
+    t = u.target
+    token = lambda d: any(_alike(d, x) for x in sizes)  # noqa: E731
+    meta = tensor_meta(via)
+    if t is operator.getitem or t in _PASS_THROUGH or _pointwise(u) and not _masked_by(u, source):
+        return None
+    if u.op != "call_function" or t in _PICKS or t in _FILLS or _masked_by(u, source) \
+            or not isinstance(t, torch._ops.OpOverload) or t.name().startswith("aten::sym_"):
+        return False  # (an output, a pick, a shape read, SymInt arithmetic)
+    if meta is None:
+        return True
+    if t in _REDUCTIONS:
+        dims = _reduced_dims(u, meta.dim()) if u.args[0] is via else None
+        return True if dims is None or any(token(meta.shape[d]) for d in dims) else None
+    if t in _ALONG:
+        return True if token(meta.shape[u.args[_ALONG[t]] % meta.dim()]) else None
+    if t in _GEMMS:
+        for at, dim in _GEMMS[t]:
+            if u.args[at] is via and token(meta.shape[dim]):
+                return True
+        return None
+    if t in _LOSSES:
+        return True if u.args[_LOSSES[t]] != 0 else None
+    a = attention_call(u)
+    if isinstance(a, AttentionCall):
+        keys = [x for name, x in a.operands.items() if name != "q"]
+        if via not in keys:
+            return None  # (the queries: each output row reads its own)
+        return None if hides_padding(a.mask) else True
+    return True  # (an op unpad does not know: it may read along the tokens)
+
+
+def padding_reader(region: Region, recomputed: set[Node],
+                   hides_padding: Callable[[Any], bool]) -> tuple[Node, Node] | None:
     """A reader outside the region of a value it scatters back to [B, S, ...] that reads along the
-    batch or the sequence (a reduction or a scan over a dim of their size, through views: an unmasked
-    mean over the tokens, a cumsum), with the value it reads; None if there is none. Such a reader
-    reads the padding positions, where eager has values and the unpadded graph zeros, so the result
-    of real rows would differ: the pass leaves the graph alone. A value multiplied by the padding
-    mask (zero there in eager too) may be read so, and so may one in `recomputed` (recomputed_values).
-    Picking positions (the pooler's token 0) is not such a reader: its contract is the graph outputs'
-    (module docstring)."""
+    batch or the sequence, with the value it reads; None if there is none. Such a reader reads the
+    padding positions, where eager has values and the unpadded graph zeros, so the result of real rows
+    would differ: the pass leaves the graph alone. Followed from each scattered value through the ops
+    that pass each position on (views, element-wise ops, reductions over feature dims, GEMMs over them,
+    attention reading it as queries), a reader is (_reads_padding): a reduction or a scan over a dim of
+    B's, S's or B * S's size (an unmasked mean over the tokens, a cumsum), a softmax along one, a GEMM
+    contracting one (``h.transpose(1, 2) @ h``), a loss over the rows, an attention reading it as keys
+    or values whose mask does not hide the padding keys (`hides_padding`), or an op the pass does not
+    know.
+    A product with the padding mask (zero there in eager too) is not, nor is picking positions (the
+    pooler's token 0: its contract is the graph outputs', module docstring), nor a value in
+    `recomputed` (recomputed_values)."""
     grid = region.grid
     sizes = (grid.B, grid.S, grid.B * grid.S)
+    seen: set[tuple[Node, Node]] = set()
     for n, tok in region.tok.items():
         if not isinstance(tok, Tok) or n in recomputed or _masked_by(n, grid.mask):
             continue
-        stack = [u for u in n.users if u not in region.tok]
+        stack = [(u, n) for u in n.users if u not in region.tok]
         while stack:
-            u = stack.pop()
-            if u.target in _PASS_THROUGH:
-                stack += [w for w in u.users if w not in region.tok]
-            elif u.target in _REDUCTIONS and isinstance(u.args[0], Node):
-                meta = tensor_meta(u.args[0])
-                if meta is None:
-                    return u, n
-                dims = _reduced_dims(u, meta.dim())
-                if dims is None or any(_alike(meta.shape[d], x) for d in dims for x in sizes):
-                    return u, n
+            u, via = stack.pop()
+            if (u, via) in seen:
+                continue
+            seen.add((u, via))
+            reads = _reads_padding(u, via, sizes, grid.mask, hides_padding)
+            if reads:
+                return u, n
+            if reads is None:
+                stack += [(w, u) for w in u.users if w not in region.tok]
     return None
 
 

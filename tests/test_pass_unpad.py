@@ -728,20 +728,36 @@ class Pooled(torch.nn.Module):
             return h.cumsum(1)[:, -1]
         if self.how == "max over the batch":
             return h.amax(0)
+        if self.how == "mean of an element-wise op":  # (sin: not among the region's ops, so outside it)
+            return h.sin().mean(1)
+        if self.how == "softmax over the tokens":  # (an attention pooling with no mask)
+            return (torch.softmax(h.sum(-1), dim=1)[..., None] * h).sum(1)
+        if self.how == "gram":  # (a GEMM contracting the tokens)
+            return h.transpose(1, 2) @ h
+        if self.how == "flip":  # (an op unpad does not know)
+            return h.flip(1)[:, 0]
+        if self.how in ("attention pooling", "masked attention pooling"):  # (a learned query over the tokens)
+            q = h.new_ones(h.shape[0], 1, 1, h.shape[-1])
+            keep = attention_mask.bool()[:, None, None, :] if self.how.startswith("masked") else None
+            return torch.nn.functional.scaled_dot_product_attention(q, h[:, None], h[:, None], attn_mask=keep)
         m = attention_mask[..., None].to(h.dtype)
         if self.how == "masked mean":
             return (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
         return h[:, 0]  # "cls"
 
 
-@pytest.mark.parametrize("how,unpadded", [("mean", False), ("cumsum", False), ("max over the batch", False),
-                                          ("masked mean", True), ("cls", True)])
+@pytest.mark.parametrize("how,unpadded", [
+    ("mean", False), ("cumsum", False), ("max over the batch", False), ("mean of an element-wise op", False),
+    ("softmax over the tokens", False), ("gram", False), ("flip", False), ("attention pooling", False),
+    ("masked attention pooling", True), ("masked mean", True), ("cls", True)])
 def test_a_reduction_over_the_padding_in_the_graph_is_left_alone(how, unpadded):
-    """A reduction over the tokens that reads the padding positions (an unmasked mean, a cumsum, a max
-    over the batch) would see eager's values there and the unpadded graph's zeros: the pass leaves the
-    graph alone and says which op. A mean over the tokens multiplied by the padding mask (zero there in
-    eager too) and the first token are unpadded. Every result is eager's (right padding: token 0 is
-    real)."""
+    """An op that reads along the tokens at the padding positions (an unmasked mean, a cumsum, a max
+    over the batch, a mean behind element-wise ops outside the region, a softmax over the tokens, a GEMM
+    contracting them, an attention over them with no mask, an op the pass does not know) would see
+    eager's values there and the unpadded graph's zeros: the pass leaves the graph alone and says which
+    op. A mean over the tokens multiplied by the padding mask (zero there in eager too), an attention
+    whose mask hides the padding, and the first token are unpadded. Every result is eager's (right
+    padding: token 0 is real)."""
     model, pad = encoder("bert")
     model = Pooled(model.eval(), how)
     ids, mask = padded_batch(pad_id=pad)
