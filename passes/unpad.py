@@ -17,9 +17,11 @@ loss over every position: give padding the label -100). Such a loss (``dmfx::cro
 over the real positions, with no ``[B * S, V]`` logits scattered for it. Its targets are packed by
 ``dmfx::unpad_targets``, which raises a ValueError where a padding position has a label that is not
 ignored: eager counts that term, from logits unpad does not compute. A reader in the graph that
-reduces a scattered value along the batch or the sequence (padding_reader: an unmasked mean over the
-tokens, a cumsum) would see those zeros where eager has values: the graph is left alone, unless the
-value is a product with the padding mask (zero there in eager too). Values the region computes from
+reads a scattered value along the batch or the sequence (padding_reader: an unmasked mean over the
+tokens, a cumsum, a softmax over the positions, a GEMM contracting them, an attention over them under
+a mask that keeps padding keys, an op the pass does not know) would see those zeros where eager has
+values: the graph is left alone, unless the value is a product with the padding mask (zero there in
+eager too). Values the region computes from
 the inputs without a GEMM, an embedding or an attention are read outside it as the graph computes
 them on the padded batch, not scattered (recomputed_values).
 
