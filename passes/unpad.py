@@ -1928,16 +1928,25 @@ def recomputed_values(region: Region) -> set[Node]:
 
 # Ops that pick positions (the pooler's token 0, a classifier's last real token): what they read is
 # the module docstring's contract (a graph output's padding positions), not a reduction over them.
-_PICKS = {aten.select.int, aten.slice.Tensor, aten.index.Tensor, aten.gather.default, aten.index_select.default,
-          aten.narrow.default}
-# Row-wise ops with a dim argument: softmax over the tokens reads every position along them.
-_ALONG = {aten._softmax.default: 1, aten._log_softmax.default: 1, aten.softmax.int: 1, aten.log_softmax.int: 1}
+_PICKS = {aten.select.int, aten.index.Tensor, aten.gather.default, aten.index_select.default}
+# Slices: a run of positions (or features) passed on; along the tokens, its length reads as a token
+# size after it (_sliced).
+_SLICES = {aten.slice.Tensor: 0, aten.narrow.default: None}
+# Row-wise ops along a dim (the position of their dim argument, None: the last dim): a softmax over the
+# tokens reads every position along them.
+_ALONG = {aten._softmax.default: 1, aten._log_softmax.default: 1, aten.softmax.int: 1, aten.log_softmax.int: 1,
+          dmfx.attention_softmax.default: None}
 # GEMMs: (the position of the first operand, the dim it contracts) and the same for the second.
 _GEMMS = {aten.mm.default: ((0, 1), (1, 0)), aten.addmm.default: ((1, 1), (2, 0)), aten.bmm.default: ((0, 2), (1, 1)),
           aten.baddbmm.default: ((1, 2), (2, 1))}
 # Losses over rows: the position of their reduction argument (0: none, a per-row loss).
 _LOSSES = {dmfx.cross_entropy.default: 4, dmfx.linear_cross_entropy.default: 6, aten.nll_loss_forward.default: 3,
            aten.nll_loss2d_forward.default: 3}
+
+
+# Ops row-wise over their last dim whatever their arguments (element-wise ops, dmfx's fused row ops).
+_ROW_OPS = {*_ELEMENTWISE, dmfx.layer_norm, dmfx.rms_norm, dmfx.bias_dropout_residual_norm, dmfx.dropout,
+            dmfx.bias_act_dropout, dmfx.glu, dmfx.rope, aten.embedding}
 
 
 def _pointwise(n: Node) -> bool:
@@ -1953,8 +1962,10 @@ def _reads_padding(u: Node, via: Node, sizes: tuple, source: Node, hides_padding
     t = u.target
     token = lambda d: any(_alike(d, x) for x in sizes)  # noqa: E731
     meta = tensor_meta(via)
-    if t is operator.getitem or t in _PASS_THROUGH or _pointwise(u) and not _masked_by(u, source):
+    if t is operator.getitem or t in _PASS_THROUGH or t in _SLICES or _pointwise(u) and not _masked_by(u, source):
         return None
+    if t is aten.select.int and meta is not None and not token(meta.shape[u.args[1] % meta.dim()]):
+        return None  # (a feature picked: the positions passed on)
     if u.op != "call_function" or t in _PICKS or t in _FILLS or _masked_by(u, source) \
             or not isinstance(t, torch._ops.OpOverload) or t.name().startswith("aten::sym_"):
         return False  # (an output, a pick, a shape read, SymInt arithmetic)
@@ -1964,7 +1975,7 @@ def _reads_padding(u: Node, via: Node, sizes: tuple, source: Node, hides_padding
         dims = _reduced_dims(u, meta.dim()) if u.args[0] is via else None
         return True if dims is None or any(token(meta.shape[d]) for d in dims) else None
     if t in _ALONG:
-        return True if token(meta.shape[u.args[_ALONG[t]] % meta.dim()]) else None
+        return True if token(meta.shape[(-1 if _ALONG[t] is None else u.args[_ALONG[t]]) % meta.dim()]) else None
     if t in _GEMMS:
         for at, dim in _GEMMS[t]:
             if u.args[at] is via and token(meta.shape[dim]):
@@ -1978,7 +1989,26 @@ def _reads_padding(u: Node, via: Node, sizes: tuple, source: Node, hides_padding
         if via not in keys:
             return None  # (the queries: each output row reads its own)
         return None if hides_padding(a.mask) else True
+    if getattr(t, "overloadpacket", None) in _ROW_OPS:
+        return None  # (row-wise over the last dim, left outside the region by its operands' shapes)
     return True  # (an op unpad does not know: it may read along the tokens)
+
+
+def _sliced(u: Node, via: Node, sizes: tuple) -> tuple:
+    """The sizes that read as tokens after `u` (reading `via`): with the length of a slice of two
+    positions or more along a dim of a token size (``h[:, -4:]``: a mean over those four reads the
+    padding as much as one over all of them; a slice of one position is a pick)."""
+    if u.target not in _SLICES:
+        return sizes
+    dim = u.args[1] if len(u.args) > 1 else _SLICES[u.target]
+    before, after = tensor_meta(via), tensor_meta(u)
+    if before is None or after is None or dim is None:
+        return sizes
+    d = dim % before.dim()
+    n, m = before.shape[d], after.shape[d]
+    if any(_alike(n, x) for x in sizes) and not (_eq(m, n) or _eq(m, 1)):
+        return (*sizes, m)
+    return sizes
 
 
 def padding_reader(region: Region, recomputed: set[Node],
@@ -1987,9 +2017,10 @@ def padding_reader(region: Region, recomputed: set[Node],
     batch or the sequence, with the value it reads; None if there is none. Such a reader reads the
     padding positions, where eager has values and the unpadded graph zeros, so the result of real rows
     would differ: the pass leaves the graph alone. Followed from each scattered value through the ops
-    that pass each position on (views, element-wise ops, reductions over feature dims, GEMMs over them,
-    attention reading it as queries), a reader is (_reads_padding): a reduction or a scan over a dim of
-    B's, S's or B * S's size (an unmasked mean over the tokens, a cumsum), a softmax along one, a GEMM
+    that pass each position on (views, element-wise ops, slices, reductions over feature dims, GEMMs
+    over them, attention reading it as queries), a reader is (_reads_padding): a reduction or a scan
+    over a dim of B's, S's or B * S's size or a slice's of them (_sliced: an unmasked mean over the
+    tokens or the last four, a cumsum), a softmax along one, a GEMM
     contracting one (``h.transpose(1, 2) @ h``), a loss over the rows, an attention reading it as keys
     or values whose mask does not hide the padding keys (`hides_padding`), or an op the pass does not
     know.
@@ -2002,17 +2033,18 @@ def padding_reader(region: Region, recomputed: set[Node],
     for n, tok in region.tok.items():
         if not isinstance(tok, Tok) or n in recomputed or _masked_by(n, grid.mask):
             continue
-        stack = [(u, n) for u in n.users if u not in region.tok]
+        stack = [(u, n, sizes) for u in n.users if u not in region.tok]
         while stack:
-            u, via = stack.pop()
+            u, via, along = stack.pop()
             if (u, via) in seen:
                 continue
             seen.add((u, via))
-            reads = _reads_padding(u, via, sizes, grid.mask, hides_padding)
+            reads = _reads_padding(u, via, along, grid.mask, hides_padding)
             if reads:
                 return u, n
             if reads is None:
-                stack += [(w, u) for w in u.users if w not in region.tok]
+                after = _sliced(u, via, along)
+                stack += [(w, u, after) for w in u.users if w not in region.tok]
     return None
 
 

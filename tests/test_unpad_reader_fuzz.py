@@ -1,0 +1,124 @@
+"""Fuzz of what a graph does with an unpadded encoder's output (issue 16: never a wrong answer).
+
+Each case compiles a small BERT encoder followed by a random chain of ops on its hidden states, ending
+in one that collapses the positions (a pooling, a reduction, a scan, a softmax over the positions, a
+GEMM over them, an attention, a slice of the last positions, a pick of the first), under
+``unpad=True``, and checks the result against eager's on the whole output: the pass either unpads
+the graph, where nothing reads the padding positions, or leaves it padded and says why. Padding
+positions hold zeros in an unpadded graph and values in eager, so a reader of them that the pass
+missed shows as a different result here.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+import dmfx
+
+SMALL = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+UNPAD = {"unpad": True}
+
+
+def _masked(h, m, w=None):
+    return h * m[..., None].to(h.dtype)
+
+
+# Ops that keep [B, S, H] (position for position, or mixing features only)
+KEEP = {
+    "sin": lambda h, m, w: h.sin(),
+    "affine": lambda h, m, w: h * 2 + 1,
+    "gelu": lambda h, m, w: torch.nn.functional.gelu(h),
+    "linear": lambda h, m, w: h @ w,
+    "softmax over features": lambda h, m, w: torch.softmax(h, -1),
+    "layer norm": lambda h, m, w: torch.nn.functional.layer_norm(h, h.shape[-1:]),
+    "masked": _masked,
+    "double": lambda h, m, w: h.double(),
+}
+# Ops that collapse the positions: [B, ...] or a scalar
+COLLAPSE = {
+    "mean": lambda h, m, w: h.mean(1),
+    "sum": lambda h, m, w: h.sum(1),
+    "max": lambda h, m, w: h.amax(1),
+    "max over the batch": lambda h, m, w: h.amax(0),
+    "cumsum": lambda h, m, w: h.cumsum(1)[:, -1],
+    "logsumexp": lambda h, m, w: h.logsumexp(1),
+    "var": lambda h, m, w: h.var(1),
+    "softmax pooling": lambda h, m, w: (torch.softmax(h.sum(-1), 1)[..., None] * h).sum(1),
+    "gram": lambda h, m, w: h.transpose(1, 2) @ h,
+    "flip": lambda h, m, w: h.flip(1)[:, 0],
+    "first token": lambda h, m, w: h[:, 0],
+    "last two positions": lambda h, m, w: h[:, -2:].mean(1),
+    "masked mean": lambda h, m, w: _masked(h, m).sum(1) / m.sum(1, keepdim=True).to(h.dtype),
+    "attention pooling": lambda h, m, w: torch.nn.functional.scaled_dot_product_attention(
+        h.new_ones(h.shape[0], 1, 1, h.shape[-1]), h[:, None], h[:, None]),
+    "masked attention pooling": lambda h, m, w: torch.nn.functional.scaled_dot_product_attention(
+        h.new_ones(h.shape[0], 1, 1, h.shape[-1]), h[:, None], h[:, None], attn_mask=m.bool()[:, None, None, :]),
+    "whole mean": lambda h, m, w: h.mean(),
+}
+
+
+class Chain(torch.nn.Module):
+    def __init__(self, keep: list[str], collapse: str):
+        super().__init__()
+        cfg = transformers.BertConfig(vocab_size=100, attn_implementation="eager", **SMALL)
+        self.encoder = transformers.BertModel(cfg, add_pooling_layer=False).eval()
+        self.w = torch.nn.Parameter(torch.randn(32, 32) / 32 ** 0.5)
+        self.keep, self.collapse = keep, collapse
+
+    def forward(self, input_ids, attention_mask):
+        h = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        for k in self.keep:
+            h = KEEP[k](h, attention_mask, self.w if h.dtype == self.w.dtype else self.w.double())
+        return COLLAPSE[self.collapse](h, attention_mask, self.w)
+
+
+def _case(seed: int) -> tuple[list[str], str]:
+    rnd = random.Random(seed)
+    collapse = list(COLLAPSE)[(seed // 2) % len(COLLAPSE)]  # (each once inferring, once training)
+    return rnd.sample(list(KEEP), rnd.randint(0, 2)), collapse
+
+
+def _run(model, run, ids, mask, R):
+    """The output, and with a cotangent `R` every parameter's gradient of (output * R).sum()."""
+    if R is None:
+        with torch.no_grad():
+            return run(ids, mask), []
+    params = list(model.parameters())
+    for p in params:
+        p.grad = None
+    out = run(ids, mask)
+    (out * R).sum().backward()
+    return out.detach(), [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
+
+
+@pytest.mark.parametrize("seed", range(2 * len(COLLAPSE)))
+def test_a_chain_after_the_encoder_is_eagers(seed):
+    """Odd seeds train: every parameter's gradient of a random cotangent is eager's too (judged against
+    the largest)."""
+    torch.manual_seed(seed)
+    keep, collapse = _case(seed)
+    model = Chain(keep, collapse).train(seed % 2 == 1)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 100, (3, 9), generator=g)
+    mask = (torch.arange(9)[None, :] < torch.tensor([5, 9, 7])[:, None]).long()  # (right padding: token 0 is real)
+    ids = ids.masked_fill(mask == 0, 0)
+    R = None
+    if model.training:
+        with torch.no_grad():
+            R = torch.randn(model(ids, mask).shape, generator=g, dtype=torch.float64 if "double" in keep else None)
+    ref, ref_grads = _run(model, model, ids, mask, R)
+    out, grads = _run(model, torch.compile(model, backend="dmfx", options=UNPAD), ids, mask, R)
+    record = dmfx.records()[-1]
+    why = [m for m in record.missed if m.startswith("unpad")]
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), (keep, collapse, record.fired.get("unpad"), why)
+    if grads:
+        largest = max(g.abs().max() for g in ref_grads)
+        worst = max((a - b).abs().max() for a, b in zip(grads, ref_grads))
+        assert worst <= 1e-5 * largest, (keep, collapse, float(worst / largest), record.fired.get("unpad"), why)
+    if collapse in ("masked mean", "first token", "masked attention pooling") and "masked" not in keep:
+        assert record.fired.get("unpad"), (keep, collapse, why)  # (nothing reads the padding: unpadded)
