@@ -2020,13 +2020,13 @@ def padding_reader(region: Region, recomputed: set[Node],
     that pass each position on (views, element-wise ops, slices, reductions over feature dims, GEMMs
     over them, attention reading it as queries), a reader is (_reads_padding): a reduction or a scan
     over a dim of B's, S's or B * S's size or a slice's of them (_sliced: an unmasked mean over the
-    tokens or the last four, a cumsum), a softmax along one, a GEMM
-    contracting one (``h.transpose(1, 2) @ h``), a loss over the rows, an attention reading it as keys
-    or values whose mask does not hide the padding keys (`hides_padding`), or an op the pass does not
-    know.
-    A product with the padding mask (zero there in eager too) is not, nor is picking positions (the
-    pooler's token 0: its contract is the graph outputs', module docstring), nor a value in
-    `recomputed` (recomputed_values)."""
+    tokens or the last four, a cumsum), a softmax along one, a GEMM contracting one
+    (``h.transpose(1, 2) @ h``), a loss over the rows, an attention reading it as keys or values whose
+    mask does not hide the padding keys (`hides_padding`), or an op the pass does not know. A product
+    with the padding mask (zero there in eager too) is not, nor is picking positions (the pooler's
+    token 0: its contract is the graph outputs', module docstring), nor a value in `recomputed`
+    (recomputed_values). Sizes decide which dims are the tokens': a feature dim of a token size reads
+    as one (the graph stays padded: slower, never wrong)."""
     grid = region.grid
     sizes = (grid.B, grid.S, grid.B * grid.S)
     seen: set[tuple[Node, Node]] = set()
