@@ -1928,10 +1928,10 @@ def recomputed_values(region: Region) -> set[Node]:
 
 # Ops that pick positions (the pooler's token 0, a classifier's last real token): what they read is
 # the module docstring's contract (a graph output's padding positions), not a reduction over them.
-_PICKS = {aten.select.int, aten.index.Tensor, aten.gather.default, aten.index_select.default}
-# Slices: a run of positions (or features) passed on; along the tokens, its length reads as a token
-# size after it (_sliced).
-_SLICES = {aten.slice.Tensor: 0, aten.narrow.default: None}
+_PICKS = {aten.select.int, aten.index.Tensor, aten.gather.default}
+# Slices: a run of positions (or features) passed on, the position of their dim argument and its
+# default; along the tokens, its length reads as a token size after it (_sliced).
+_SLICES = {aten.slice.Tensor: (1, 0), aten.narrow.default: (1, None), aten.index_select.default: (1, None)}
 # Row-wise ops along a dim (the position of their dim argument, None: the last dim): a softmax over the
 # tokens reads every position along them.
 _ALONG = {aten._softmax.default: 1, aten._log_softmax.default: 1, aten.softmax.int: 1, aten.log_softmax.int: 1,
@@ -1995,12 +1995,13 @@ def _reads_padding(u: Node, via: Node, sizes: tuple, source: Node, hides_padding
 
 
 def _sliced(u: Node, via: Node, sizes: tuple) -> tuple:
-    """The sizes that read as tokens after `u` (reading `via`): with the length of a slice of two
-    positions or more along a dim of a token size (``h[:, -4:]``: a mean over those four reads the
-    padding as much as one over all of them; a slice of one position is a pick)."""
+    """The sizes that read as tokens after `u` (reading `via`): with the length of a slice (or an
+    index_select) of two positions or more along a dim of a token size (``h[:, -4:]``: a mean over
+    those four reads the padding as much as one over all of them; one position is a pick)."""
     if u.target not in _SLICES:
         return sizes
-    dim = u.args[1] if len(u.args) > 1 else _SLICES[u.target]
+    at, default = _SLICES[u.target]
+    dim = u.args[at] if len(u.args) > at else u.kwargs.get("dim", default)
     before, after = tensor_meta(via), tensor_meta(u)
     if before is None or after is None or dim is None:
         return sizes

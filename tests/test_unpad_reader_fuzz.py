@@ -35,7 +35,8 @@ KEEP = {
     "gelu": lambda h, m, w: torch.nn.functional.gelu(h),
     "linear": lambda h, m, w: h @ w,
     "softmax over features": lambda h, m, w: torch.softmax(h, -1),
-    "layer norm": lambda h, m, w: torch.nn.functional.layer_norm(h, h.shape[-1:]),
+    "layer norm": lambda h, m, w: torch.nn.functional.layer_norm(h, h.shape[-1:], w[0]),  # (weighted: a mean
+    # over the features of a layer norm without one is 0, its gradients rounding noise)
     "masked": _masked,
     "double": lambda h, m, w: h.double(),
 }
@@ -53,6 +54,7 @@ COLLAPSE = {
     "flip": lambda h, m, w: h.flip(1)[:, 0],
     "first token": lambda h, m, w: h[:, 0],
     "last two positions": lambda h, m, w: h[:, -2:].mean(1),
+    "positions picked": lambda h, m, w: h.index_select(1, torch.tensor([0, 6])).amax(1),
     "masked mean": lambda h, m, w: _masked(h, m).sum(1) / m.sum(1, keepdim=True).to(h.dtype),
     "attention pooling": lambda h, m, w: torch.nn.functional.scaled_dot_product_attention(
         h.new_ones(h.shape[0], 1, 1, h.shape[-1]), h[:, None], h[:, None]),
