@@ -178,6 +178,16 @@ def _heads():
     }
 
 
+def loss_and_grads(model, run=None, **kw):
+    """The loss of `run` (default: `model`) on kw, and every parameter's gradient of it."""
+    params = list(model.parameters())
+    for p in params:
+        p.grad = None
+    loss = (model if run is None else run)(**kw).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+
+
 @pytest.mark.parametrize("head", ["sequence classification", "token classification", "masked LM"])
 def test_fine_tuning_heads_gradients_equal_eager(head):
     """The issue's fine-tuning steps: the loss reads only real positions (the first token; labels
@@ -190,17 +200,9 @@ def test_fine_tuning_heads_gradients_equal_eager(head):
     else:
         vocab = model.config.vocab_size if head == "masked LM" else 3
         labels = torch.randint(0, vocab, ids.shape).masked_fill(~mask.bool(), -100)
-    params = list(model.parameters())
-
-    def step(run):
-        for p in params:
-            p.grad = None
-        loss = run(input_ids=ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        return loss.detach(), [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
-
-    ref_loss, ref_grads = step(model)
-    loss, grads = step(torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS))
+    ref_loss, ref_grads = loss_and_grads(model, input_ids=ids, attention_mask=mask, labels=labels)
+    loss, grads = loss_and_grads(model, torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS), input_ids=ids,
+                                 attention_mask=mask, labels=labels)
     assert torch.allclose(loss, ref_loss, rtol=1e-5)
     assert_grads_equal(grads, ref_grads)
     rec = dmfx.records()[-1]
@@ -228,17 +230,8 @@ def test_question_answering_loss_over_the_positions_is_left_alone():
     ids, mask = padded_batch()
     kw = dict(input_ids=ids, attention_mask=mask, start_positions=torch.tensor([1, 2, 0]),
               end_positions=torch.tensor([3, 5, 4]))
-    params = list(model.parameters())
-
-    def step(run):
-        for p in params:
-            p.grad = None
-        loss = run(**kw).loss
-        loss.backward()
-        return loss.detach(), [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
-
-    ref_loss, ref_grads = step(model)
-    loss, grads = step(torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS))
+    ref_loss, ref_grads = loss_and_grads(model, **kw)
+    loss, grads = loss_and_grads(model, torch.compile(model, backend="dmfx", options=UNPAD_GRAPHS), **kw)
     assert torch.allclose(loss, ref_loss, rtol=1e-5)
     assert_grads_equal(grads, ref_grads)
     record = dmfx.records()[-1]
