@@ -102,28 +102,33 @@ def _run(model, run, ids, mask, R):
 def test_a_chain_after_the_encoder_is_eagers(seed):
     """Odd seeds train: every parameter's gradient of a random cotangent is eager's too (judged against
     the largest). Every third seed pads on the left, except where the first token is picked (a padding
-    position then: the graph outputs' contract, not a reader)."""
+    position then: the graph outputs' contract, not a reader). Half the seeds compile with
+    dynamic=True and run a second batch of other sizes through the same graph."""
     torch.manual_seed(seed)
     keep, collapse = _case(seed)
     model = Chain(keep, collapse).train(seed % 2 == 1)
+    dynamic = seed % 4 in (1, 2)
+    compiled = torch.compile(model, backend="dmfx", options=UNPAD, dynamic=dynamic or None)
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, 100, (3, 9), generator=g)
-    mask = (torch.arange(9)[None, :] < torch.tensor([5, 9, 7])[:, None]).long()  # (right padding: token 0 is real)
-    if seed % 3 == 0 and collapse != "first token":
-        mask = mask.flip(1)
-    ids = ids.masked_fill(mask == 0, 0)
-    R = None
-    if model.training:
-        with torch.no_grad():
-            R = torch.randn(model(ids, mask).shape, generator=g, dtype=torch.float64 if "double" in keep else None)
-    ref, ref_grads = _run(model, model, ids, mask, R)
-    out, grads = _run(model, torch.compile(model, backend="dmfx", options=UNPAD), ids, mask, R)
-    record = dmfx.records()[-1]
-    why = [m for m in record.missed if m.startswith("unpad")]
-    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), (keep, collapse, record.fired.get("unpad"), why)
-    if grads:
-        largest = max(g.abs().max() for g in ref_grads)
-        worst = max((a - b).abs().max() for a, b in zip(grads, ref_grads))
-        assert worst <= 1e-5 * largest, (keep, collapse, float(worst / largest), record.fired.get("unpad"), why)
+    for B, S, lengths in [(3, 9, (5, 9, 7)), (2, 12, (12, 6))][:2 if dynamic else 1]:
+        ids = torch.randint(2, 100, (B, S), generator=g)
+        mask = (torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]).long()  # (right: token 0 is real)
+        if seed % 3 == 0 and collapse != "first token":
+            mask = mask.flip(1)
+        ids = ids.masked_fill(mask == 0, 0)
+        R = None
+        if model.training:
+            with torch.no_grad():
+                R = torch.randn(model(ids, mask).shape, generator=g, dtype=torch.float64 if "double" in keep else None)
+        ref, ref_grads = _run(model, model, ids, mask, R)
+        out, grads = _run(model, compiled, ids, mask, R)
+        record = dmfx.records()[-1]
+        why = [m for m in record.missed if m.startswith("unpad")]
+        assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), (keep, collapse, S, record.fired.get("unpad"), why)
+        if grads:
+            largest = max(g.abs().max() for g in ref_grads)
+            worst = max((a - b).abs().max() for a, b in zip(grads, ref_grads))
+            assert worst <= 1e-5 * largest, (keep, collapse, S, float(worst / largest), record.fired.get("unpad"), why)
+    assert len(dmfx.records()) == 1  # (a symbolic graph ran the second batch)
     if collapse in ("masked mean", "first token", "masked attention pooling") and "masked" not in keep:
         assert record.fired.get("unpad"), (keep, collapse, why)  # (nothing reads the padding: unpadded)
