@@ -1962,7 +1962,8 @@ def _reads_padding(u: Node, via: Node, sizes: tuple, source: Node, hides_padding
     t = u.target
     token = lambda d: any(_alike(d, x) for x in sizes)  # noqa: E731
     meta = tensor_meta(via)
-    if t is operator.getitem or t in _PASS_THROUGH or t in _SLICES or _pointwise(u) and not _masked_by(u, source):
+    if t is operator.getitem or t in _PASS_THROUGH or t in _SLICES or _pointwise(u) and not _masked_by(u, source) \
+            or _index_dim(u) is not None:
         return None
     if t is aten.select.int and meta is not None and not token(meta.shape[u.args[1] % meta.dim()]):
         return None  # (a feature picked: the positions passed on)
@@ -1994,14 +1995,33 @@ def _reads_padding(u: Node, via: Node, sizes: tuple, source: Node, hides_padding
     return True  # (an op unpad does not know: it may read along the tokens)
 
 
+def _index_dim(u: Node) -> int | None:
+    """The dim `u` indexes when it is ``x[..., idx]`` with one 1-D integer index (``h[:, [0, 6]]``: an
+    index_select), else None (several indices pick one position per row: GPT-2's classifier taking
+    each sequence's last token, a pick)."""
+    if u.target is not aten.index.Tensor or len(u.args) < 2:
+        return None
+    given = [(d, i) for d, i in enumerate(u.args[1]) if i is not None]
+    if len(given) != 1 or not isinstance(given[0][1], Node):
+        return None
+    d, i = given[0]
+    meta = tensor_meta(i)
+    return d if meta is not None and meta.dim() == 1 and not meta.dtype.is_floating_point and \
+        meta.dtype != torch.bool else None
+
+
 def _sliced(u: Node, via: Node, sizes: tuple) -> tuple:
     """The sizes that read as tokens after `u` (reading `via`): with the length of a slice (or an
-    index_select) of two positions or more along a dim of a token size (``h[:, -4:]``: a mean over
-    those four reads the padding as much as one over all of them; one position is a pick)."""
-    if u.target not in _SLICES:
-        return sizes
-    at, default = _SLICES[u.target]
-    dim = u.args[at] if len(u.args) > at else u.kwargs.get("dim", default)
+    index_select, or an index by one 1-D index) of two positions or more along a dim of a token size
+    (``h[:, -4:]``: a mean over those four reads the padding as much as one over all of them; one
+    position is a pick)."""
+    if u.target in _SLICES:
+        at, default = _SLICES[u.target]
+        dim = u.args[at] if len(u.args) > at else u.kwargs.get("dim", default)
+    else:
+        dim = _index_dim(u)
+        if dim is None:
+            return sizes
     before, after = tensor_meta(via), tensor_meta(u)
     if before is None or after is None or dim is None:
         return sizes

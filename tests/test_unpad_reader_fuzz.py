@@ -55,6 +55,7 @@ COLLAPSE = {
     "first token": lambda h, m, w: h[:, 0],
     "last two positions": lambda h, m, w: h[:, -2:].mean(1),
     "positions picked": lambda h, m, w: h.index_select(1, torch.tensor([0, 6])).amax(1),
+    "positions indexed": lambda h, m, w: h[:, torch.tensor([1, 7])].sum(1),
     "masked mean": lambda h, m, w: _masked(h, m).sum(1) / m.sum(1, keepdim=True).to(h.dtype),
     "attention pooling": lambda h, m, w: torch.nn.functional.scaled_dot_product_attention(
         h.new_ones(h.shape[0], 1, 1, h.shape[-1]), h[:, None], h[:, None]),
