@@ -548,12 +548,10 @@ def _hides(mask: torch.Tensor, hidden: torch.Tensor) -> bool:
 def _hides_exactly(mask: torch.Tensor, kept: torch.Tensor) -> bool:
     """Whether `mask` (bool: True keeps; float: added to the scores) keeps exactly the `kept` scores:
     a kept one reads True or 0, a hidden one False or at most _HIDDEN. The two broadcast against each
-    other (a mask's head dim stays as it is)."""
+    other (a mask's head dim stays as it is): the hidden ones are _hides', and the kept ones read so."""
     shape = torch.broadcast_shapes(mask.shape, kept.shape)
     mask, kept = mask.expand(shape), kept.expand(shape)
-    if mask.dtype == torch.bool:
-        return torch.equal(mask, kept)
-    return bool(((mask == 0) == kept).all()) and bool((mask[~kept] <= _HIDDEN).all())
+    return _hides(mask, ~kept) and bool((mask[kept] if mask.dtype == torch.bool else mask[kept] == 0).all())
 
 
 # ----------------------------------------------------------------------------------------- attention
@@ -1962,12 +1960,13 @@ def _reads_padding(u: Node, via: Node, sizes: tuple, source: Node, hides_padding
     t = u.target
     token = lambda d: any(_alike(d, x) for x in sizes)  # noqa: E731
     meta = tensor_meta(via)
-    if t is operator.getitem or t in _PASS_THROUGH or t in _SLICES or _pointwise(u) and not _masked_by(u, source) \
+    masked = _masked_by(u, source)
+    if t is operator.getitem or t in _PASS_THROUGH or t in _SLICES or _pointwise(u) and not masked \
             or _index_dim(u) is not None:
         return None
     if t is aten.select.int and meta is not None and not token(meta.shape[u.args[1] % meta.dim()]):
         return None  # (a feature picked: the positions passed on)
-    if u.op != "call_function" or t in _PICKS or t in _FILLS or _masked_by(u, source) \
+    if u.op != "call_function" or t in _PICKS or t in _FILLS or masked \
             or not isinstance(t, torch._ops.OpOverload) or t.name().startswith("aten::sym_"):
         return False  # (an output, a pick, a shape read, SymInt arithmetic)
     if meta is None:
