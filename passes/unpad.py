@@ -18,11 +18,11 @@ over the real positions, with no ``[B * S, V]`` logits scattered for it. Its tar
 ``dmfx::unpad_targets``, which raises a ValueError where a padding position has a label that is not
 ignored: eager counts that term, from logits unpad does not compute. A reader in the graph that
 reads a scattered value along the batch or the sequence (padding_reader: an unmasked mean over the
-tokens, a cumsum, a softmax over the positions, a GEMM contracting them, an attention over them under
-a mask that keeps padding keys, an op the pass does not know) would see those zeros where eager has
-values: the graph is left alone, unless the value is a product with the padding mask (zero there in
-eager too). Values the region computes from
-the inputs without a GEMM, an embedding or an attention are read outside it as the graph computes
+tokens or over a view merging them with the features, a cumsum, a softmax over the positions, a GEMM
+contracting them, an attention over them under a mask that keeps padding keys, an op the pass does
+not know) would see those zeros where eager has values: the graph is left alone, unless the value is
+a product with the padding mask (zero there in eager too). Values the region computes from the inputs
+without a GEMM, an embedding or an attention are read outside it as the graph computes
 them on the padded batch, not scattered (recomputed_values).
 
 T, the number of real tokens, is a data-dependent size (an unbacked SymInt, cuda_ops/unpad.py): a
@@ -1926,9 +1926,11 @@ def recomputed_values(region: Region) -> set[Node]:
 
 # Ops that pick positions (the pooler's token 0, a classifier's last real token): what they read is
 # the module docstring's contract (a graph output's padding positions), not a reduction over them.
+# Each is a pick only along a dim of a token size; along feature dims alone it passes the positions on
+# (_picks).
 _PICKS = {aten.select.int, aten.index.Tensor, aten.gather.default}
 # Slices: a run of positions (or features) passed on, the position of their dim argument and its
-# default; along the tokens, its length reads as a token size after it (_sliced).
+# default; along the tokens, its length reads as a token size after it (_token_sizes_after).
 _SLICES = {aten.slice.Tensor: (1, 0), aten.narrow.default: (1, None), aten.index_select.default: (1, None)}
 # Row-wise ops along a dim (the position of their dim argument, None: the last dim): a softmax over the
 # tokens reads every position along them.
@@ -1964,8 +1966,8 @@ def _reads_padding(u: Node, via: Node, sizes: tuple, source: Node, hides_padding
     if t is operator.getitem or t in _PASS_THROUGH or t in _SLICES or _pointwise(u) and not masked \
             or _index_dim(u) is not None:
         return None
-    if t is aten.select.int and meta is not None and not token(meta.shape[u.args[1] % meta.dim()]):
-        return None  # (a feature picked: the positions passed on)
+    if t in _PICKS and meta is not None and not _picks(u, meta, token):
+        return None  # (features picked, or two positions or more gathered: the positions passed on)
     if u.op != "call_function" or t in _PICKS or t in _FILLS or masked \
             or not isinstance(t, torch._ops.OpOverload) or t.name().startswith("aten::sym_"):
         return False  # (an output, a pick, a shape read, SymInt arithmetic)
@@ -2009,26 +2011,76 @@ def _index_dim(u: Node) -> int | None:
         meta.dtype != torch.bool else None
 
 
-def _sliced(u: Node, via: Node, sizes: tuple) -> tuple:
-    """The sizes that read as tokens after `u` (reading `via`): with the length of a slice (or an
-    index_select, or an index by one 1-D index) of two positions or more along a dim of a token size
-    (``h[:, -4:]``: a mean over those four reads the padding as much as one over all of them; one
-    position is a pick)."""
-    if u.target in _SLICES:
-        at, default = _SLICES[u.target]
-        dim = u.args[at] if len(u.args) > at else u.kwargs.get("dim", default)
-    else:
-        dim = _index_dim(u)
-        if dim is None:
-            return sizes
+def _picks(u: Node, meta: Any, token: Callable[[Any], bool]) -> bool:
+    """Whether `u` (in _PICKS, reading a tensor of `meta`) picks positions: one per row along a dim of
+    a token size (`token`). A select, index or gather along feature dims alone passes every position on
+    (``h.gather(-1, idx).sum(1)`` sums over the padding), and a gather of two positions or more along the
+    tokens reads as a slice of them (_token_sizes_after)."""
+    nd = max(meta.dim(), 1)
+    if u.target is aten.select.int:
+        return token(meta.shape[u.args[1] % nd])
+    if u.target is aten.gather.default:
+        d, out = u.args[1] % nd, tensor_meta(u)
+        return token(meta.shape[d]) and (out is None or _eq(out.shape[d], 1))
+    return any(i is not None and token(meta.shape[d]) for d, i in enumerate(u.args[1]))
+
+
+def _reshape_groups(a: Any, b: Any) -> list[tuple[list[int], list[int]]] | None:
+    """The dims of shape `a` and of shape `b` (a view's input and output) in groups of equal products, in
+    order, size-1 dims left out (``[B, S, H] -> [B, S * H]``: ([0], [0]), ([1, 2], [1])); None where
+    they do not pair up (a zero size). Judged on the sizes' hints: a symbolic graph regroups as its
+    example does."""
+    ha, hb = [_hint(x) for x in a], [_hint(x) for x in b]
+    if 0 in ha or 0 in hb or math.prod(ha) != math.prod(hb):
+        return None
+    ia, ib = [d for d, x in enumerate(ha) if x != 1], [d for d, x in enumerate(hb) if x != 1]
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(ia):  # (equal products of sizes over 1: neither side runs out first)
+        gi, gj, pa, pb = [ia[i]], [ib[j]], ha[ia[i]], hb[ib[j]]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb:
+                gi.append(ia[i])
+                pa, i = pa * ha[ia[i]], i + 1
+            else:
+                gj.append(ib[j])
+                pb, j = pb * hb[ib[j]], j + 1
+        groups.append((gi, gj))
+    return groups
+
+
+def _token_sizes_after(u: Node, via: Node, sizes: tuple) -> tuple:
+    """The sizes that read as tokens after `u` (reading `via`), where it moves the tokens into a dim of
+    another size: a slice (or an index_select, an index by one 1-D index, a gather) of two positions or
+    more along a dim of a token size (``h[:, -4:]``: a mean over those four reads the padding as much
+    as one over all of them; one position is a pick), or a view merging or splitting one
+    (``h.reshape(B, -1).amax(1)`` reads every position)."""
     before, after = tensor_meta(via), tensor_meta(u)
-    if before is None or after is None or dim is None:
+    if before is None or after is None:
         return sizes
-    d = dim % before.dim()
-    n, m = before.shape[d], after.shape[d]
-    if any(_alike(n, x) for x in sizes) and not (_eq(m, n) or _eq(m, 1)):
-        return (*sizes, m)
-    return sizes
+    token = lambda d: any(_alike(d, x) for x in sizes)  # noqa: E731
+    new: list[Any] = []
+    if u.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+        groups = _reshape_groups(before.shape, after.shape)
+        if groups is None:  # (unpaired: every output size may hold tokens)
+            new = list(after.shape) if any(token(d) for d in before.shape) else []
+        for gi, gj in groups or ():
+            if any(token(before.shape[d]) for d in gi):
+                new += [after.shape[d] for d in gj]
+    elif u.target is aten.gather.default:
+        d = u.args[1] % max(before.dim(), 1)
+        new = [after.shape[d]] if token(before.shape[d]) else []
+    else:
+        if u.target in _SLICES:
+            at, default = _SLICES[u.target]
+            dim = u.args[at] if len(u.args) > at else u.kwargs.get("dim", default)
+        else:
+            dim = _index_dim(u)
+        if dim is not None and token(before.shape[dim % max(before.dim(), 1)]):
+            new = [after.shape[dim % max(before.dim(), 1)]]
+    new = [m for m in new if not (_eq(m, 1) or token(m))]
+    return (*sizes, *new) if new else sizes
 
 
 def padding_reader(region: Region, recomputed: set[Node],
@@ -2038,14 +2090,16 @@ def padding_reader(region: Region, recomputed: set[Node],
     padding positions, where eager has values and the unpadded graph zeros, so the result of real rows
     would differ: the pass leaves the graph alone. Followed from each scattered value through the ops
     that pass each position on (views, element-wise ops, slices, reductions over feature dims, GEMMs
-    over them, attention reading it as queries), a reader is (_reads_padding): a reduction or a scan
-    over a dim of B's, S's or B * S's size or a slice's of them (_sliced: an unmasked mean over the
-    tokens or the last four, a cumsum), a softmax along one, a GEMM contracting one
+    over them, attention reading it as queries, features picked), a reader is (_reads_padding): a
+    reduction or a scan over a dim of B's, S's or B * S's size, or of a slice's of them or a view's
+    merging them (_token_sizes_after: an unmasked mean over the tokens or the last four, a cumsum, a
+    max over ``h.reshape(B, -1)``), a softmax along one, a GEMM contracting one
     (``h.transpose(1, 2) @ h``), a loss over the rows, an attention reading it as keys or values whose
     mask does not hide the padding keys (`hides_padding`), or an op the pass does not know. A product
     with the padding mask (zero there in eager too) is not, nor is picking positions (the pooler's
-    token 0: its contract is the graph outputs', module docstring), nor a value in `recomputed`
-    (recomputed_values). Sizes decide which dims are the tokens': a feature dim of a token size reads
+    token 0, one position per row: its contract is the graph outputs', module docstring; _picks), nor
+    a value in `recomputed` (recomputed_values). Sizes decide which dims are the tokens': a feature dim
+    of a token size reads
     as one (the graph stays padded: slower, never wrong)."""
     grid = region.grid
     sizes = (grid.B, grid.S, grid.B * grid.S)
@@ -2063,7 +2117,7 @@ def padding_reader(region: Region, recomputed: set[Node],
             if reads:
                 return u, n
             if reads is None:
-                after = _sliced(u, via, along)
+                after = _token_sizes_after(u, via, along)
                 stack += [(w, u, after) for w in u.users if w not in region.tok]
     return None
 

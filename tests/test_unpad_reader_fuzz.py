@@ -2,7 +2,8 @@
 
 Each case compiles a small BERT encoder followed by a random chain of ops on its hidden states, ending
 in one that collapses the positions (a pooling, a reduction, a scan, a softmax over the positions, a
-GEMM over them, an attention, a slice of the last positions, a pick of the first), under
+GEMM over them, an attention, a slice of the last positions, a pick of the first, a view merging the
+positions with the features, features gathered before a sum over the positions), under
 ``unpad=True``, and checks the result against eager's on the whole output: the pass either unpads
 the graph, where nothing reads the padding positions, or leaves it padded and says why. Padding
 positions hold zeros in an unpadded graph and values in eager, so a reader of them that the pass
@@ -62,6 +63,11 @@ COLLAPSE = {
     "masked attention pooling": lambda h, m, w: torch.nn.functional.scaled_dot_product_attention(
         h.new_ones(h.shape[0], 1, 1, h.shape[-1]), h[:, None], h[:, None], attn_mask=m.bool()[:, None, None, :]),
     "whole mean": lambda h, m, w: h.mean(),
+    "flattened max": lambda h, m, w: h.reshape(h.shape[0], -1).amax(1),  # (a view merging the positions)
+    "features gathered": lambda h, m, w: h.gather(2, torch.zeros_like(h[..., :3], dtype=torch.long)).sum(1),
+    "features indexed": lambda h, m, w: h.unflatten(-1, (4, 8))[:, :, torch.tensor([0, 1]), torch.tensor([2, 3])].sum(1),
+    "positions gathered": lambda h, m, w: h.gather(1, torch.tensor([0, 6]).expand(h.shape[0], -1)[..., None].expand(
+        -1, -1, h.shape[-1])).sum(1),
 }
 
 
