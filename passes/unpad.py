@@ -421,6 +421,31 @@ def _probe_shapes(program: _MaskProgram, Bs: tuple, Ss: tuple) -> tuple[_Shape, 
     return example, [((b2, n, [n if v is None else v for v in values]), bound) for n, bound in lengths]
 
 
+def _probe_plan(gm: GraphModule, mask: Node, Bs: tuple, Ss: tuple,
+                bounded: bool) -> tuple[_MaskProgram, _Shape, list[tuple[_Shape, int | None]]] | str:
+    """How to probe `mask` (an attention's mask): its program (_mask_program), the example's shape and
+    the second ones (_probe_shapes), where it comes from a [batch, seq] input of sizes `Bs` and `Ss`
+    (those the attention reads; the input's own are added). `bounded`: keep the second lengths that
+    hold only up to the window's width (the pass then guards the graph); else only unbounded ones.
+    Else why not."""
+    program = _mask_program(gm, mask)
+    if isinstance(program, str):
+        return program
+    sv = val(program.source)
+    if sv.dim() != 2 or not (all(_alike(sv.shape[0], b) for b in Bs) and all(_alike(sv.shape[1], s) for s in Ss)):
+        return f"the attention mask comes from {program.source.name} {list(sv.shape)}, not a [batch, seq] padding mask"
+    found = _probe_shapes(program, (*Bs, sv.shape[0]), (*Ss, sv.shape[1]))
+    if isinstance(found, str):
+        return found
+    example, seconds = found
+    if not bounded:
+        unbounded = [x for x in seconds if x[1] is None]
+        if seconds and not unbounded:
+            return "the attention mask would be checked at its window's width only (not bounded)"
+        seconds = unbounded
+    return program, example, seconds
+
+
 class MaskCheck(NamedTuple):
     """What padding_mask_input found: the padding mask's graph input (None: not a padding mask), whether
     the mask is causal too, why not (None: it is), and the longest sequence the finding holds for
@@ -450,28 +475,13 @@ def padding_mask_input(gm: GraphModule, mask: Any, heads: Any, B: Any, S: Any, c
         return MaskCheck(None, False, "the attention mask is not a tensor of the graph")
     if mask in cache:
         return cache[mask]
-    program = _mask_program(gm, mask)
-    if isinstance(program, str):
-        cache[mask] = MaskCheck(None, False, program)
+    plan = _probe_plan(gm, mask, (B,), (S,), bounded)
+    if isinstance(plan, str):
+        cache[mask] = MaskCheck(None, False, plan)
         return cache[mask]
+    program, example, seconds = plan
     source = program.source
     sv = val(source)
-    if sv.dim() != 2 or not (_alike(sv.shape[0], B) and _alike(sv.shape[1], S)):
-        cache[mask] = MaskCheck(None, False, f"the attention mask comes from {source.name} {list(sv.shape)}, not a "
-                                             "[batch, seq] padding mask")
-        return cache[mask]
-    found = _probe_shapes(program, (B, sv.shape[0]), (S, sv.shape[1]))
-    if isinstance(found, str):
-        cache[mask] = MaskCheck(None, False, found)
-        return cache[mask]
-    example, seconds = found
-    if not bounded:
-        unbounded = [x for x in seconds if x[1] is None]
-        if seconds and not unbounded:
-            cache[mask] = MaskCheck(None, False, "the attention mask would be checked at its window's width only "
-                                                 "(not bounded)")
-            return cache[mask]
-        seconds = unbounded
     h = _hint(heads)
 
     def kinds_at(shape: _Shape, kinds: list[bool], window: bool) -> list[bool]:
@@ -518,21 +528,16 @@ def hides_padding_keys(gm: GraphModule, mask: Any, source: Node, cache: dict) ->
         return False
     if ("keys", mask) in cache:
         return cache["keys", mask]
-    program = _mask_program(gm, mask)
+    plan = _probe_plan(gm, mask, (), (), bounded=False)
     ok = False
-    if not isinstance(program, str) and program.source is source:
-        B, S = val(source).shape
-        found = _probe_shapes(program, (B,), (S,))
-        if not isinstance(found, str):
-            example, seconds = found
-            unbounded = [shape for shape, bound in seconds if bound is None]
-            if unbounded or not seconds:
-                try:
-                    ok = all(_hides(program.run(p, *sizes), (p == 0)[:, None, None, :])
-                             for b, s, sizes in [example, *unbounded]
-                             for p in _probes(b, s, val(source).dtype, val(source).device))
-                except Exception:  # (shapes the probes cannot take)
-                    ok = False
+    if not isinstance(plan, str) and plan[0].source is source:
+        program, example, seconds = plan
+        try:
+            ok = all(_hides(program.run(p, *sizes), (p == 0)[:, None, None, :])
+                     for b, s, sizes in [example, *(shape for shape, _ in seconds)]
+                     for p in _probes(b, s, val(source).dtype, val(source).device))
+        except Exception:  # (shapes the probes cannot take)
+            ok = False
     cache["keys", mask] = ok
     return ok
 
