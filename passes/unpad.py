@@ -20,7 +20,8 @@ ignored: eager counts that term, from logits unpad does not compute. A reader in
 reads a scattered value along the batch or the sequence (padding_reader: an unmasked mean over the
 tokens or over a view merging them with the features, a cumsum, a softmax over the positions, a GEMM
 contracting them, an attention over them under a mask that keeps padding keys, an op the pass does
-not know) would see those zeros where eager has values: the graph is left alone, unless the value is
+not know, a value read back into the region at other positions than its own) would see those zeros
+where eager has values: the graph is left alone, unless the value is
 a product with the padding mask (zero there in eager too). Values the region computes from the inputs
 without a GEMM, an embedding or an attention are read outside it as the graph computes
 them on the padded batch, not scattered (recomputed_values).
@@ -1805,9 +1806,8 @@ def unpad(gm: GraphModule, ctx: PassContext) -> None:
     reader = padding_reader(region, recomputed, lambda m: hides_padding_keys(gm, m, grid.mask, cache))
     if reader is not None:
         for a in region.attentions:
-            ctx.miss("unpad", a, f"{reader[0].name} ({reader[0].target}) reads {reader[1].name} along the batch or "
-                                 "the sequence, padding positions included: eager has values there, unpad would have "
-                                 "zeros (mask them: multiply by the padding mask)")
+            ctx.miss("unpad", a, f"{reader[0].name} ({reader[0].target}) {reader[2]}: eager has values at the "
+                                 "padding positions, unpad would have zeros (mask them: multiply by the padding mask)")
         return
     try:
         _rewrite(gm, ctx, region, recomputed)
@@ -2055,6 +2055,19 @@ def _reshape_groups(a: Any, b: Any) -> list[tuple[list[int], list[int]]] | None:
     return groups
 
 
+def _position_dim(u: Node, nd: int) -> int | None:
+    """The dim along which `u` (over a tensor of `nd` dims) reads a run or a choice of positions: a
+    slice's, an index_select's, a gather's, an index by one 1-D index's (_index_dim); else None."""
+    if u.target in _SLICES:
+        at, default = _SLICES[u.target]
+        dim = u.args[at] if len(u.args) > at else u.kwargs.get("dim", default)
+    elif u.target is aten.gather.default:
+        dim = u.args[1]
+    else:
+        dim = _index_dim(u)
+    return None if dim is None else dim % max(nd, 1)
+
+
 def _token_sizes_after(u: Node, via: Node, sizes: tuple) -> tuple:
     """The sizes that read as tokens after `u` (reading `via`), where it moves the tokens into a dim of
     another size: a slice (or an index_select, an index by one 1-D index, a gather) of two positions or
@@ -2073,57 +2086,93 @@ def _token_sizes_after(u: Node, via: Node, sizes: tuple) -> tuple:
         for gi, gj in groups or ():
             if any(token(before.shape[d]) for d in gi):
                 new += [after.shape[d] for d in gj]
-    elif u.target is aten.gather.default:
-        d = u.args[1] % max(before.dim(), 1)
-        new = [after.shape[d]] if token(before.shape[d]) else []
     else:
-        if u.target in _SLICES:
-            at, default = _SLICES[u.target]
-            dim = u.args[at] if len(u.args) > at else u.kwargs.get("dim", default)
-        else:
-            dim = _index_dim(u)
-        if dim is not None and token(before.shape[dim % max(before.dim(), 1)]):
-            new = [after.shape[dim % max(before.dim(), 1)]]
+        d = _position_dim(u, before.dim())
+        if d is not None and token(before.shape[d]):
+            new = [after.shape[d]]
     new = [m for m in new if not (_eq(m, 1) or token(m))]
     return (*sizes, *new) if new else sizes
 
 
+def _moves(u: Node, via: Node, sizes: tuple) -> bool:
+    """Whether `u`, passing the positions of `via` on, puts some at other positions: a slice shorter
+    than a dim of a token size (``h[:, -1:]``), an index_select, index or gather along one (a
+    permutation too)."""
+    if u.target not in _SLICES and u.target is not aten.gather.default and _index_dim(u) is None:
+        return False
+    before, after = tensor_meta(via), tensor_meta(u)
+    if before is None or after is None:
+        return True
+    d = _position_dim(u, before.dim())
+    if d is None or not any(_alike(before.shape[d], x) for x in sizes):
+        return False
+    return u.target not in (aten.slice.Tensor, aten.narrow.default) or not _eq(after.shape[d], before.shape[d])
+
+
 def padding_reader(region: Region, recomputed: set[Node],
-                   hides_padding: Callable[[Any], bool]) -> tuple[Node, Node] | None:
-    """A reader outside the region of a value it scatters back to [B, S, ...] that reads along the
-    batch or the sequence, with the value it reads; None if there is none. Such a reader reads the
-    padding positions, where eager has values and the unpadded graph zeros, so the result of real rows
-    would differ: the pass leaves the graph alone. Followed from each scattered value through the ops
-    that pass each position on (views, element-wise ops, slices, reductions over feature dims, GEMMs
-    over them, attention reading it as queries, features picked), a reader is (_reads_padding): a
-    reduction or a scan over a dim of B's, S's or B * S's size, or of a slice's of them or a view's
-    merging them (_token_sizes_after: an unmasked mean over the tokens or the last four, a cumsum, a
-    max over ``h.reshape(B, -1)``), a softmax along one, a GEMM contracting one
-    (``h.transpose(1, 2) @ h``), a loss over the rows, an attention reading it as keys or values whose
-    mask does not hide the padding keys (`hides_padding`), or an op the pass does not know. A product
-    with the padding mask (zero there in eager too) is not, nor is picking positions (the pooler's
-    token 0, one position per row: its contract is the graph outputs', module docstring; _picks), nor
-    a value in `recomputed` (recomputed_values). Sizes decide which dims are the tokens': a feature dim
-    of a token size reads
-    as one (the graph stays padded: slower, never wrong)."""
+                   hides_padding: Callable[[Any], bool]) -> tuple[Node, Node, str] | None:
+    """A reader outside the region of a value it scatters back to [B, S, ...] that reads the padding
+    positions, with the value it reads and how (a phrase); None if there is none. There eager has
+    values and the unpadded graph zeros, so the result of real rows would differ: the pass leaves the
+    graph alone. Followed from each scattered value through the ops that pass each position on
+    (views, element-wise ops, slices, reductions over feature dims, GEMMs over them, attention reading
+    it as queries, features picked), a reader is (_reads_padding): a reduction or a scan over a dim of
+    B's, S's or B * S's size, or of a slice's of them or a view's merging them (_token_sizes_after: an
+    unmasked mean over the tokens or the last four, a cumsum, a max over ``h.reshape(B, -1)``), a
+    softmax along one, a GEMM contracting one (``h.transpose(1, 2) @ h``), a loss over the rows, an
+    attention reading it as keys or values whose mask does not hide the padding keys
+    (`hides_padding`), or an op the pass does not know. A product with the padding mask (zero there in
+    eager too) is not, nor is picking positions (the pooler's token 0, one position per row: its
+    contract is the graph outputs', module docstring; _picks), nor a value in `recomputed`
+    (recomputed_values). A value back in the region is a reader too unless the region reads it
+    position for position (a gathered operand, region.entries) and nothing on the way moved positions
+    (_moves: ``h + h[:, -1:]`` adds a padding position's value to every real token's where the last
+    one is padding; a pick's result too) or picked them, and so is a region value read by the region
+    as a broadcast operand (``h[:, :, None] * h[:, None]``: an outer product over the tokens). Sizes
+    decide which dims are the tokens': a feature dim of a token size reads as one (the graph stays
+    padded: slower, never wrong)."""
     grid = region.grid
+    for n, tok in region.tok.items():  # (a packed value read back as a broadcast: tokens mixed)
+        rule = _rule(n) if n not in region.attentions and n.target is not operator.getitem else None
+        ftok = tok if isinstance(tok, Tok) else next((t for t in tok if isinstance(t, Tok)), None) \
+            if isinstance(tok, tuple) else None
+        roles = rule.roles(n, ftok, grid) if rule is not None and ftok is not None else None
+        for path, role in (roles or {}).items():
+            x = _arg(n, path)
+            if role.kind != "token" and x in region.tok:
+                return n, x, (f"reads {x.name}, a value of the real tokens, as a broadcast over other positions "
+                              "(an outer product over the tokens)")
     sizes = (grid.B, grid.S, grid.B * grid.S)
-    seen: set[tuple[Node, Node]] = set()
+    gathered = {x for x, _ in region.entries}
+    seen: set[tuple[Node, Node, str]] = set()
     for n, tok in region.tok.items():
         if not isinstance(tok, Tok) or n in recomputed or _masked_by(n, grid.mask):
             continue
-        stack = [(u, n, sizes) for u in n.users if u not in region.tok]
+        # (mode "": positions passed on; "moved": some at other positions; "picked": a pick's result)
+        stack = [(u, n, sizes, "") for u in n.users if u not in region.tok]
         while stack:
-            u, via, along = stack.pop()
-            if (u, via) in seen:
+            u, via, along, mode = stack.pop()
+            if (u, via, mode) in seen:
                 continue
-            seen.add((u, via))
+            seen.add((u, via, mode))
+            if u in region.tok:
+                if mode or via not in gathered:
+                    how = "picked" if mode == "picked" else "at other positions" if mode else "along its tokens"
+                    return u, n, f"reads {via.name}, computed from {n.name} {how}, back in the unpadded region"
+                continue
+            if mode == "picked":
+                if u.op == "call_function" and u.target not in _FILLS and not (
+                        isinstance(u.target, torch._ops.OpOverload) and u.target.name().startswith("aten::sym_")):
+                    stack += [(w, u, along, mode) for w in u.users]
+                continue
             reads = _reads_padding(u, via, along, grid.mask, hides_padding)
             if reads:
-                return u, n
+                return u, n, f"reads {n.name} along the batch or the sequence, padding positions included"
             if reads is None:
-                after = _token_sizes_after(u, via, along)
-                stack += [(w, u, after) for w in u.users if w not in region.tok]
+                after = "moved" if mode or _moves(u, via, along) else ""
+                stack += [(w, u, _token_sizes_after(u, via, along), after) for w in u.users]
+            elif u.target in _PICKS and u.op == "call_function":
+                stack += [(w, u, along, "picked") for w in u.users]
     return None
 
 

@@ -139,3 +139,63 @@ def test_a_chain_after_the_encoder_is_eagers(seed):
     assert len(dmfx.records()) == 1  # (a symbolic graph ran the second batch)
     if collapse in ("masked mean", "first token", "masked attention pooling") and "masked" not in keep:
         assert record.fired.get("unpad"), (keep, collapse, why)  # (nothing reads the padding: unpadded)
+
+
+# Ops between two encoder layers: a value computed from the first layer's output read back by the
+# second, which runs on the packed tokens. Those that put a position's value at another position (a
+# slice, a pick, a permutation, an outer product over the tokens) read a padding position's value
+# into real tokens where the padding is there: the graph stays padded. Those that keep each position
+# (or zero the padding first) are unpadded.
+BETWEEN = {
+    "last position added": (lambda h, m: h + h[:, -1:], False),
+    "last position picked and added": (lambda h, m: h + h[:, -1, None], False),
+    "last position expanded": (lambda h, m: h + h[:, -1:].expand(-1, h.shape[1], -1), False),
+    "positions permuted": (lambda h, m: h[:, torch.arange(h.shape[1]).flip(0)], False),
+    "outer product over the tokens": (lambda h, m: (h[:, :, None] * h[:, None]).sum(2) / h.shape[1], False),
+    "outer difference over the tokens": (lambda h, m: (h[:, :, None] - h[:, None]).abs().amax(2), False),
+    "masked mean added": (lambda h, m: h + (h * m[..., None]).sum(1, keepdim=True) / m.sum(1)[:, None, None], True),
+    "features permuted": (lambda h, m: h.unflatten(-1, (4, 8)).transpose(-1, -2).flatten(-2), True),
+    "scaled by position": (lambda h, m: h * torch.arange(h.shape[1], dtype=h.dtype)[None, :, None] / 8, True),
+}
+
+
+@pytest.mark.parametrize("way", list(BETWEEN))
+def test_a_value_read_back_between_layers_is_eagers(way):
+    """Training, right padding (the last position is padding in two rows): the outputs at real positions
+    and every parameter gradient of a random cotangent over them are eager's; the pass unpads exactly
+    where no real token reads another position's value."""
+    op, unpads = BETWEEN[way]
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=100, attn_implementation="eager", **{**SMALL, "num_hidden_layers": 2})
+    model = transformers.BertModel(cfg, add_pooling_layer=False).train()
+    masks = []
+    model.encoder.layer[0].register_forward_hook(lambda mod, args, out: op(out, masks[-1]))
+
+    def run(ids, mask):
+        masks.append(mask.to(torch.float32))
+        return model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    g = torch.Generator().manual_seed(1)
+    mask = (torch.arange(9)[None, :] < torch.tensor([5, 9, 7])[:, None]).long()
+    ids = torch.randint(2, 100, (3, 9), generator=g).masked_fill(mask == 0, 0)
+    real = mask.bool()[..., None]
+    R = torch.randn(3, 9, 32, generator=g) * real
+    params = list(model.parameters())
+
+    def step(fn):
+        for p in params:
+            p.grad = None
+        out = fn(ids, mask)
+        (out * R).sum().backward()
+        return (out * real).detach(), [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
+
+    ref, ref_grads = step(run)
+    out, grads = step(torch.compile(run, backend="dmfx", options=UNPAD))
+    record = dmfx.records()[-1]
+    why = [m for m in record.missed if m.startswith("unpad")]
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), (way, record.fired.get("unpad"), why)
+    largest = max(g.abs().max() for g in ref_grads)
+    assert max((a - b).abs().max() for a, b in zip(grads, ref_grads)) <= 1e-5 * largest, (way, why)
+    assert bool(record.fired.get("unpad")) == unpads, (way, why)
+    if not unpads:
+        assert any("back in the unpadded region" in m or "outer product" in m for m in why), why
