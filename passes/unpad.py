@@ -2157,7 +2157,7 @@ def padding_reader(region: Region, recomputed: set[Node],
             seen.add((u, via, mode))
             if u in region.tok:
                 if mode or via not in gathered:
-                    how = "picked" if mode == "picked" else "at other positions" if mode else "along its tokens"
+                    how = "picked" if mode == "picked" else "at other positions" if mode else "as a broadcast"
                     return u, n, f"reads {via.name}, computed from {n.name} {how}, back in the unpadded region"
                 continue
             if mode == "picked":
