@@ -21,10 +21,10 @@ reads a scattered value along the batch or the sequence (padding_reader: an unma
 tokens or over a view merging them with the features, a cumsum, a softmax over the positions, a GEMM
 contracting them, an attention over them under a mask that keeps padding keys, an op the pass does
 not know, a value read back into the region at other positions than its own) would see those zeros
-where eager has values: the graph is left alone, unless the value is
-a product with the padding mask (zero there in eager too). Values the region computes from the inputs
-without a GEMM, an embedding or an attention are read outside it as the graph computes
-them on the padded batch, not scattered (recomputed_values).
+where eager has values: the graph is left alone, unless the value is a product with the padding mask
+(zero there in eager too). Values the region computes from the inputs without a GEMM, an embedding or
+an attention are read outside it as the graph computes them on the padded batch, not scattered
+(recomputed_values).
 
 T, the number of real tokens, is a data-dependent size (an unbacked SymInt, cuda_ops/unpad.py): a
 batch with another number of real tokens runs the same graph, with no recompile and no kernel build.
@@ -1347,6 +1347,23 @@ class Region:
             self.tok, self.entries = snapshot
         return False
 
+    def roles_of(self, n: Node) -> dict[tuple, Role]:
+        """The roles of region node `n`'s operands as it is packed (`n`: neither an attention nor a
+        getitem)."""
+        return _rule(n).roles(n, _first_tok(self.tok[n]), self.grid) or {}
+
+    def packed_broadcast(self) -> tuple[Node, Node] | None:
+        """A region node that reads a packed value as a broadcast operand rather than position for
+        position, with that value (``h[:, :, None] * h[:, None]``: an outer product over the tokens,
+        which the packed form cannot mix); None if none does."""
+        for n in self.tok:
+            if n in self.attentions or n.target is operator.getitem:
+                continue
+            for path, role in self.roles_of(n).items():
+                if role.kind != "token" and _arg(n, path) in self.tok:
+                    return n, _arg(n, path)
+        return None
+
     def _getitem_tok(self, a: Node) -> Tok | None:
         if a.target is operator.getitem and a.args[0] in self.tok:
             outs = self.tok[a.args[0]]
@@ -1373,8 +1390,7 @@ def _token_sources(region: Region, x: Node) -> set[Node]:
         if n.target is operator.getitem:
             stack.append(n.args[0])
             continue
-        roles = _rule(n).roles(n, _first_tok(t), region.grid) or {}
-        stack += [_arg(n, p) for p, r in roles.items() if r.kind == "token"]
+        stack += [_arg(n, p) for p, r in region.roles_of(n).items() if r.kind == "token"]
     return found
 
 
@@ -1803,7 +1819,10 @@ def unpad(gm: GraphModule, ctx: PassContext) -> None:
         return
     region.grow_forward()
     recomputed = recomputed_values(region)
-    reader = padding_reader(region, recomputed, lambda m: hides_padding_keys(gm, m, grid.mask, cache))
+    mixed = region.packed_broadcast()
+    reader = (*mixed, f"reads {mixed[1].name}, a value of the real tokens, as a broadcast over other positions (an "
+                      "outer product over the tokens)") if mixed is not None else \
+        padding_reader(region, recomputed, lambda m: hides_padding_keys(gm, m, grid.mask, cache))
     if reader is not None:
         for a in region.attentions:
             ctx.miss("unpad", a, f"{reader[0].name} ({reader[0].target}) {reader[2]}: eager has values at the "
@@ -1954,6 +1973,11 @@ _ROW_OPS = {*_ELEMENTWISE, dmfx.layer_norm, dmfx.rms_norm, dmfx.bias_dropout_res
             dmfx.bias_act_dropout, dmfx.glu, dmfx.rope, aten.embedding}
 
 
+def _shapes_only(n: Node) -> bool:
+    """Whether `n` reads only its operands' shapes (a fill, SymInt arithmetic), not their values."""
+    return n.target in _FILLS or isinstance(n.target, torch._ops.OpOverload) and n.target.name().startswith("aten::sym_")
+
+
 def _pointwise(n: Node) -> bool:
     return isinstance(n.target, torch._ops.OpOverload) and torch.Tag.pointwise in n.target.tags
 
@@ -1973,8 +1997,8 @@ def _reads_padding(u: Node, via: Node, sizes: tuple, source: Node, hides_padding
         return None
     if t in _PICKS and meta is not None and not _picks(u, meta, token):
         return None  # (features picked, or two positions or more gathered: the positions passed on)
-    if u.op != "call_function" or t in _PICKS or t in _FILLS or masked \
-            or not isinstance(t, torch._ops.OpOverload) or t.name().startswith("aten::sym_"):
+    if u.op != "call_function" or t in _PICKS or masked or not isinstance(t, torch._ops.OpOverload) \
+            or _shapes_only(u):
         return False  # (an output, a pick, a shape read, SymInt arithmetic)
     if meta is None:
         return True
@@ -2055,8 +2079,8 @@ def _reshape_groups(a: Any, b: Any) -> list[tuple[list[int], list[int]]] | None:
     return groups
 
 
-def _position_dim(u: Node, nd: int) -> int | None:
-    """The dim along which `u` (over a tensor of `nd` dims) reads a run or a choice of positions: a
+def _position_dim(u: Node) -> int | None:
+    """The dim along which `u` reads a run or a choice of positions (as given: maybe negative): a
     slice's, an index_select's, a gather's, an index by one 1-D index's (_index_dim); else None."""
     if u.target in _SLICES:
         at, default = _SLICES[u.target]
@@ -2065,7 +2089,7 @@ def _position_dim(u: Node, nd: int) -> int | None:
         dim = u.args[1]
     else:
         dim = _index_dim(u)
-    return None if dim is None else dim % max(nd, 1)
+    return dim
 
 
 def _token_sizes_after(u: Node, via: Node, sizes: tuple) -> tuple:
@@ -2086,10 +2110,8 @@ def _token_sizes_after(u: Node, via: Node, sizes: tuple) -> tuple:
         for gi, gj in groups or ():
             if any(token(before.shape[d]) for d in gi):
                 new += [after.shape[d] for d in gj]
-    else:
-        d = _position_dim(u, before.dim())
-        if d is not None and token(before.shape[d]):
-            new = [after.shape[d]]
+    elif (dim := _position_dim(u)) is not None and token(before.shape[dim % before.dim()]):
+        new = [after.shape[dim % before.dim()]]
     new = [m for m in new if not (_eq(m, 1) or token(m))]
     return (*sizes, *new) if new else sizes
 
@@ -2098,13 +2120,14 @@ def _moves(u: Node, via: Node, sizes: tuple) -> bool:
     """Whether `u`, passing the positions of `via` on, puts some at other positions: a slice shorter
     than a dim of a token size (``h[:, -1:]``), an index_select, index or gather along one (a
     permutation too)."""
-    if u.target not in _SLICES and u.target is not aten.gather.default and _index_dim(u) is None:
+    dim = _position_dim(u)
+    if dim is None:
         return False
     before, after = tensor_meta(via), tensor_meta(u)
     if before is None or after is None:
         return True
-    d = _position_dim(u, before.dim())
-    if d is None or not any(_alike(before.shape[d], x) for x in sizes):
+    d = dim % before.dim()
+    if not any(_alike(before.shape[d], x) for x in sizes):
         return False
     return u.target not in (aten.slice.Tensor, aten.narrow.default) or not _eq(after.shape[d], before.shape[d])
 
@@ -2127,21 +2150,10 @@ def padding_reader(region: Region, recomputed: set[Node],
     (recomputed_values). A value back in the region is a reader too unless the region reads it
     position for position (a gathered operand, region.entries) and nothing on the way moved positions
     (_moves: ``h + h[:, -1:]`` adds a padding position's value to every real token's where the last
-    one is padding; a pick's result too) or picked them, and so is a region value read by the region
-    as a broadcast operand (``h[:, :, None] * h[:, None]``: an outer product over the tokens). Sizes
-    decide which dims are the tokens': a feature dim of a token size reads as one (the graph stays
-    padded: slower, never wrong)."""
+    one is padding; a pick's result too) or picked them (a packed value the region reads as a
+    broadcast: Region.packed_broadcast, asked first). Sizes decide which dims are the tokens': a
+    feature dim of a token size reads as one (the graph stays padded: slower, never wrong)."""
     grid = region.grid
-    for n, tok in region.tok.items():  # (a packed value read back as a broadcast: tokens mixed)
-        rule = _rule(n) if n not in region.attentions and n.target is not operator.getitem else None
-        ftok = tok if isinstance(tok, Tok) else next((t for t in tok if isinstance(t, Tok)), None) \
-            if isinstance(tok, tuple) else None
-        roles = rule.roles(n, ftok, grid) if rule is not None and ftok is not None else None
-        for path, role in (roles or {}).items():
-            x = _arg(n, path)
-            if role.kind != "token" and x in region.tok:
-                return n, x, (f"reads {x.name}, a value of the real tokens, as a broadcast over other positions "
-                              "(an outer product over the tokens)")
     sizes = (grid.B, grid.S, grid.B * grid.S)
     gathered = {x for x, _ in region.entries}
     seen: set[tuple[Node, Node, str]] = set()
@@ -2161,8 +2173,7 @@ def padding_reader(region: Region, recomputed: set[Node],
                     return u, n, f"reads {via.name}, computed from {n.name} {how}, back in the unpadded region"
                 continue
             if mode == "picked":
-                if u.op == "call_function" and u.target not in _FILLS and not (
-                        isinstance(u.target, torch._ops.OpOverload) and u.target.name().startswith("aten::sym_")):
+                if u.op == "call_function" and not _shapes_only(u):
                     stack += [(w, u, along, mode) for w in u.users]
                 continue
             reads = _reads_padding(u, via, along, grid.mask, hides_padding)
