@@ -22,9 +22,10 @@ tokens or over a view merging them with the features, a cumsum, a softmax over t
 contracting them, an attention over them under a mask that keeps padding keys, an op the pass does
 not know, a value read back into the region at other positions than its own) would see those zeros
 where eager has values: the graph is left alone, unless the value is a product with the padding mask
-(zero there in eager too). Values the region computes from the inputs without a GEMM, an embedding or
-an attention are read outside it as the graph computes them on the padded batch, not scattered
-(recomputed_values).
+whose batch and sequence dims meet the value's (zero there in eager too; the pass tracks where each
+value's token dims went, so a transposed mask or one along the features is not taken for one).
+Values the region computes from the inputs without a GEMM, an embedding or an attention are read
+outside it as the graph computes them on the padded batch, not scattered (recomputed_values).
 
 T, the number of real tokens, is a data-dependent size (an unbacked SymInt, cuda_ops/unpad.py): a
 batch with another number of real tokens runs the same graph, with no recompile and no kernel build.
@@ -1914,15 +1915,135 @@ def _reduced_dims(n: Node, nd: int) -> list[int] | None:
     return [d % max(nd, 1) for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
 
 
-def _masked_by(n: Node, source: Node) -> bool:
-    """Whether `n` is a product with the padding mask (`source`, through views and casts): zero at the
-    padding positions in eager too (a masked mean pooling's ``hidden * mask[..., None]``)."""
-    if not is_op(n, aten.mul.Tensor):
+# Where a tensor's token positions are, dim by dim: "B" (the batch), "S" (the sequence), "T" (both,
+# flattened batch-major) or None (a feature dim, or one of size 1). None for the whole tensor: not
+# known (a view that splits a token dim unevenly, an index along features).
+Roles = tuple
+
+
+def _tok_roles(tok: Tok, nd: int) -> Roles:
+    """The roles of a token tensor of `nd` dims annotated `tok`."""
+    roles: list = [None] * nd
+    if tok.flat:
+        roles[0] = "T"
+    else:
+        roles[0], roles[tok.seq] = "B", "S"
+    return tuple(roles)
+
+
+def _view_roles(before: Any, after: Any, roles: Roles, B: Any, S: Any) -> Roles | None:
+    """The roles after a view of shape `before` to `after`: a token dim kept alone keeps its role, B and
+    S merged in order read "T", a "T" split into B and S reads them; any other regrouping of a token
+    dim is not known (None). Dims of size 1 carry none (_reshape_groups leaves them out)."""
+    groups = _reshape_groups(before, after)
+    if groups is None:
+        return None
+    out: list = [None] * len(after)
+    for gi, gj in groups:
+        have = tuple(roles[d] for d in gi)
+        if not any(have):
+            continue
+        if len(gj) == 1 and (len(gi) == 1 or have == ("B", "S")):
+            out[gj[0]] = have[0] if len(gi) == 1 else "T"
+        elif have == ("T",) and len(gj) == 2 and _hint(after[gj[0]]) == _hint(B) and _hint(after[gj[1]]) == _hint(S):
+            out[gj[0]], out[gj[1]] = "B", "S"
+        else:
+            return None
+    return tuple(out)
+
+
+def _roles_after(u: Node, via: Node, roles: Roles | None, grid: Grid) -> Roles | None:
+    """The roles of `u`'s result, where `u` passes the positions of `via` (of `roles`) on
+    (_reads_padding gave None): permutations and views move them, a broadcast adds leading dims, a
+    reduction or a pick of features drops its dims, a GEMM keeps its operand's free dims; None where
+    not known. Only a product with the padding mask reads them (_masked_by: the mask's roles must be
+    the product's)."""
+    if roles is None:
+        return None
+    t, nd, out = u.target, len(roles), _rank(val(u))
+    if out is None:
+        return None
+    if t in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+        before, after = tensor_meta(via), tensor_meta(u)
+        return None if before is None or after is None else _view_roles(before.shape, after.shape, roles, grid.B, grid.S)
+    if t is aten.permute.default:
+        return tuple(roles[d % nd] for d in u.args[1])
+    if t is aten.transpose.int or t is aten.t.default:
+        a, b = (u.args[1] % nd, u.args[2] % nd) if t is aten.transpose.int else (0, nd - 1)
+        swapped = list(roles)
+        swapped[a], swapped[b] = roles[b], roles[a]
+        return tuple(swapped)
+    if t is aten.unsqueeze.default:
+        d = u.args[1] % (nd + 1)
+        return (*roles[:d], None, *roles[d:])
+    if t in (aten.squeeze.dim, aten.squeeze.default):
+        meta = tensor_meta(via)
+        if meta is None:
+            return None
+        dims = [u.args[1] % nd] if t is aten.squeeze.dim else range(nd)
+        gone = {d for d in dims if _eq(meta.shape[d], 1)}
+        return tuple(r for d, r in enumerate(roles) if d not in gone)
+    if t is aten.select.int:  # (along features: _picks)
+        return (*roles[:u.args[1] % nd], *roles[u.args[1] % nd + 1:])
+    if t is aten.index.Tensor and _index_dim(u) is None:
+        return None  # (several indices along features: where the others go depends on them)
+    if t in _REDUCTIONS and out < nd:
+        dims = _reduced_dims(u, nd) or []
+        return tuple(r for d, r in enumerate(roles) if d not in dims) if out == nd - len(dims) else None
+    if t in _REDUCTIONS:
+        dims = _reduced_dims(u, nd) or []
+        return tuple(None if d in dims else r for d, r in enumerate(roles))
+    if t in _GEMMS and any(u.args[at] is via for at, _ in _GEMMS[t]):
+        # (the first operand's free dims, then the second's last; bmm's batch dim is both's)
+        (a_at, a_dim), (b_at, b_dim) = _GEMMS[t]
+        a = [r for d, r in enumerate(roles) if d != a_dim] if u.args[a_at] is via else [None] * (out - 1)
+        b = [r for d, r in enumerate(roles) if d != b_dim] if u.args[b_at] is via else [None] * (out - 1)
+        if len(a) != out - 1 or len(b) != out - 1 or out == 3 and None not in (a[0], b[0]) and a[0] != b[0]:
+            return None
+        return (a[0], b[0]) if out == 2 else (a[0] or b[0], a[1], b[1])
+    if t in _LOSSES:
+        return roles[:1] if out == 1 else None
+    a = attention_call(u)
+    if isinstance(a, AttentionCall):
+        return (*roles[:-1], None) if a.operands.get("q") is via and out == nd else None
+    if t is operator.getitem or getattr(t, "overloadpacket", None) in _ROW_OPS or t in _ALONG or t in _SLICES \
+            or t in (aten.gather.default, aten.index.Tensor) or t in _PASS_THROUGH and t is not aten.expand.default:
+        return (*roles, *[None] * (out - nd)) if out >= nd else None  # (row-wise: leading dims kept)
+    if out >= nd:  # (an element-wise op, an expand: broadcast to the right)
+        return (*[None] * (out - nd), *roles)
+    return None
+
+
+def _mask_roles(x: Any, source: Node, grid: Grid) -> Roles | None:
+    """The roles of `x` where it is the padding mask `source` ([B, S]) through views, permutations,
+    casts and expands (_PASS_THROUGH); None where it is not."""
+    chain = []
+    while isinstance(x, Node) and x is not source and x.target in _PASS_THROUGH:
+        chain.append(x)
+        x = x.args[0]
+    if x is not source:
+        return None
+    roles: Roles | None = ("B", "S")
+    for u in reversed(chain):
+        roles = _roles_after(u, u.args[0], roles, grid)
+    return roles
+
+
+def _masked_by(n: Node, roles: Roles | None, grid: Grid) -> bool:
+    """Whether `n` is a product with the padding mask (through views and casts) that is zero at the
+    padding positions in eager too (a masked mean pooling's ``hidden * mask[..., None]``): the mask's
+    roles, broadcast to the product's dims, are `roles` (the product's) at every dim over size 1. A
+    mask transposed or along the features (``h * mask[:, None, :]`` with S == H), or a value whose
+    positions were moved or swapped (`roles` None; ``h.transpose(0, 1)`` with B == S) is not one."""
+    meta = tensor_meta(n)
+    if not is_op(n, aten.mul.Tensor) or roles is None or meta is None or len(roles) != meta.dim():
         return False
     for a in n.args:
-        while isinstance(a, Node) and a is not source and a.target in _PASS_THROUGH:
-            a = a.args[0]
-        if a is source:
+        mask = _mask_roles(a, grid.mask, grid)
+        if mask is None or len(mask) > len(roles):
+            continue
+        mask = (*[None] * (len(roles) - len(mask)), *mask)
+        if all(m == r or _eq(size, 1) for m, r, size in zip(mask, roles, meta.shape)) and any(mask):
             return True
     return False
 
@@ -1982,16 +2103,15 @@ def _pointwise(n: Node) -> bool:
     return isinstance(n.target, torch._ops.OpOverload) and torch.Tag.pointwise in n.target.tags
 
 
-def _reads_padding(u: Node, via: Node, sizes: tuple, source: Node, hides_padding: Callable[[Any], bool]) -> bool | None:
+def _reads_padding(u: Node, via: Node, sizes: tuple, masked: bool, hides_padding: Callable[[Any], bool]) -> bool | None:
     """Whether op `u`, reading the padding positions of `via` (a scattered value, or one computed from
     it), reads along them (True: its real rows would read eager's values there), passes them on
-    position for position (None: its readers are looked at), or neither (False: a pick, a product with
-    the padding mask `source`). `hides_padding(mask)`: whether an attention mask hides the padding
-    keys."""
+    position for position (None: its readers are looked at), or neither (False: a pick, or
+    `masked`: a product with the padding mask, _masked_by). `hides_padding(mask)`: whether an attention
+    mask hides the padding keys."""
     t = u.target
     token = lambda d: any(_alike(d, x) for x in sizes)  # noqa: E731
     meta = tensor_meta(via)
-    masked = _masked_by(u, source)
     if t is operator.getitem or t in _PASS_THROUGH or t in _SLICES or _pointwise(u) and not masked \
             or _index_dim(u) is not None:
         return None
@@ -2145,28 +2265,35 @@ def padding_reader(region: Region, recomputed: set[Node],
     softmax along one, a GEMM contracting one (``h.transpose(1, 2) @ h``), a loss over the rows, an
     attention reading it as keys or values whose mask does not hide the padding keys
     (`hides_padding`), or an op the pass does not know. A product with the padding mask (zero there in
-    eager too) is not, nor is picking positions (the pooler's token 0, one position per row: its
+    eager too) is not, where the mask's batch and sequence dims meet the value's own and nothing on the
+    way moved positions (_masked_by: the walk carries each value's roles, _roles_after), nor is picking
+    positions (the pooler's token 0, one position per row: its
     contract is the graph outputs', module docstring; _picks), nor a value in `recomputed`
     (recomputed_values). A value back in the region is a reader too unless the region reads it
     position for position (a gathered operand, region.entries) and nothing on the way moved positions
     (_moves: ``h + h[:, -1:]`` adds a padding position's value to every real token's where the last
     one is padding; a pick's result too) or picked them (a packed value the region reads as a
-    broadcast: Region.packed_broadcast, asked first). Sizes decide which dims are the tokens': a
-    feature dim of a token size reads as one (the graph stays padded: slower, never wrong)."""
+    broadcast: Region.packed_broadcast, asked first). Sizes decide which dims the readers read along: a
+    feature dim of a token size reads as one (the graph stays padded: slower, never wrong); roles,
+    where a product with the mask zeroes the padding (a transposed mask with B == S does not)."""
     grid = region.grid
     sizes = (grid.B, grid.S, grid.B * grid.S)
     gathered = {x for x, _ in region.entries}
-    seen: set[tuple[Node, Node, str]] = set()
+    seen: set[tuple] = set()
     for n, tok in region.tok.items():
-        if not isinstance(tok, Tok) or n in recomputed or _masked_by(n, grid.mask):
+        if not isinstance(tok, Tok) or n in recomputed:
             continue
-        # (mode "": positions passed on; "moved": some at other positions; "picked": a pick's result)
-        stack = [(u, n, sizes, "") for u in n.users if u not in region.tok]
+        start = _tok_roles(tok, _rank(val(n)) or 0)
+        if _masked_by(n, start, grid):
+            continue
+        # (mode "": positions passed on, with their roles (None: not known); "moved": some at other
+        # positions; "picked": a pick's result)
+        stack = [(u, n, sizes, "", start) for u in n.users if u not in region.tok]
         while stack:
-            u, via, along, mode = stack.pop()
-            if (u, via, mode) in seen:
+            u, via, along, mode, roles = stack.pop()
+            if (u, via, mode, roles) in seen:
                 continue
-            seen.add((u, via, mode))
+            seen.add((u, via, mode, roles))
             if u in region.tok:
                 if mode or via not in gathered:
                     how = "picked" if mode == "picked" else "at other positions" if mode else "as a broadcast"
@@ -2174,16 +2301,17 @@ def padding_reader(region: Region, recomputed: set[Node],
                 continue
             if mode == "picked":
                 if u.op == "call_function" and not _shapes_only(u):
-                    stack += [(w, u, along, mode) for w in u.users]
+                    stack += [(w, u, along, mode, None) for w in u.users]
                 continue
-            reads = _reads_padding(u, via, along, grid.mask, hides_padding)
+            after = _roles_after(u, via, roles, grid)
+            reads = _reads_padding(u, via, along, _masked_by(u, after, grid), hides_padding)
             if reads:
                 return u, n, f"reads {n.name} along the batch or the sequence, padding positions included"
             if reads is None:
-                after = "moved" if mode or _moves(u, via, along) else ""
-                stack += [(w, u, _token_sizes_after(u, via, along), after) for w in u.users]
+                moved = "moved" if mode or _moves(u, via, along) else ""
+                stack += [(w, u, _token_sizes_after(u, via, along), moved, None if moved else after) for w in u.users]
             elif u.target in _PICKS and u.op == "call_function":
-                stack += [(w, u, along, "picked") for w in u.users]
+                stack += [(w, u, along, "picked", None) for w in u.users]
     return None
 
 

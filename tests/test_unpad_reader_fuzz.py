@@ -191,3 +191,53 @@ def test_a_value_read_back_between_layers_is_eagers(way):
     assert bool(record.fired.get("unpad")) == unpads, (way, why)
     if not unpads:
         assert any("back in the unpadded region" in m or "outer product" in m for m in why), why
+
+
+# Products with the padding mask after the encoder, at sizes that coincide (B == S, S == H): only a
+# mask whose batch and sequence dims meet the value's own is zero at the value's padding positions in
+# eager too. (batch, length, the op, whether the pass unpads)
+MASKINGS = {
+    "mask": (6, 6, lambda h, m: (h * m[..., None]).sum(1), True),
+    "mask unsqueezed and expanded": (6, 6, lambda h, m: (h * m.unsqueeze(-1).expand(h.shape)).sum(1), True),
+    "mask flattened with the value": (6, 6, lambda h, m: (h.flatten(0, 1) * m.reshape(-1, 1)).sum(0), True),
+    "mask after a linear layer": (6, 6, lambda h, m: ((h @ torch.eye(32).flip(0)) * m[..., None]).sum(1), True),
+    "mask after a batched GEMM": (6, 6, lambda h, m: (torch.bmm(h, torch.eye(32).expand(6, 32, 32)) * m[..., None]).sum(1),
+                                  True),
+    "mask after a GEMM over the batch": (6, 6, lambda h, m: ((torch.eye(6) @ h.flatten(1)).view(h.shape) * m[..., None]).sum(1),
+                                         False),
+    "mask transposed": (6, 6, lambda h, m: (h * m.T[..., None]).sum(1), False),
+    "value transposed": (6, 6, lambda h, m: (h.transpose(0, 1) * m[..., None]).sum(0), False),
+    "mask along the features": (3, 32, lambda h, m: (h * m[:, None, :]).sum(1), False),
+    "positions permuted, then masked": (3, 9, lambda h, m: (h[:, torch.arange(9).flip(0)] * m[..., None]).sum(1), False),
+}
+
+
+@pytest.mark.parametrize("way", list(MASKINGS))
+def test_a_product_with_the_mask_masks_only_where_its_dims_meet_the_values(way):
+    """Training, right padding: the pooled output and every parameter gradient of a random cotangent are
+    eager's. A product with the mask transposed, along the features, or after the positions moved
+    reads eager's values at padding positions (those of another row or dim), so the graph stays
+    padded; the sizes alone (B == S, S == H) cannot tell it from a masked pooling."""
+    B, S, op, unpads = MASKINGS[way]
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=100, attn_implementation="eager", **SMALL)
+    model = transformers.BertModel(cfg, add_pooling_layer=False).train()
+
+    def run(ids, mask):
+        h = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        return op(h, mask.to(h.dtype))
+
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.tensor([S, *torch.randint(1, S, (B - 1,), generator=g).tolist()])
+    mask = (torch.arange(S)[None] < lengths[:, None]).long()
+    ids = torch.randint(2, 100, (B, S), generator=g).masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        R = torch.randn(run(ids, mask).shape, generator=g)
+    ref, ref_grads = _run(model, run, ids, mask, R)
+    out, grads = _run(model, torch.compile(run, backend="dmfx", options=UNPAD), ids, mask, R)
+    record = dmfx.records()[-1]
+    why = [m for m in record.missed if m.startswith("unpad")]
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), (way, record.fired.get("unpad"), why)
+    largest = max(g.abs().max() for g in ref_grads)
+    assert max((a - b).abs().max() for a, b in zip(grads, ref_grads)) <= 1e-5 * largest, (way, why)
+    assert bool(record.fired.get("unpad")) == unpads, (way, why)
