@@ -1331,6 +1331,8 @@ class Region:
         rule = _rule(u)
         if rule is None or not isinstance(val(u), torch.Tensor) and not isinstance(val(u), (tuple, list)):
             return False
+        if _fills_padding(u, self.grid):
+            return False  # (run on the scattered value: scattered back, the region's would read 0 there)
         for path, a in _tensor_args(u):
             t = self.value_tok(a) if a in self.tok else self._getitem_tok(a)
             if not isinstance(t, Tok):  # (outside the region, or a whole-batch value)
@@ -1915,24 +1917,25 @@ def _reduced_dims(n: Node, nd: int) -> list[int] | None:
     return [d % max(nd, 1) for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
 
 
-# Where a tensor's token positions are, dim by dim: "B" (the batch), "S" (the sequence), "T" (both,
-# flattened batch-major) or None (a feature dim, or one of size 1). None for the whole tensor: not
-# known (a view that splits a token dim unevenly, an index along features).
-Roles = tuple
+# A tensor's axes: which axis of the mask's [B, S] grid each of its dims runs along: "B" (the batch),
+# "S" (the sequence), "T" (both, flattened batch-major) or None (a feature dim, or one of size 1).
+# None for the whole tensor: not known (a view that splits a token dim unevenly, an index along
+# features). (Not a Role: an operand's part in a region op.)
+Axes = tuple
 
 
-def _tok_roles(tok: Tok, nd: int) -> Roles:
-    """The roles of a token tensor of `nd` dims annotated `tok`."""
-    roles: list = [None] * nd
+def _tok_axes(tok: Tok, nd: int) -> Axes:
+    """The axes of a token tensor of `nd` dims annotated `tok`."""
+    axes: list = [None] * nd
     if tok.flat:
-        roles[0] = "T"
+        axes[0] = "T"
     else:
-        roles[0], roles[tok.seq] = "B", "S"
-    return tuple(roles)
+        axes[0], axes[tok.seq] = "B", "S"
+    return tuple(axes)
 
 
-def _view_roles(before: Any, after: Any, roles: Roles, B: Any, S: Any) -> Roles | None:
-    """The roles after a view of shape `before` to `after`: a token dim kept alone keeps its role, B and
+def _view_axes(before: Any, after: Any, axes: Axes, B: Any, S: Any) -> Axes | None:
+    """The axes after a view of shape `before` to `after`: a token dim kept alone keeps its axis, B and
     S merged in order read "T", a "T" split into B and S reads them; any other regrouping of a token
     dim is not known (None). Dims of size 1 carry none (_reshape_groups leaves them out)."""
     groups = _reshape_groups(before, after)
@@ -1940,7 +1943,7 @@ def _view_roles(before: Any, after: Any, roles: Roles, B: Any, S: Any) -> Roles 
         return None
     out: list = [None] * len(after)
     for gi, gj in groups:
-        have = tuple(roles[d] for d in gi)
+        have = tuple(axes[d] for d in gi)
         if not any(have):
             continue
         if len(gj) == 1 and (len(gi) == 1 or have == ("B", "S")):
@@ -1952,98 +1955,177 @@ def _view_roles(before: Any, after: Any, roles: Roles, B: Any, S: Any) -> Roles 
     return tuple(out)
 
 
-def _roles_after(u: Node, via: Node, roles: Roles | None, grid: Grid) -> Roles | None:
-    """The roles of `u`'s result, where `u` passes the positions of `via` (of `roles`) on
+def _axes_after(u: Node, via: Node, axes: Axes | None, grid: Grid) -> Axes | None:
+    """The axes of `u`'s result, where `u` passes the positions of `via` (of `axes`) on
     (_reads_padding gave None): permutations and views move them, a broadcast adds leading dims, a
     reduction or a pick of features drops its dims, a GEMM keeps its operand's free dims; None where
-    not known. Only a product with the padding mask reads them (_masked_by: the mask's roles must be
+    not known. Only a product with the padding mask reads them (_masked_by: the mask's axes must be
     the product's)."""
-    if roles is None:
+    if axes is None:
         return None
-    t, nd, out = u.target, len(roles), _rank(val(u))
+    t, nd, out = u.target, len(axes), _rank(val(u))
     if out is None:
         return None
     if t in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
         before, after = tensor_meta(via), tensor_meta(u)
-        return None if before is None or after is None else _view_roles(before.shape, after.shape, roles, grid.B, grid.S)
+        return None if before is None or after is None else _view_axes(before.shape, after.shape, axes, grid.B, grid.S)
     if t is aten.permute.default:
-        return tuple(roles[d % nd] for d in u.args[1])
+        return tuple(axes[d % nd] for d in u.args[1])
     if t is aten.transpose.int or t is aten.t.default:
         a, b = (u.args[1] % nd, u.args[2] % nd) if t is aten.transpose.int else (0, nd - 1)
-        swapped = list(roles)
-        swapped[a], swapped[b] = roles[b], roles[a]
+        swapped = list(axes)
+        swapped[a], swapped[b] = axes[b], axes[a]
         return tuple(swapped)
     if t is aten.unsqueeze.default:
         d = u.args[1] % (nd + 1)
-        return (*roles[:d], None, *roles[d:])
+        return (*axes[:d], None, *axes[d:])
     if t in (aten.squeeze.dim, aten.squeeze.default):
         meta = tensor_meta(via)
         if meta is None:
             return None
         dims = [u.args[1] % nd] if t is aten.squeeze.dim else range(nd)
         gone = {d for d in dims if _eq(meta.shape[d], 1)}
-        return tuple(r for d, r in enumerate(roles) if d not in gone)
+        return tuple(r for d, r in enumerate(axes) if d not in gone)
     if t is aten.select.int:  # (along features: _picks)
-        return (*roles[:u.args[1] % nd], *roles[u.args[1] % nd + 1:])
+        return (*axes[:u.args[1] % nd], *axes[u.args[1] % nd + 1:])
     if t is aten.index.Tensor and _index_dim(u) is None:
         return None  # (several indices along features: where the others go depends on them)
     if t in _REDUCTIONS and out < nd:
         dims = _reduced_dims(u, nd) or []
-        return tuple(r for d, r in enumerate(roles) if d not in dims) if out == nd - len(dims) else None
+        return tuple(r for d, r in enumerate(axes) if d not in dims) if out == nd - len(dims) else None
     if t in _REDUCTIONS:
         dims = _reduced_dims(u, nd) or []
-        return tuple(None if d in dims else r for d, r in enumerate(roles))
+        return tuple(None if d in dims else r for d, r in enumerate(axes))
     if t in _GEMMS and any(u.args[at] is via for at, _ in _GEMMS[t]):
         # (the first operand's free dims, then the second's last; bmm's batch dim is both's)
         (a_at, a_dim), (b_at, b_dim) = _GEMMS[t]
-        a = [r for d, r in enumerate(roles) if d != a_dim] if u.args[a_at] is via else [None] * (out - 1)
-        b = [r for d, r in enumerate(roles) if d != b_dim] if u.args[b_at] is via else [None] * (out - 1)
+        a = [r for d, r in enumerate(axes) if d != a_dim] if u.args[a_at] is via else [None] * (out - 1)
+        b = [r for d, r in enumerate(axes) if d != b_dim] if u.args[b_at] is via else [None] * (out - 1)
         if len(a) != out - 1 or len(b) != out - 1 or out == 3 and None not in (a[0], b[0]) and a[0] != b[0]:
             return None
         return (a[0], b[0]) if out == 2 else (a[0] or b[0], a[1], b[1])
     if t in _LOSSES:
-        return roles[:1] if out == 1 else None
+        return axes[:1] if out == 1 else None
     a = attention_call(u)
     if isinstance(a, AttentionCall):
-        return (*roles[:-1], None) if a.operands.get("q") is via and out == nd else None
+        return (*axes[:-1], None) if a.operands.get("q") is via and out == nd else None
     if t is operator.getitem or getattr(t, "overloadpacket", None) in _ROW_OPS or t in _ALONG or t in _SLICES \
             or t in (aten.gather.default, aten.index.Tensor) or t in _PASS_THROUGH and t is not aten.expand.default:
-        return (*roles, *[None] * (out - nd)) if out >= nd else None  # (row-wise: leading dims kept)
+        return (*axes, *[None] * (out - nd)) if out >= nd else None  # (row-wise: leading dims kept)
     if out >= nd:  # (an element-wise op, an expand: broadcast to the right)
-        return (*[None] * (out - nd), *roles)
+        return (*[None] * (out - nd), *axes)
     return None
 
 
-def _mask_roles(x: Any, source: Node, grid: Grid) -> Roles | None:
-    """The roles of `x` where it is the padding mask `source` ([B, S]) through views, permutations,
-    casts and expands (_PASS_THROUGH); None where it is not."""
+# Comparisons with a number, and ``1 - mask``: what each gives for the value at the padding positions.
+_MASK_OPS = {aten.eq.Scalar: operator.eq, aten.ne.Scalar: operator.ne, aten.gt.Scalar: operator.gt,
+             aten.ge.Scalar: operator.ge, aten.lt.Scalar: operator.lt, aten.le.Scalar: operator.le,
+             aten.rsub.Scalar: lambda v, c: c - v}
+
+
+def _mask_axes(x: Any, source: Node, grid: Grid) -> tuple[Axes, Any] | None:
+    """Where `x` is computed from the padding mask `source` ([B, S], 0 at the padding positions) alone,
+    through views, permutations, casts and expands (_PASS_THROUGH), comparisons with a number, a not
+    or ``1 - mask``: its axes, and its value at every padding position (``~mask.bool()``: True,
+    ``mask[..., None].float()``: 0.0); None where it is not."""
     chain = []
-    while isinstance(x, Node) and x is not source and x.target in _PASS_THROUGH:
+    while isinstance(x, Node) and x is not source and x.op == "call_function" and x.args:
         chain.append(x)
         x = x.args[0]
     if x is not source:
         return None
-    roles: Roles | None = ("B", "S")
+    axes: Axes | None = ("B", "S")
+    value: Any = 0
     for u in reversed(chain):
-        roles = _roles_after(u, u.args[0], roles, grid)
-    return roles
+        t, meta = u.target, tensor_meta(u)
+        if meta is None:
+            return None
+        if t in _MASK_OPS and len(u.args) == 2 and not u.kwargs and isinstance(u.args[1], (int, float)):
+            value = _MASK_OPS[t](value, u.args[1])
+        elif t is aten.logical_not.default:
+            value = not value
+        elif t is aten.bitwise_not.default and isinstance(value, (bool, int)):
+            value = not value if isinstance(value, bool) else ~value
+        elif t not in _PASS_THROUGH:
+            return None
+        value = bool(value) if meta.dtype == torch.bool else float(value) if meta.dtype.is_floating_point else int(value)
+        axes = _axes_after(u, u.args[0], axes, grid)
+        if axes is None:
+            return None
+    return axes, value
 
 
-def _masked_by(n: Node, roles: Roles | None, grid: Grid) -> bool:
-    """Whether `n` is a product with the padding mask (through views and casts) that is zero at the
-    padding positions in eager too (a masked mean pooling's ``hidden * mask[..., None]``): the mask's
-    roles, broadcast to the product's dims, are `roles` (the product's) at every dim over size 1. A
-    mask transposed or along the features (``h * mask[:, None, :]`` with S == H), or a value whose
-    positions were moved or swapped (`roles` None; ``h.transpose(0, 1)`` with B == S) is not one."""
+def _number(a: Any) -> Any:
+    """The number `a` holds: a Python number, or a one-element constant (``scalar_tensor``, ``full([], v)``,
+    a lifted constant); None where it is not one."""
+    if isinstance(a, (int, float, bool)):
+        return a
+    if not isinstance(a, Node):
+        return None
+    if a.target is aten.scalar_tensor.default or a.target is aten.full.default and not list(a.args[0]):
+        return _number(a.args[0] if a.target is aten.scalar_tensor.default else a.args[1])
+    if a.target in (aten.lift_fresh_copy.default, aten.clone.default, aten._to_copy.default, aten.detach.default):
+        return _number(a.args[0])
+    if a.op == "get_attr":
+        t = getattr(a.graph.owning_module, str(a.target), None)
+        return t.item() if isinstance(t, torch.Tensor) and t.numel() == 1 else None
+    return None
+
+
+def _fills_padding(n: Node, grid: Grid) -> bool:
+    """Whether `n` puts a number other than 0 at the padding positions of a value not computed from the
+    mask (a max pooling's ``hidden.masked_fill(~mask[..., None].bool(), -1e9)``): it stays outside the
+    region, where it reads the scattered value, and its readers are then eager's (_masked_by)."""
     meta = tensor_meta(n)
-    if not is_op(n, aten.mul.Tensor) or roles is None or meta is None or len(roles) != meta.dim():
+    if n.target not in (aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self) or meta is None:
         return False
-    for a in n.args:
-        mask = _mask_roles(a, grid.mask, grid)
-        if mask is None or len(mask) > len(roles):
+    tok = grid.tok_of(meta.shape)
+    if tok is None or not any(isinstance(a, Node) and _mask_axes(a, grid.mask, grid) is None and
+                              (m := tensor_meta(a)) is not None and m.numel() > 1 for a in n.args):
+        return False
+    axes = _tok_axes(tok, meta.dim())
+    return _masked_by(n, axes, grid) and not _masked_by(n, axes, grid, zeros=True)
+
+
+def _masked_by(n: Node, axes: Axes | None, grid: Grid, zeros: bool = False) -> bool:
+    """Whether `n` masks the padding positions out, to the same value as in eager (a masked mean
+    pooling's ``hidden * mask[..., None]``, E5's ``hidden.masked_fill(~mask[..., None].bool(), 0)``,
+    ``torch.where(mask[..., None].bool(), hidden, 0)``, sentence-transformers' max pooling's
+    ``hidden[mask_expanded == 0] = -1e9``): a product with the padding mask (_mask_axes), a fill or
+    an index_put of a number where it is 0, a where taking a number there; and its axes, broadcast to
+    `n`'s dims (on the right; an index_put's on the left), are `axes` (`n`'s) at every dim over size
+    1. `zeros`: `n` is a region value, scattered back with zeros at the padding positions, so it must
+    put 0 there too (a fill of -1e9 would read 0). A mask transposed or along the features
+    (``h * mask[:, None, :]`` with S == H), or a value whose positions were moved or swapped (`axes`
+    None; ``h.transpose(0, 1)`` with B == S), is not one."""
+    meta = tensor_meta(n)
+    if n.op != "call_function" or axes is None or meta is None or len(axes) != meta.dim():
+        return False
+    number = lambda a: not isinstance(a, Node) or (m := tensor_meta(a)) is not None and m.numel() == 1  # noqa: E731
+    t, left, fill = n.target, False, 0
+    if t is aten.mul.Tensor:
+        masks = [(a, True) for a in n.args[:2]]
+    elif t in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+        masks, fill = [(n.args[1], False)], n.args[2]
+    elif t is aten.where.self:
+        at = 2 if number(n.args[2]) else 1 if number(n.args[1]) else None
+        masks, fill = ([(n.args[0], at == 2)], n.args[at]) if at else ([], 0)
+    elif t is aten.index_put.default and not (n.args[3] if len(n.args) > 3 else n.kwargs.get("accumulate", False)):
+        given = [i for i in n.args[1] if i is not None]
+        ok = len(given) == 1 and n.args[1][0] is given[0] and number(n.args[2]) and \
+            getattr(tensor_meta(given[0]), "dtype", None) == torch.bool  # (a bool mask: an integer one picks positions)
+        masks, left, fill = [(given[0], False)] if ok else [], True, n.args[2]
+    else:
+        return False
+    if zeros and _number(fill) != 0:
+        return False
+    for a, zero in masks:  # (whether the mask must be 0 at the padding positions, or nonzero there)
+        found = _mask_axes(a, grid.mask, grid)
+        if found is None or bool(found[1]) == zero or len(found[0]) > len(axes):
             continue
-        mask = (*[None] * (len(roles) - len(mask)), *mask)
-        if all(m == r or _eq(size, 1) for m, r, size in zip(mask, roles, meta.shape)) and any(mask):
+        pad = [None] * (len(axes) - len(found[0]))
+        mask = (*found[0], *pad) if left else (*pad, *found[0])
+        if all(m == r or _eq(size, 1) for m, r, size in zip(mask, axes, meta.shape)) and any(mask):
             return True
     return False
 
@@ -2266,7 +2348,7 @@ def padding_reader(region: Region, recomputed: set[Node],
     attention reading it as keys or values whose mask does not hide the padding keys
     (`hides_padding`), or an op the pass does not know. A product with the padding mask (zero there in
     eager too) is not, where the mask's batch and sequence dims meet the value's own and nothing on the
-    way moved positions (_masked_by: the walk carries each value's roles, _roles_after), nor is picking
+    way moved positions (_masked_by: the walk carries each value's axes, _axes_after), nor is picking
     positions (the pooler's token 0, one position per row: its
     contract is the graph outputs', module docstring; _picks), nor a value in `recomputed`
     (recomputed_values). A value back in the region is a reader too unless the region reads it
@@ -2274,7 +2356,7 @@ def padding_reader(region: Region, recomputed: set[Node],
     (_moves: ``h + h[:, -1:]`` adds a padding position's value to every real token's where the last
     one is padding; a pick's result too) or picked them (a packed value the region reads as a
     broadcast: Region.packed_broadcast, asked first). Sizes decide which dims the readers read along: a
-    feature dim of a token size reads as one (the graph stays padded: slower, never wrong); roles,
+    feature dim of a token size reads as one (the graph stays padded: slower, never wrong); axes,
     where a product with the mask zeroes the padding (a transposed mask with B == S does not)."""
     grid = region.grid
     sizes = (grid.B, grid.S, grid.B * grid.S)
@@ -2283,17 +2365,17 @@ def padding_reader(region: Region, recomputed: set[Node],
     for n, tok in region.tok.items():
         if not isinstance(tok, Tok) or n in recomputed:
             continue
-        start = _tok_roles(tok, _rank(val(n)) or 0)
-        if _masked_by(n, start, grid):
+        start = _tok_axes(tok, _rank(val(n)) or 0)
+        if _masked_by(n, start, grid, zeros=True):
             continue
-        # (mode "": positions passed on, with their roles (None: not known); "moved": some at other
+        # (mode "": positions passed on, with their axes (None: not known); "moved": some at other
         # positions; "picked": a pick's result)
         stack = [(u, n, sizes, "", start) for u in n.users if u not in region.tok]
         while stack:
-            u, via, along, mode, roles = stack.pop()
-            if (u, via, mode, roles) in seen:
+            u, via, along, mode, axes = stack.pop()
+            if (u, via, mode, axes) in seen:
                 continue
-            seen.add((u, via, mode, roles))
+            seen.add((u, via, mode, axes))
             if u in region.tok:
                 if mode or via not in gathered:
                     how = "picked" if mode == "picked" else "at other positions" if mode else "as a broadcast"
@@ -2303,7 +2385,7 @@ def padding_reader(region: Region, recomputed: set[Node],
                 if u.op == "call_function" and not _shapes_only(u):
                     stack += [(w, u, along, mode, None) for w in u.users]
                 continue
-            after = _roles_after(u, via, roles, grid)
+            after = _axes_after(u, via, axes, grid)
             reads = _reads_padding(u, via, along, _masked_by(u, after, grid), hides_padding)
             if reads:
                 return u, n, f"reads {n.name} along the batch or the sequence, padding positions included"

@@ -193,9 +193,10 @@ def test_a_value_read_back_between_layers_is_eagers(way):
         assert any("back in the unpadded region" in m or "outer product" in m for m in why), why
 
 
-# Products with the padding mask after the encoder, at sizes that coincide (B == S, S == H): only a
-# mask whose batch and sequence dims meet the value's own is zero at the value's padding positions in
-# eager too. (batch, length, the op, whether the pass unpads)
+# The padding masked out after the encoder (a product with the mask, a fill, a where, an index_put of a
+# number), some at sizes that coincide (B == S, S == H): only a mask whose batch and sequence dims meet
+# the value's own, and that is 0 (or, filled, true) at its padding positions, gives eager's values there.
+# (batch, length, the op, whether the pass unpads)
 MASKINGS = {
     "mask": (6, 6, lambda h, m: (h * m[..., None]).sum(1), True),
     "mask unsqueezed and expanded": (6, 6, lambda h, m: (h * m.unsqueeze(-1).expand(h.shape)).sum(1), True),
@@ -205,6 +206,17 @@ MASKINGS = {
                                   True),
     "mask after a GEMM over the batch": (6, 6, lambda h, m: ((torch.eye(6) @ h.flatten(1)).view(h.shape) * m[..., None]).sum(1),
                                          False),
+    "E5's average pool (a fill)": (3, 9, lambda h, m: h.masked_fill(~m[..., None].bool(), 0.0).sum(1) / m.sum(1)[:, None],
+                                   True),
+    "where": (3, 9, lambda h, m: torch.where(m.bool()[..., None], h, 0.0).sum(1), True),
+    "one minus one minus the mask": (3, 9, lambda h, m: (h * (1 - (1 - m))[..., None]).sum(1), True),
+    "max pooling (a fill of -inf)": (3, 9, lambda h, m: h.masked_fill(m[..., None] == 0, float("-inf")).amax(1), True),
+    "sentence-transformers' max pooling": (3, 9, lambda h, m: torch.max(h.clone().index_put_(
+        (m[..., None].expand(h.shape) == 0,), torch.tensor(-1e9)), 1)[0], True),
+    "a fill where the mask is 1": (3, 9, lambda h, m: h.masked_fill(m[..., None] == 1, 0.0).sum(1), False),
+    "where, the wrong way round": (3, 9, lambda h, m: torch.where(m.bool()[..., None], 0.0, h).sum(1), False),
+    "a fill of positions (an integer index)": (3, 9, lambda h, m: h.clone().index_put_(
+        (1 - m.long(),), torch.tensor(-1e9)).amax(1), False),
     "mask transposed": (6, 6, lambda h, m: (h * m.T[..., None]).sum(1), False),
     "value transposed": (6, 6, lambda h, m: (h.transpose(0, 1) * m[..., None]).sum(0), False),
     "mask along the features": (3, 32, lambda h, m: (h * m[:, None, :]).sum(1), False),
@@ -213,11 +225,13 @@ MASKINGS = {
 
 
 @pytest.mark.parametrize("way", list(MASKINGS))
-def test_a_product_with_the_mask_masks_only_where_its_dims_meet_the_values(way):
+def test_the_mask_masks_only_where_its_dims_meet_the_values(way):
     """Training, right padding: the pooled output and every parameter gradient of a random cotangent are
     eager's. A product with the mask transposed, along the features, or after the positions moved
     reads eager's values at padding positions (those of another row or dim), so the graph stays
-    padded; the sizes alone (B == S, S == H) cannot tell it from a masked pooling."""
+    padded; the sizes alone (B == S, S == H) cannot tell it from a masked pooling. Fills, wheres and
+    index_puts of a number at the padding (E5's and sentence-transformers' poolings) unpad, the wrong
+    way round they do not."""
     B, S, op, unpads = MASKINGS[way]
     torch.manual_seed(0)
     cfg = transformers.BertConfig(vocab_size=100, attn_implementation="eager", **SMALL)
