@@ -21,9 +21,11 @@ reads a scattered value along the batch or the sequence (padding_reader: an unma
 tokens or over a view merging them with the features, a cumsum, a softmax over the positions, a GEMM
 contracting them, an attention over them under a mask that keeps padding keys, an op the pass does
 not know, a value read back into the region at other positions than its own) would see those zeros
-where eager has values: the graph is left alone, unless the value is a product with the padding mask
-whose batch and sequence dims meet the value's (zero there in eager too; the pass tracks where each
-value's token dims went, so a transposed mask or one along the features is not taken for one).
+where eager has values: the graph is left alone, unless the value is masked there (a product with the
+padding mask, a fill or a where of a number at the padding: E5's and sentence-transformers' poolings)
+by a mask whose batch and sequence dims meet the value's (eager has the same values there; the pass
+tracks where each value's token dims went, so a transposed mask or one along the features is not
+taken for one).
 Values the region computes from the inputs without a GEMM, an embedding or an attention are read
 outside it as the graph computes them on the padded batch, not scattered (recomputed_values).
 
@@ -1333,6 +1335,8 @@ class Region:
             return False
         if _fills_padding(u, self.grid):
             return False  # (run on the scattered value: scattered back, the region's would read 0 there)
+        if any(x is u for x, _ in self.entries):
+            return False  # (gathered already, as a layout of its own: it stays outside, padded)
         for path, a in _tensor_args(u):
             t = self.value_tok(a) if a in self.tok else self._getitem_tok(a)
             if not isinstance(t, Tok):  # (outside the region, or a whole-batch value)
@@ -1986,7 +1990,7 @@ def _axes_after(u: Node, via: Node, axes: Axes | None, grid: Grid) -> Axes | Non
         dims = [u.args[1] % nd] if t is aten.squeeze.dim else range(nd)
         gone = {d for d in dims if _eq(meta.shape[d], 1)}
         return tuple(r for d, r in enumerate(axes) if d not in gone)
-    if t is aten.select.int:  # (along features: _picks)
+    if t is aten.select.int:  # (along features or the batch: _pick)
         return (*axes[:u.args[1] % nd], *axes[u.args[1] % nd + 1:])
     if t is aten.index.Tensor and _index_dim(u) is None:
         return None  # (several indices along features: where the others go depends on them)
@@ -2154,7 +2158,7 @@ def recomputed_values(region: Region) -> set[Node]:
 # Ops that pick positions (the pooler's token 0, a classifier's last real token): what they read is
 # the module docstring's contract (a graph output's padding positions), not a reduction over them.
 # Each is a pick only along a dim of a token size; along feature dims alone it passes the positions on
-# (_picks).
+# (_pick).
 _PICKS = {aten.select.int, aten.index.Tensor, aten.gather.default}
 # Slices: a run of positions (or features) passed on, the position of their dim argument and its
 # default; along the tokens, its length reads as a token size after it (_token_sizes_after).
@@ -2185,25 +2189,29 @@ def _pointwise(n: Node) -> bool:
     return isinstance(n.target, torch._ops.OpOverload) and torch.Tag.pointwise in n.target.tags
 
 
-def _reads_padding(u: Node, via: Node, sizes: tuple, masked: bool, hides_padding: Callable[[Any], bool]) -> bool | None:
+def _reads_padding(u: Node, via: Node, sizes: tuple, axes: Axes | None, grid: Grid,
+                   hides_padding: Callable[[Any], bool]) -> bool | None:
     """Whether op `u`, reading the padding positions of `via` (a scattered value, or one computed from
-    it), reads along them (True: its real rows would read eager's values there), passes them on
-    position for position (None: its readers are looked at), or neither (False: a pick, or
-    `masked`: a product with the padding mask, _masked_by). `hides_padding(mask)`: whether an attention
-    mask hides the padding keys."""
+    it, of `axes`: _axes_after), reads along them (True: its real rows would read eager's values there),
+    passes them on position for position (None: its readers are looked at), or neither (False: a pick,
+    _pick, or a product with the padding mask, _masked_by). Dims are the tokens' by their axes where
+    known, else by their sizes (`sizes`). `hides_padding(mask)`: whether an attention mask hides the
+    padding keys."""
     t = u.target
-    token = lambda d: any(_alike(d, x) for x in sizes)  # noqa: E731
+    token = _tokens(sizes)
     meta = tensor_meta(via)
+    masked = _masked_by(u, _axes_after(u, via, axes, grid), grid)
     if t is operator.getitem or t in _PASS_THROUGH or t in _SLICES or _pointwise(u) and not masked \
             or _index_dim(u) is not None:
         return None
-    if t in _PICKS and meta is not None and not _picks(u, meta, token):
-        return None  # (features picked, or two positions or more gathered: the positions passed on)
-    if u.op != "call_function" or t in _PICKS or masked or not isinstance(t, torch._ops.OpOverload) \
-            or _shapes_only(u):
-        return False  # (an output, a pick, a shape read, SymInt arithmetic)
+    if t in _PICKS and u.op == "call_function":
+        kind = _pick(u, via, axes, token, grid)
+        return kind if kind is None or kind is True else False
+    if u.op != "call_function" or masked or not isinstance(t, torch._ops.OpOverload) or _shapes_only(u):
+        return False  # (an output, a shape read, SymInt arithmetic)
     if meta is None:
         return True
+    last = axes[-1] is not None if axes else token(meta.shape[-1]) if meta.dim() else False
     if t in _REDUCTIONS:
         dims = _reduced_dims(u, meta.dim()) if u.args[0] is via else None
         return True if dims is None or any(token(meta.shape[d]) for d in dims) else None
@@ -2214,16 +2222,17 @@ def _reads_padding(u: Node, via: Node, sizes: tuple, masked: bool, hides_padding
             if u.args[at] is via and token(meta.shape[dim]):
                 return True
         return None
-    if t in _LOSSES:
-        return True if u.args[_LOSSES[t]] != 0 else None
+    if t in _LOSSES:  # (per row unless reduced, or its classes are positions: a span's start logits)
+        classes = [axes[d] is not None if axes else token(meta.shape[d]) for d in range(1, meta.dim())]
+        return True if u.args[_LOSSES[t]] != 0 or u.args[0] is via and any(classes) else None
     a = attention_call(u)
     if isinstance(a, AttentionCall):
         keys = [x for name, x in a.operands.items() if name != "q"]
         if via not in keys:
             return None  # (the queries: each output row reads its own)
-        return None if hides_padding(a.mask) else True
-    if getattr(t, "overloadpacket", None) in _ROW_OPS:
-        return None  # (row-wise over the last dim, left outside the region by its operands' shapes)
+        return False if hides_padding(a.mask) else True  # (keys hidden: the output reads none of them)
+    if getattr(t, "overloadpacket", None) in _ROW_OPS:  # (row-wise over the last dim: a norm over it)
+        return True if last and t.namespace == "dmfx" else None
     return True  # (an op unpad does not know: it may read along the tokens)
 
 
@@ -2242,18 +2251,55 @@ def _index_dim(u: Node) -> int | None:
         meta.dtype != torch.bool else None
 
 
-def _picks(u: Node, meta: Any, token: Callable[[Any], bool]) -> bool:
-    """Whether `u` (in _PICKS, reading a tensor of `meta`) picks positions: one per row along a dim of
-    a token size (`token`). A select, index or gather along feature dims alone passes every position on
-    (``h.gather(-1, idx).sum(1)`` sums over the padding), and a gather of two positions or more along the
-    tokens reads as a slice of them (_token_sizes_after)."""
+def _tokens(sizes: tuple) -> Callable[[Any], bool]:
+    """Whether a dim's size is one of `sizes` (the token sizes the reader walk knows)."""
+    return lambda d: any(_alike(d, x) for x in sizes)
+
+
+def _pick(u: Node, via: Node, axes: Axes | None, token: Callable[[Any], bool], grid: Grid) -> bool | str | None:
+    """What `u` (in _PICKS) does with the positions of `via` (of `axes`; None: not known, judged by
+    sizes, `token`): "pick" where it picks one position per row (a select or a one-wide gather along the
+    sequence, the pooler's token 0; an index of one position per row, GPT-2's classifier's last token:
+    the graph outputs' contract); "selected" where a bool index by the padding mask keeps the real
+    tokens alone (``h[mask.bool()]``); None where it passes them on (features picked, a batch row
+    selected, a gather of several positions: a slice of them); True where it reads them otherwise
+    (several positions per row by an advanced index, a bool index that keeps padding)."""
+    meta, out = tensor_meta(via), tensor_meta(u)
+    if meta is None or out is None:
+        return True
     nd = max(meta.dim(), 1)
+    along = lambda d: axes[d] in ("S", "T") if axes is not None else token(meta.shape[d])  # noqa: E731
     if u.target is aten.select.int:
-        return token(meta.shape[u.args[1] % nd])
+        d = u.args[1] % nd
+        if axes is None:  # (a batch row, or a position: not known)
+            return True if token(meta.shape[d]) else None
+        return "pick" if along(d) else None
     if u.target is aten.gather.default:
-        d, out = u.args[1] % nd, tensor_meta(u)
-        return token(meta.shape[d]) and (out is None or _eq(out.shape[d], 1))
-    return any(i is not None and token(meta.shape[d]) for d, i in enumerate(u.args[1]))
+        d = u.args[1] % nd
+        if axes is None and token(meta.shape[d]):
+            return True if _eq(out.shape[d], 1) else None
+        return "pick" if along(d) and _eq(out.shape[d], 1) else None
+    given = [(d, i) for d, i in enumerate(u.args[1]) if i is not None]
+    metas = [tensor_meta(i) for _, i in given]
+    if any(m is None for m in metas):
+        return True
+    tokens = lambda dims: any(axes[d] if axes is not None else token(meta.shape[d]) for d in dims)  # noqa: E731
+    if any(m.dtype in (torch.bool, torch.uint8) for m in metas):
+        d, i = given[0]
+        covered = range(d, d + metas[0].dim())
+        found = _mask_axes(i, grid.mask, grid) if len(given) == 1 else None
+        if found is not None and not found[1] and axes is not None and d == 0 and \
+                all(m == axes[k] or _eq(meta.shape[k], 1) for k, m in enumerate(found[0])) and "S" in found[0]:
+            return "selected"
+        return True if tokens(covered) else None
+    dims = [d for d, _ in given]
+    if not tokens(dims):
+        return None
+    if axes is None or not any(axes[d] in ("S", "T") for d in dims):
+        return True
+    per_row = math.prod(_hint(x) for x in torch.broadcast_shapes(*[m.shape for m in metas]))
+    rows = _hint(grid.B) if any(axes[d] == "B" for d in dims) else 1
+    return "pick" if per_row == rows else True
 
 
 def _reshape_groups(a: Any, b: Any) -> list[tuple[list[int], list[int]]] | None:
@@ -2303,7 +2349,7 @@ def _token_sizes_after(u: Node, via: Node, sizes: tuple) -> tuple:
     before, after = tensor_meta(via), tensor_meta(u)
     if before is None or after is None:
         return sizes
-    token = lambda d: any(_alike(d, x) for x in sizes)  # noqa: E731
+    token = _tokens(sizes)
     new: list[Any] = []
     if u.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
         groups = _reshape_groups(before.shape, after.shape)
@@ -2339,62 +2385,125 @@ def padding_reader(region: Region, recomputed: set[Node],
     """A reader outside the region of a value it scatters back to [B, S, ...] that reads the padding
     positions, with the value it reads and how (a phrase); None if there is none. There eager has
     values and the unpadded graph zeros, so the result of real rows would differ: the pass leaves the
-    graph alone. Followed from each scattered value through the ops that pass each position on
-    (views, element-wise ops, slices, reductions over feature dims, GEMMs over them, attention reading
-    it as queries, features picked), a reader is (_reads_padding): a reduction or a scan over a dim of
-    B's, S's or B * S's size, or of a slice's of them or a view's merging them (_token_sizes_after: an
-    unmasked mean over the tokens or the last four, a cumsum, a max over ``h.reshape(B, -1)``), a
-    softmax along one, a GEMM contracting one (``h.transpose(1, 2) @ h``), a loss over the rows, an
-    attention reading it as keys or values whose mask does not hide the padding keys
-    (`hides_padding`), or an op the pass does not know. A product with the padding mask (zero there in
-    eager too) is not, where the mask's batch and sequence dims meet the value's own and nothing on the
-    way moved positions (_masked_by: the walk carries each value's axes, _axes_after), nor is picking
-    positions (the pooler's token 0, one position per row: its
-    contract is the graph outputs', module docstring; _picks), nor a value in `recomputed`
-    (recomputed_values). A value back in the region is a reader too unless the region reads it
-    position for position (a gathered operand, region.entries) and nothing on the way moved positions
-    (_moves: ``h + h[:, -1:]`` adds a padding position's value to every real token's where the last
-    one is padding; a pick's result too) or picked them (a packed value the region reads as a
-    broadcast: Region.packed_broadcast, asked first). Sizes decide which dims the readers read along: a
-    feature dim of a token size reads as one (the graph stays padded: slower, never wrong); axes,
-    where a product with the mask zeroes the padding (a transposed mask with B == S does not)."""
+    graph alone.
+
+    The walk follows each scattered value through the ops that pass each position on (views,
+    element-wise ops, slices, reductions over feature dims, GEMMs over them, attention reading it as
+    queries, features picked, a batch row selected), carrying its *axes* (where its batch and
+    sequence dims went: _axes_after; None once not known). A reader is (_reads_padding): a reduction
+    or a scan over a token dim (by its axis, else by its size: B's, S's, B * S's, a slice's of them or a
+    view's merging them, _token_sizes_after: an unmasked mean over the tokens or the last four, a
+    cumsum, a max over ``h.reshape(B, -1)``), a softmax along one, a GEMM contracting one
+    (``h.transpose(1, 2) @ h``), a loss over the rows or whose classes are positions, a dmfx norm over
+    one, an attention reading it as keys or values whose mask does not hide the padding keys
+    (`hides_padding`; one that hides them reads none of it), several positions per row picked, or an
+    op the pass does not know. Not readers: picking one position per row (the pooler's token 0, the
+    last real token: its contract is the graph outputs', module docstring; _pick), a value in
+    `recomputed` (recomputed_values), and a mask of the padding whose axes meet the value's, with
+    nothing on the way that moved positions (_masked_by: ``h * mask[..., None]``, E5's fill, a
+    where; a transposed mask with B == S is not one).
+
+    A value back in the region is a reader too unless the region gathers it position for position (an
+    entry, region.entries) with the axes it gathers along (_axes_meet: not a transposed value with S ==
+    H) and nothing on the way moved positions (_moves, _regroups: ``h + h[:, -1:]`` adds a padding
+    position's value to every real token's where the last one is padding, ``h.reshape(B, H, S)`` mixes
+    positions) or picked them (a packed value the region reads as a broadcast: Region.packed_broadcast,
+    asked first). A masked value (zero at the padding, as in eager) may come back at other positions,
+    or as a per-sequence broadcast (a masked mean added back: _read_per_row), in a layout the region
+    gathers it in. Where axes are not known, sizes decide: a feature dim of a token size reads as one
+    (the graph stays padded: slower, never wrong)."""
     grid = region.grid
     sizes = (grid.B, grid.S, grid.B * grid.S)
-    gathered = {x for x, _ in region.entries}
+    gathered: dict[Node, list[Tok]] = {}
+    for x, t in region.entries:
+        gathered.setdefault(x, []).append(t)
     seen: set[tuple] = set()
     for n, tok in region.tok.items():
         if not isinstance(tok, Tok) or n in recomputed:
             continue
         start = _tok_axes(tok, _rank(val(n)) or 0)
-        if _masked_by(n, start, grid, zeros=True):
-            continue
         # (mode "": positions passed on, with their axes (None: not known); "moved": some at other
-        # positions; "picked": a pick's result)
-        stack = [(u, n, sizes, "", start) for u in n.users if u not in region.tok]
+        # positions; "picked": a pick's result; "masked": zero at the padding, as in eager, so only
+        # the layout it is read back into the region in matters)
+        mode = "masked" if _masked_by(n, start, grid, zeros=True) else ""
+        stack = [(u, n, sizes, mode, start) for u in n.users if u not in region.tok]
         while stack:
             u, via, along, mode, axes = stack.pop()
             if (u, via, mode, axes) in seen:
                 continue
             seen.add((u, via, mode, axes))
             if u in region.tok:
-                if mode or via not in gathered:
-                    how = "picked" if mode == "picked" else "at other positions" if mode else "as a broadcast"
-                    return u, n, f"reads {via.name}, computed from {n.name} {how}, back in the unpadded region"
-                continue
-            if mode == "picked":
+                if mode in ("", "masked") and via in gathered and all(_axes_meet(axes, t, via) for t in gathered[via]) \
+                        or mode == "masked" and via not in gathered and _read_per_row(region, u, via, axes):
+                    continue
+                how = "picked" if mode == "picked" else "at other positions" if mode == "moved" else \
+                    "in another layout" if via in gathered else "as a broadcast"
+                return u, n, f"reads {via.name}, computed from {n.name} {how}, back in the unpadded region"
+            if mode in ("picked", "masked"):
                 if u.op == "call_function" and not _shapes_only(u):
-                    stack += [(w, u, along, mode, None) for w in u.users]
+                    after = _axes_after(u, via, axes, grid) if mode == "masked" else None
+                    stack += [(w, u, along, mode, after) for w in u.users]
                 continue
-            after = _axes_after(u, via, axes, grid)
-            reads = _reads_padding(u, via, along, _masked_by(u, after, grid), hides_padding)
+            reads = _reads_padding(u, via, along, axes, grid, hides_padding)
             if reads:
                 return u, n, f"reads {n.name} along the batch or the sequence, padding positions included"
             if reads is None:
-                moved = "moved" if mode or _moves(u, via, along) else ""
-                stack += [(w, u, _token_sizes_after(u, via, along), moved, None if moved else after) for w in u.users]
-            elif u.target in _PICKS and u.op == "call_function":
+                moved = mode or _moves(u, via, along) or _regroups(u, via, axes, _tokens(along), grid)
+                after = None if moved else _axes_after(u, via, axes, grid)
+                stack += [(w, u, _token_sizes_after(u, via, along), "moved" if moved else "", after) for w in u.users]
+            elif _masked_by(u, _axes_after(u, via, axes, grid), grid):
+                stack += [(w, u, along, "masked", _axes_after(u, via, axes, grid)) for w in u.users]
+            elif u.target in _PICKS and u.op == "call_function" and _pick(u, via, axes, _tokens(along), grid) == "pick":
                 stack += [(w, u, along, "picked", None) for w in u.users]
     return None
+
+
+def _read_per_row(region: Region, u: Node, via: Node, axes: Axes | None) -> bool:
+    """Whether region node `u` reads `via` (of `axes`) as a broadcast its rows read as they are: by each
+    token's sequence (a [B, 1, ...] tensor, "batch", its batch dim first) or whole ("bcast"), with no
+    other token axis (a masked mean added back to each token)."""
+    if axes is None or u in region.attentions or u.target is operator.getitem:
+        return False
+    kinds = {r.kind for p, r in region.roles_of(u).items() if _arg(u, p) is via}
+    allowed = {"batch": ("B",), "bcast": ()}
+    if not kinds or any(k not in allowed for k in kinds):
+        return False
+    for k in kinds:
+        at = [d for d, a in enumerate(axes) if a is not None]
+        if any(axes[d] not in allowed[k] for d in at) or len(at) > 1 or k == "batch" and at not in ([], [0]):
+            return False
+    return True
+
+
+def _axes_meet(axes: Axes | None, tok: Tok, x: Node) -> bool:
+    """Whether value `x`, of `axes`, has its tokens where the region gathers them from (`tok`), at
+    every dim over size 1."""
+    meta = tensor_meta(x)
+    if axes is None or meta is None or len(axes) != meta.dim():
+        return False
+    return all(a == e or _eq(size, 1) for a, e, size in zip(axes, _tok_axes(tok, meta.dim()), meta.shape))
+
+
+def _regroups(u: Node, via: Node, axes: Axes | None, token: Callable[[Any], bool], grid: Grid) -> bool:
+    """Whether `u` is a view that regroups the positions of `via` (of `axes`, else judged by sizes,
+    `token`) with other dims into dims of other sizes (``h.reshape(B, H, S)``: each output position
+    holds parts of several), other than merging dims (order kept) or splitting B * S into B and S."""
+    if u.target not in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+        return False
+    before, after = tensor_meta(via), tensor_meta(u)
+    if before is None or after is None:
+        return True
+    groups = _reshape_groups(before.shape, after.shape)
+    if groups is None:
+        return any(token(d) for d in before.shape)
+    for gi, gj in groups:
+        has = [axes[d] if axes is not None else token(before.shape[d]) for d in gi]
+        if len(gj) == 1 or not any(has):
+            continue
+        if len(gi) == 1 and [_hint(after.shape[j]) for j in gj] == [_hint(grid.B), _hint(grid.S)] and has[0] in ("T", True):
+            continue
+        return True
+    return False
 
 
 def _rewrite(gm: GraphModule, ctx: PassContext, region: Region, recomputed: set[Node]) -> None:

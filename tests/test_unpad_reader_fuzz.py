@@ -156,6 +156,7 @@ BETWEEN = {
     "masked mean added": (lambda h, m: h + (h * m[..., None]).sum(1, keepdim=True) / m.sum(1)[:, None, None], True),
     "features permuted": (lambda h, m: h.unflatten(-1, (4, 8)).transpose(-1, -2).flatten(-2), True),
     "scaled by position": (lambda h, m: h * torch.arange(h.shape[1], dtype=h.dtype)[None, :, None] / 8, True),
+    "positions regrouped with the features": (lambda h, m: h + h.reshape(3, 32, 9).transpose(1, 2), False),
 }
 
 
@@ -224,6 +225,24 @@ MASKINGS = {
 }
 
 
+# Readers after the encoder that a pick, a loss or a norm hides (some at sizes that coincide): a batch
+# row is not a position, several positions per row are not a pick, a loss whose classes are the
+# positions or a norm over them reads them all. (batch, length, the op, whether the pass unpads)
+READS = {
+    "a batch row summed": (3, 9, lambda h, m: h[0].sum(0), False),
+    "a batch row masked": (3, 9, lambda h, m: (h[0] * m[..., None]).sum(1), False),
+    "the first row masked": (3, 9, lambda h, m: (h[:1] * m[..., None]).sum(1), False),
+    "two positions per row indexed": (3, 9, lambda h, m: h[torch.arange(3)[:, None], torch.tensor([[0, 6]] * 3)].sum(1),
+                                      False),
+    "the last real token per row": (3, 9, lambda h, m: h[torch.arange(3), m.sum(1).long() - 1], True),
+    "a loss per row over the positions": (3, 9, lambda h, m: torch.nn.functional.cross_entropy(
+        h.sum(-1), torch.tensor([1, 2, 0]), reduction="none"), False),
+    "a norm over the positions": (3, 9, lambda h, m: torch.nn.functional.layer_norm(h.transpose(1, 2), (9,))[..., 0], False),
+    "a feature picked (S == H)": (2, 32, lambda h, m: h.transpose(0, 1)[:, :, 0].sum(0), False),
+    "positions regrouped with the features": (3, 9, lambda h, m: h.reshape(3, 32, 9).transpose(1, 2).sum(-1), False),
+}
+
+
 @pytest.mark.parametrize("way", list(MASKINGS))
 def test_the_mask_masks_only_where_its_dims_meet_the_values(way):
     """Training, right padding: the pooled output and every parameter gradient of a random cotangent are
@@ -232,7 +251,17 @@ def test_the_mask_masks_only_where_its_dims_meet_the_values(way):
     padded; the sizes alone (B == S, S == H) cannot tell it from a masked pooling. Fills, wheres and
     index_puts of a number at the padding (E5's and sentence-transformers' poolings) unpad, the wrong
     way round they do not."""
-    B, S, op, unpads = MASKINGS[way]
+    _check_after_the_encoder(way, *MASKINGS[way])
+
+
+@pytest.mark.parametrize("way", list(READS))
+def test_a_reader_behind_a_pick_a_loss_or_a_norm_is_found(way):
+    """As above: the graph stays padded, with eager's result and gradients, where the op reads the
+    padding; GPT-2's last real token per row is a pick (unpadded)."""
+    _check_after_the_encoder(way, *READS[way])
+
+
+def _check_after_the_encoder(way, B, S, op, unpads):
     torch.manual_seed(0)
     cfg = transformers.BertConfig(vocab_size=100, attn_implementation="eager", **SMALL)
     model = transformers.BertModel(cfg, add_pooling_layer=False).train()
@@ -242,7 +271,7 @@ def test_the_mask_masks_only_where_its_dims_meet_the_values(way):
         return op(h, mask.to(h.dtype))
 
     g = torch.Generator().manual_seed(1)
-    lengths = torch.tensor([S, *torch.randint(1, S, (B - 1,), generator=g).tolist()])
+    lengths = torch.tensor([*torch.randint(1, S, (B - 1,), generator=g).tolist(), S])  # (row 0 padded, the last full)
     mask = (torch.arange(S)[None] < lengths[:, None]).long()
     ids = torch.randint(2, 100, (B, S), generator=g).masked_fill(mask == 0, 0)
     with torch.no_grad():
@@ -255,3 +284,27 @@ def test_the_mask_masks_only_where_its_dims_meet_the_values(way):
     largest = max(g.abs().max() for g in ref_grads)
     assert max((a - b).abs().max() for a, b in zip(grads, ref_grads)) <= 1e-5 * largest, (way, why)
     assert bool(record.fired.get("unpad")) == unpads, (way, why)
+
+
+def test_a_masked_value_read_back_in_another_layout_stays_padded():
+    """Between two layers, with S == H: ``h + (h * mask).transpose(1, 2)`` has the shape of a token
+    tensor, so the region took the transposed value as one (its rewrite then failed at run time in
+    dmfx::unpad_index's shape check). Its axes are not the region's: the graph stays padded."""
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=100, attn_implementation="eager", **{**SMALL, "num_hidden_layers": 2})
+    model = transformers.BertModel(cfg, add_pooling_layer=False).eval()
+    masks = []
+    model.encoder.layer[0].register_forward_hook(lambda mod, args, out: out + (out * masks[-1][..., None]).transpose(1, 2))
+
+    def run(ids, mask):
+        masks.append(mask.to(torch.float32))
+        return model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    mask = (torch.arange(32)[None, :] < torch.tensor([20, 32])[:, None]).long()
+    ids = torch.randint(2, 100, (2, 32), generator=torch.Generator().manual_seed(1)).masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        ref = run(ids, mask)
+        out = torch.compile(run, backend="dmfx", options=UNPAD)(ids, mask)
+    why = [m for m in dmfx.records()[-1].missed if m.startswith("unpad")]
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), why
+    assert not dmfx.records()[-1].fired.get("unpad") and any("another layout" in m for m in why), why
