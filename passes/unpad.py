@@ -2260,10 +2260,10 @@ def _pick(u: Node, via: Node, axes: Axes | None, token: Callable[[Any], bool], g
     """What `u` (in _PICKS) does with the positions of `via` (of `axes`; None: not known, judged by
     sizes, `token`): "pick" where it picks one position per row (a select or a one-wide gather along the
     sequence, the pooler's token 0; an index of one position per row, GPT-2's classifier's last token:
-    the graph outputs' contract); "selected" where a bool index by the padding mask keeps the real
-    tokens alone (``h[mask.bool()]``); None where it passes them on (features picked, a batch row
+    the graph outputs' contract); None where it passes them on (features picked, a batch row
     selected, a gather of several positions: a slice of them); True where it reads them otherwise
-    (several positions per row by an advanced index, a bool index that keeps padding)."""
+    (several positions per row by an advanced index, a bool index over the tokens: ``h[mask.bool()]``
+    under Dynamo's capture of data-dependent shapes)."""
     meta, out = tensor_meta(via), tensor_meta(u)
     if meta is None or out is None:
         return True
@@ -2284,14 +2284,9 @@ def _pick(u: Node, via: Node, axes: Axes | None, token: Callable[[Any], bool], g
     if any(m is None for m in metas):
         return True
     tokens = lambda dims: any(axes[d] if axes is not None else token(meta.shape[d]) for d in dims)  # noqa: E731
-    if any(m.dtype in (torch.bool, torch.uint8) for m in metas):
-        d, i = given[0]
-        covered = range(d, d + metas[0].dim())
-        found = _mask_axes(i, grid.mask, grid) if len(given) == 1 else None
-        if found is not None and not found[1] and axes is not None and d == 0 and \
-                all(m == axes[k] or _eq(meta.shape[k], 1) for k, m in enumerate(found[0])) and "S" in found[0]:
-            return "selected"
-        return True if tokens(covered) else None
+    if any(m.dtype in (torch.bool, torch.uint8) for m in metas):  # (a mask's selection: rows of any position)
+        d = given[0][0]
+        return True if tokens(range(d, d + metas[0].dim())) else None
     dims = [d for d, _ in given]
     if not tokens(dims):
         return None
