@@ -79,7 +79,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from .attention import sdpa_call
 from .fusion import record
-from .graph_utils import PassContext, aten, insert_call, insert_getitems, is_op, tensor_meta, val
+from .graph_utils import PassContext, aten, constant_value, insert_call, insert_getitems, is_op, tensor_meta, val
 
 log = logging.getLogger("dmfx")
 dmfx = torch.ops.dmfx
@@ -1994,12 +1994,11 @@ def _axes_after(u: Node, via: Node, axes: Axes | None, grid: Grid) -> Axes | Non
         return (*axes[:u.args[1] % nd], *axes[u.args[1] % nd + 1:])
     if t is aten.index.Tensor and _index_dim(u) is None:
         return None  # (several indices along features: where the others go depends on them)
-    if t in _REDUCTIONS and out < nd:
+    if t in _REDUCTIONS:  # (keepdim: the reduced dims stay, of size 1; else they go)
         dims = _reduced_dims(u, nd) or []
+        if out >= nd:
+            return tuple(None if d in dims else r for d, r in enumerate(axes))
         return tuple(r for d, r in enumerate(axes) if d not in dims) if out == nd - len(dims) else None
-    if t in _REDUCTIONS:
-        dims = _reduced_dims(u, nd) or []
-        return tuple(None if d in dims else r for d, r in enumerate(axes))
     if t in _GEMMS and any(u.args[at] is via for at, _ in _GEMMS[t]):
         # (the first operand's free dims, then the second's last; bmm's batch dim is both's)
         (a_at, a_dim), (b_at, b_dim) = _GEMMS[t]
@@ -2066,14 +2065,13 @@ def _number(a: Any) -> Any:
         return a
     if not isinstance(a, Node):
         return None
-    if a.target is aten.scalar_tensor.default or a.target is aten.full.default and not list(a.args[0]):
-        return _number(a.args[0] if a.target is aten.scalar_tensor.default else a.args[1])
     if a.target in (aten.lift_fresh_copy.default, aten.clone.default, aten._to_copy.default, aten.detach.default):
         return _number(a.args[0])
     if a.op == "get_attr":
         t = getattr(a.graph.owning_module, str(a.target), None)
-        return t.item() if isinstance(t, torch.Tensor) and t.numel() == 1 else None
-    return None
+    else:
+        t = constant_value(a, max_elements=1)
+    return t.item() if isinstance(t, torch.Tensor) and t.numel() == 1 else None
 
 
 def _fills_padding(n: Node, grid: Grid) -> bool:
@@ -2189,25 +2187,26 @@ def _pointwise(n: Node) -> bool:
     return isinstance(n.target, torch._ops.OpOverload) and torch.Tag.pointwise in n.target.tags
 
 
-def _reads_padding(u: Node, via: Node, sizes: tuple, axes: Axes | None, grid: Grid,
-                   hides_padding: Callable[[Any], bool]) -> bool | None:
-    """Whether op `u`, reading the padding positions of `via` (a scattered value, or one computed from
-    it, of `axes`: _axes_after), reads along them (True: its real rows would read eager's values there),
-    passes them on position for position (None: its readers are looked at), or neither (False: a pick,
-    _pick, or a product with the padding mask, _masked_by). Dims are the tokens' by their axes where
-    known, else by their sizes (`sizes`). `hides_padding(mask)`: whether an attention mask hides the
-    padding keys."""
+def _reads_padding(u: Node, via: Node, sizes: tuple, axes: Axes | None, masked: bool, grid: Grid,
+                   hides_padding: Callable[[Any], bool]) -> bool | str | None:
+    """What op `u`, reading the padding positions of `via` (a scattered value, or one computed from it,
+    of `axes`: _axes_after), does with them: reads along them (True: its real rows would read eager's
+    values there), passes them on position for position (None: its readers are looked at), picks one
+    per row ("pick": _pick), masks them (`masked`, "masked": a product with the padding mask,
+    _masked_by of `u`'s axes), or none of these (False: an output, a shape read, an attention that
+    hides them). Dims are the tokens' by their axes where known, else by their sizes (`sizes`).
+    `hides_padding(mask)`: whether an attention mask hides the padding keys."""
     t = u.target
     token = _tokens(sizes)
     meta = tensor_meta(via)
-    masked = _masked_by(u, _axes_after(u, via, axes, grid), grid)
     if t is operator.getitem or t in _PASS_THROUGH or t in _SLICES or _pointwise(u) and not masked \
             or _index_dim(u) is not None:
         return None
     if t in _PICKS and u.op == "call_function":
-        kind = _pick(u, via, axes, token, grid)
-        return kind if kind is None or kind is True else False
-    if u.op != "call_function" or masked or not isinstance(t, torch._ops.OpOverload) or _shapes_only(u):
+        return _pick(u, via, axes, token, grid)
+    if u.op == "call_function" and masked:
+        return "masked"
+    if u.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or _shapes_only(u):
         return False  # (an output, a shape read, SymInt arithmetic)
     if meta is None:
         return True
@@ -2439,16 +2438,17 @@ def padding_reader(region: Region, recomputed: set[Node],
                     after = _axes_after(u, via, axes, grid) if mode == "masked" else None
                     stack += [(w, u, along, mode, after) for w in u.users]
                 continue
-            reads = _reads_padding(u, via, along, axes, grid, hides_padding)
-            if reads:
+            after = _axes_after(u, via, axes, grid)
+            reads = _reads_padding(u, via, along, axes, _masked_by(u, after, grid), grid, hides_padding)
+            if reads is True:
                 return u, n, f"reads {n.name} along the batch or the sequence, padding positions included"
             if reads is None:
                 moved = mode or _moves(u, via, along) or _regroups(u, via, axes, _tokens(along), grid)
-                after = None if moved else _axes_after(u, via, axes, grid)
-                stack += [(w, u, _token_sizes_after(u, via, along), "moved" if moved else "", after) for w in u.users]
-            elif _masked_by(u, _axes_after(u, via, axes, grid), grid):
-                stack += [(w, u, along, "masked", _axes_after(u, via, axes, grid)) for w in u.users]
-            elif u.target in _PICKS and u.op == "call_function" and _pick(u, via, axes, _tokens(along), grid) == "pick":
+                stack += [(w, u, _token_sizes_after(u, via, along), "moved" if moved else "", None if moved else after)
+                          for w in u.users]
+            elif reads == "masked":
+                stack += [(w, u, along, "masked", after) for w in u.users]
+            elif reads == "pick":
                 stack += [(w, u, along, "picked", None) for w in u.users]
     return None
 
