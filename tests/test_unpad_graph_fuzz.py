@@ -1,0 +1,179 @@
+"""The graph-shape fuzz (tests/test_fuzz_graphs.py) under ``unpad=True``, on padded batches.
+
+test_fuzz_graphs.py's programs are where bugs with several readers live: a value read by a GEMM and a
+residual, one module applied at two call sites, one Parameter in two linears or in an embedding and a
+tied LM head, two views of one projection, a value worked on as a ``[L, B, H]`` view or a
+``[B * L, H]`` one, intermediates returned while later steps read them. The rest of the suite runs
+them padded only (option ``unpad`` off), and the unpad tests use HF models, whose graphs have none of
+these shapes. Here every attention of a program reads HF's padding mask, built in the graph from an
+``attention_mask`` input ``[B, L]`` (1: a real token) as HF builds it, so the pass may run the
+program on the real tokens. Batches are padded on the right or on the left.
+
+What is compared, the contract of an unpadded graph (passes/unpad.py): every output at the real
+positions (padding positions hold zeros there, eager's values in eager), and every gradient of a
+random cotangent that is zero at the padding positions (a loss that ignores padding, as HF's do with
+label -100). The pass must either give eager's answer, or leave the graph padded and say why; most
+programs must be unpadded, or the fuzz tests nothing.
+
+Reproduce a failure with ``DMFX_GRAPH_FUZZ_SEED=<seed> DMFX_GRAPH_FUZZ_ONLY=<index>`` as printed.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+
+import torch
+from conftest import rel_err
+from test_fuzz_graphs import (
+    FP32_TOL,
+    ONLY,
+    SEED,
+    Program,
+    _leaves,
+    describe,
+    error_summary,
+    leaf_names,
+    make_inputs,
+    make_recipe,
+)
+from torch import nn
+
+import dmfx
+
+N_PROGRAMS, N_CASES = 24, 3
+MIN_UNPADDED_FRACTION = 0.5
+
+
+class Padded(nn.Module):
+    """A program whose attentions read HF's additive padding mask, built in the graph from the
+    ``[B, L]`` attention_mask as BERT's ``get_extended_attention_mask`` builds it. `pool`: also return
+    the program's first output pooled over the positions, masked (sentence-transformers' mean
+    pooling: unpadded) or not (``mean(1)``, a reader of the padding positions: the graph stays padded),
+    or nothing (None)."""
+
+    def __init__(self, program: nn.Module, pool: str | None):
+        super().__init__()
+        self.program, self.pool = program, pool
+
+    def forward(self, x, x2, attention_mask, ids):
+        ext = (1.0 - attention_mask[:, None, None, :].to(x.dtype)) * torch.finfo(x.dtype).min
+        outs = self.program(x, x2, ext, ids)
+        if self.pool == "masked_mean":
+            m = attention_mask[..., None].to(outs[0].dtype)
+            return (*outs, (outs[0] * m).sum(1) / m.sum(1).clamp(min=1e-9))
+        if self.pool == "mean":
+            return (*outs, outs[0].mean(1))
+        return outs
+
+
+def padded_recipe(index: int) -> dict | None:
+    """Program `index` of the float32 graph fuzz with every attention reading the padding mask, and its
+    pooling (Padded); None for a program without attention (nothing for the pass to unpad)."""
+    recipe = make_recipe(index, torch.float32)
+    attns = [spec for kind, spec in recipe["modules"].values() if kind == "attn"]
+    if not attns:
+        return None
+    for spec in attns:
+        spec["mask"] = "padding"
+    recipe["cases"] = recipe["cases"][:N_CASES]
+    recipe["pool"] = random.Random(f"{SEED}/unpad/{index}").choice((None, "masked_mean", "masked_mean", "mean"))
+    return recipe
+
+
+def padded_indices() -> list[int]:
+    """The first N_PROGRAMS programs of the graph fuzz that have an attention (or DMFX_GRAPH_FUZZ_ONLY's)."""
+    if ONLY is not None:
+        return [int(ONLY)]
+    found = [i for i in range(20 * N_PROGRAMS) if padded_recipe(i) is not None]
+    return found[:N_PROGRAMS]
+
+
+def padded_inputs(recipe: dict, B: int, L: int, gen: torch.Generator, left: bool) -> dict:
+    """The program's inputs (make_inputs), with a ``[B, L]`` attention_mask of random lengths (at least
+    one real token per row) on the `left` or the right in place of the additive mask."""
+    inputs = make_inputs(recipe, B, L, gen)
+    lengths = torch.randint(1, L + 1, (B,), generator=gen)
+    pos = torch.arange(L)[None, :]
+    real = pos >= L - lengths[:, None] if left else pos < lengths[:, None]
+    return {**inputs, "mask": real.long()}
+
+
+def forward_backward(recipe, module, inputs, cotangents=None, gen=None):
+    """Outputs at the real positions, and the gradients of every leaf for cotangents R that are zero at
+    the padding positions (d(sum(out * R)))."""
+    inputs = {k: (v.detach().requires_grad_(recipe[f"{k}_grad"]) if k in ("x", "x2") else v)
+              for k, v in inputs.items()}
+    for name in ("x", "x2", "mask", "ids"):  # (B and L symbolic from the first compile on, as in the graph fuzz)
+        for d in (0, 1):
+            torch._dynamo.maybe_mark_dynamic(inputs[name], d)
+    outs = module(inputs["x"], inputs["x2"], inputs["mask"], inputs["ids"])
+    tokens = len(outs) - bool(recipe["pool"])  # (the program's outputs, then a pooled [B, H] one)
+    real = lambda i, o: inputs["mask"].view(*inputs["mask"].shape, *[1] * (o.dim() - 2)).to(o.dtype) \
+        if i < tokens else torch.ones((), dtype=o.dtype)  # noqa: E731
+    if cotangents is None:
+        cotangents = [torch.randn(o.shape, generator=gen).to(o.dtype) * real(i, o) for i, o in enumerate(outs)]
+    leaves = _leaves(recipe, inputs, module)
+    grads = torch.autograd.grad(sum((o * R).sum() for o, R in zip(outs, cotangents)), leaves, allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
+    return [(o * real(i, o)).detach() for i, o in enumerate(outs)], grads, cotangents
+
+
+def run_padded(recipe: dict) -> tuple[list[str], int, int, list[str]]:
+    """Every case of `recipe` (right padding, then left, alternately) under unpad against eager: the
+    failures, the graphs compiled, how many were unpadded, and why the others were not."""
+    torch._dynamo.reset()
+    dmfx.reset()
+    torch.manual_seed(recipe["seed"])
+    module = Padded(Program(recipe), recipe["pool"]).train()
+    ref = copy.deepcopy(module)
+    compiled = torch.compile(module, backend="dmfx", options={"fallback": False, "unpad": True})
+    gen = torch.Generator().manual_seed(recipe["seed"])
+    names = leaf_names(recipe, module)
+    failures = []
+    for i, (B, L) in enumerate(recipe["cases"]):
+        inputs = padded_inputs(recipe, B, L, gen, left=i % 2 == 1)
+        exp = forward_backward(recipe, ref, inputs, gen=gen)
+        try:
+            got = forward_backward(recipe, compiled, inputs, exp[2])
+        except Exception as e:  # noqa: BLE001  (a program dmfx cannot compile is a failure, with its recipe)
+            failures.append(f"case B={B} L={L}: raised {error_summary(e)}")
+            break
+        bad = [f"output {j}: {e:.3g}" for j, (o, r) in enumerate(zip(got[0], exp[0])) if not (e := rel_err(o, r)) < FP32_TOL]
+        scale = max(exp[1], key=lambda g: g.double().norm().item())
+        bad += [f"grad of {n}: {e:.3g} of the largest" for n, g, r in zip(names, got[1], exp[1])
+                if not (e := rel_err(g, r, scale)) < FP32_TOL]
+        if bad:
+            failures.append(f"case B={B} L={L} ({'left' if i % 2 else 'right'} padding): " + "; ".join(bad))
+    records = dmfx.records()
+    failures += [f"fell back: {r.fallback}" for r in records if r.fallback is not None]
+    unpadded = sum(bool(r.fired.get("unpad")) for r in records)
+    if recipe["pool"] == "mean" and unpadded:  # (a reader of the padding positions)
+        failures.append(f"unpadded {unpadded} graph(s) whose output is an unmasked mean over the positions")
+    why = [m for r in records if not r.fired.get("unpad") for m in r.missed if m.startswith("unpad")]
+    return failures, len(records), unpadded, why
+
+
+def test_graph_fuzz_under_unpad_gives_eagers_answer_at_the_real_tokens():
+    """Tied weights, one module applied twice, values with several readers, views of one buffer, a
+    value worked on transposed or flattened: on padded batches under ``unpad=True``, every program
+    equals eager at its real positions, outputs and gradients; most of them are unpadded."""
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    start, programs, pooled, graphs, unpadded, failed, misses = time.perf_counter(), 0, 0, 0, 0, [], []
+    with torch._dynamo.config.patch({limit: 32}):
+        for index in padded_indices():
+            recipe = padded_recipe(index)
+            if recipe is None:
+                continue
+            failures, n, k, why = run_padded(recipe)
+            programs, graphs, unpadded = programs + 1, graphs + n, unpadded + k
+            pooled += recipe["pool"] is not None
+            misses += why
+            if failures:
+                failed.append(f"{describe(recipe)}\n  pooled: {recipe['pool']}\n" + "\n".join(f"  {f}" for f in failures))
+    summary = (f"{programs} programs with attention, {pooled} pooled, {graphs} graphs, {unpadded} unpadded, seed {SEED}, "
+               f"{time.perf_counter() - start:.0f}s; why not: {sorted(set(random.Random(0).sample(misses, min(6, len(misses)))))}")
+    print("\ndmfx graph fuzz under unpad:", summary)
+    assert not failed, f"{len(failed)} of {programs} programs differ from eager:\n" + "\n".join(failed[:4])
+    assert unpadded >= MIN_UNPADDED_FRACTION * graphs, summary
