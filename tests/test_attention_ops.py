@@ -423,6 +423,31 @@ def test_flash_fully_masked_rows_and_empty_keys():
     assert o.shape == (B, H, L, D) and (o == 0).all()
 
 
+def test_queries_with_every_key_hidden_by_a_finite_mask_differentiate_as_the_math_backend():
+    """HF's causal mask on a left-padded batch hides every key of a padding query with finfo.min (a
+    finite number: the softmax over its equal scores is uniform). Where that query's output is read,
+    both fused forms give the math backend's gradients (and float64's); PyTorch's default CPU SDPA
+    kernel does not (torch 2.14: 0.6-0.9 of the largest gradient off, the forwards equal), so this is
+    the reference, as in tests/test_unpad_graph_fuzz.py."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    B, H, L, D = 2, 2, 12, 8
+    q, k, v = (_heads(B, L, H, D).requires_grad_() for _ in range(3))
+    real = torch.ones(B, L, dtype=torch.bool)
+    real[0, :5] = False  # (left padding: queries 0-4 of batch 0 see no real key)
+    keep = torch.ones(L, L, dtype=torch.bool).tril()[None, None] & real[:, None, None, :]
+    mask = torch.where(keep, 0.0, torch.finfo(torch.float32).min)
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    g = torch.randn_like(ref)
+    expected = torch.autograd.grad(ref, (q, k, v), g)
+    for form in (flash, op):
+        out = form(q, k, v, mask, D ** -0.5, False, None, 0.0)[0]
+        assert rel_err(out, ref) < 1e-5
+        for x, y in zip(torch.autograd.grad(out, (q, k, v), g), expected):
+            assert rel_err(x, y) < 1e-5, form
+
+
 def test_flash_mask_gradient_is_a_clear_error():
     B, L, H, D = 1, 4, 2, 4
     q, k, v = (_heads(B, L, H, D).requires_grad_() for _ in range(3))
