@@ -427,7 +427,7 @@ def test_queries_with_every_key_hidden_by_a_finite_mask_differentiate_as_the_mat
     """HF's causal mask on a left-padded batch hides every key of a padding query with finfo.min (a
     finite number: the softmax over its equal scores is uniform). Where that query's output is read,
     both fused forms give the math backend's gradients (and float64's); PyTorch's default CPU SDPA
-    kernel does not (torch 2.14: 0.6-0.9 of the largest gradient off, the forwards equal), so this is
+    kernel does not (torch 2.11 and 2.14: 0.6-0.9 of the largest gradient off, the forwards equal), so this is
     the reference, as in tests/test_unpad_graph_fuzz.py."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

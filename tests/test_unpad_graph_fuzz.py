@@ -19,7 +19,7 @@ Eager runs PyTorch's attention as the math backend computes it (``sdpa_kernel(SD
 dmfx's attention does. They differ only where a query has every key hidden by a finite additive mask
 (HF's causal mask on a left-padded batch hides every key of a padding query with finfo.min) and its
 output is read (an unmasked mean over the positions): there the default CPU kernel's backward (torch
-2.14) gives gradients far from the math backend's and a float64 reference (0.6-0.9 of the largest),
+2.11 and 2.14) gives gradients far from the math backend's and a float64 reference (0.6-0.9 of the largest),
 while the forwards agree.
 
 Reproduce a failure with ``DMFX_GRAPH_FUZZ_SEED=<seed> DMFX_GRAPH_FUZZ_ONLY=<index>`` as printed.
