@@ -28,6 +28,7 @@ from .graph_utils import (
     kernel_friendly,
     number_near,
     only_user,
+    same_shape,
     tensor_meta,
 )
 
@@ -155,7 +156,7 @@ def match_activation_idiom(n: Node, ctx: PassContext) -> Match | Miss | None:
     args = (x,)
     if target is _DMFX_ACT:  # (kwargs: the activation's name)
         xm, om = tensor_meta(x), tensor_meta(out)
-        if om is None or om.shape != xm.shape or om.dtype != xm.dtype:
+        if om is None or not same_shape(om.shape, xm.shape) or om.dtype != xm.dtype:
             return Miss("the activation's output has another shape or dtype than its input (broadcast or promotion)",
                         pattern=name, at=out)
         args, kwargs = (x, None, kwargs, None, 0.0), {}

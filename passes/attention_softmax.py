@@ -47,6 +47,7 @@ from .graph_utils import (
     is_op,
     is_scalar,
     kernel_friendly,
+    same_shape,
     tensor_meta,
 )
 
@@ -156,7 +157,7 @@ def _second_mask(scores: Node, shape: torch.Size) -> tuple[Node, Node] | None:
         return None
     for a, b in (scores.args, scores.args[::-1]):
         am, bm = tensor_meta(a), tensor_meta(b)
-        if am is None or bm is None or am.shape != shape or not _is_scores_side(a) or _is_scores_side(b):
+        if am is None or bm is None or not same_shape(am.shape, shape) or not _is_scores_side(a) or _is_scores_side(b):
             continue
         if bm.dtype in FLOATS and broadcasts_to(bm.shape, shape) and bm.device == am.device:
             return a, b
@@ -315,9 +316,9 @@ def match_attention_softmax(sm: Node, ctx: PassContext) -> Match | Miss | None:
         a, b = z.args
         am, bm = tensor_meta(a), tensor_meta(b)
         if am is not None and bm is not None:
-            if am.shape == shape and (bm.shape != shape or not _is_scores_side(b) or _is_scores_side(a)):
+            if same_shape(am.shape, shape) and (not same_shape(bm.shape, shape) or not _is_scores_side(b) or _is_scores_side(a)):
                 scores, mask = a, b
-            elif bm.shape == shape:
+            elif same_shape(bm.shape, shape):
                 scores, mask = b, a
         if mask is None:
             return Miss("an add before the softmax whose operands do not look like scores + mask")
@@ -337,7 +338,7 @@ def match_attention_softmax(sm: Node, ctx: PassContext) -> Match | Miss | None:
         else:
             chain.append(scale_node)
     sm_meta = tensor_meta(s)
-    if sm_meta is None or sm_meta.shape != shape:
+    if sm_meta is None or not same_shape(sm_meta.shape, shape):
         return Miss(*notes, "the scores have another shape than the softmax input")
     down = None  # autocast: bf16/fp16 scores promoted to float32 by the mask, the probabilities cast back
     if sm_meta.dtype != zm.dtype:

@@ -28,6 +28,7 @@ from .graph_utils import (
     kernel_friendly,
     linear_bias,
     only_user,
+    same_shape,
     tensor_meta,
 )
 
@@ -37,7 +38,8 @@ def _vector_bias(h: Node, N: int) -> tuple[Node, Node] | None:
     hm = tensor_meta(h)
     for x, b in commuted(h, aten.add):
         bm, xm = tensor_meta(b), tensor_meta(x)
-        if bm is not None and xm is not None and bm.dim() == 1 and bm.shape[0] == N and xm.shape == hm.shape and bm.dtype == xm.dtype:
+        if bm is not None and xm is not None and bm.dim() == 1 and bm.shape[0] == N and same_shape(xm.shape, hm.shape) \
+                and bm.dtype == xm.dtype:
             return x, b
     return None
 
@@ -90,7 +92,7 @@ def match_bias_act_dropout(n: Node, ctx: PassContext) -> Match | Miss | None:
         return None  # a lone activation is one kernel already; a lone dropout is the dropout pass's
     # (the bias-free GEMM rebuilt from the linear has the linear's output shape and dtype)
     xm = tensor_meta(x if gemm is None else gemm[0] if gemm[1] is None else gemm[1])
-    if xm is None or xm.shape != hm.shape or xm.dtype != hm.dtype:
+    if xm is None or not same_shape(xm.shape, hm.shape) or xm.dtype != hm.dtype:
         return Miss("the bias-free input has another shape or dtype")
     returned = tuple(drop[1]) if drop else (end,)
     nodes = {"x": x, "bias": bias, "gemm": gemm, "act": act, "p": drop[2] if drop else 0.0,

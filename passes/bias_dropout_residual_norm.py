@@ -112,7 +112,7 @@ def match_bias_dropout_residual_norm(norm: Node, ctx: PassContext) -> Match | Mi
     notes: list[str] = []
     for d, residual in orders:
         rm, dm = tensor_meta(residual), tensor_meta(d)
-        if rm is None or dm is None or dm.shape != sm.shape or rm.dtype != sm.dtype:
+        if rm is None or dm is None or not same_shape(dm.shape, sm.shape) or rm.dtype != sm.dtype:
             continue
         # a residual broadcast over leading dims (BERT's position embeddings [1, S, H]) is read
         # through an expanded view (0 strides; its gradient is summed by the expand's backward)
@@ -145,7 +145,7 @@ def match_bias_dropout_residual_norm(norm: Node, ctx: PassContext) -> Match | Mi
             return Miss(*notes, "the sum is read before the norm, whose weight or bias is computed after that read")
         # (the bias-free GEMM rebuilt from the linear has the linear's output shape: its view's, or its own)
         xm = tensor_meta(x if gemm is None else gemm[0] if gemm[1] is None else gemm[1])
-        if xm is None or xm.shape != sm.shape:
+        if xm is None or not same_shape(xm.shape, sm.shape):
             return Miss(*notes, "bias-free input shape differs")
         outs = tuple(u for u in norm.users if is_getitem(u, norm, 0))
         return_sum = any(u is not norm for u in s.users)

@@ -8,7 +8,7 @@ import torch
 from torch.fx import Graph, Node
 
 from .fusion import Fusion, Match, Miss, Replacement
-from .graph_utils import PassContext, activation_name, aten, commuted, insert_call, kernel_friendly, only_user, tensor_meta
+from .graph_utils import PassContext, activation_name, aten, commuted, insert_call, kernel_friendly, only_user, same_shape, tensor_meta
 
 
 def match_glu(act: Node, ctx: PassContext) -> Match | Miss | None:
@@ -23,7 +23,8 @@ def match_glu(act: Node, ctx: PassContext) -> Match | Miss | None:
         gm_, um, om = tensor_meta(act.args[0]), tensor_meta(up), tensor_meta(mul)
         if not (kernel_friendly(gm_) and um is not None and om is not None):
             continue
-        if not (gm_.shape == um.shape == om.shape and gm_.dtype == um.dtype == om.dtype and gm_.device == um.device):
+        if not (same_shape(gm_.shape, um.shape) and same_shape(um.shape, om.shape) and gm_.dtype == um.dtype == om.dtype
+                and gm_.device == um.device):
             return Miss("gate and up differ in shape, dtype or device (broadcast)", at=mul)
         return Match({"gate": act.args[0], "up": up, "act": name, "mul": mul}, [act, mul], returned=(mul,))
     return None

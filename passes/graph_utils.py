@@ -139,9 +139,21 @@ def activation_name(n: Any) -> str | None:
 RESHAPES = (aten.view, aten._unsafe_view, aten.reshape)
 
 
+def same_size(x: Any, y: Any) -> bool:
+    """Two sizes (ints or SymInts) are equal. Backed SymInts decide by their hints, with a guard, as
+    ``x == y`` does; a data-dependent one (unbacked: option unpad's token count T) is equal only where
+    that is known without its value (``T == T``; ``T == 128`` is not, and a guard on it would fail the
+    compile)."""
+    if isinstance(x, int) and isinstance(y, int):
+        return x == y
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    return bool(guard_or_false(x == y))
+
+
 def same_shape(a: Any, b: Any) -> bool:
-    """Two shapes (sizes, lists or tuples; ints or SymInts) are equal."""
-    return len(a) == len(b) and all(x == y for x, y in zip(a, b))
+    """Two shapes (sizes, lists or tuples; ints or SymInts) are equal (same_size)."""
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
 
 
 def is_transpose(n: Any, dims: tuple[int, int]) -> bool:
@@ -157,6 +169,14 @@ def shape_dtype(n: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
     return tuple(v.shape), v.dtype
 
 
+def same_shape_dtype(*nodes: Any) -> bool:
+    """The nodes' tensor values have one shape (same_shape) and one dtype."""
+    found = [shape_dtype(n) for n in nodes]
+    if any(f is None for f in found):
+        return False
+    return all(f[1] == found[0][1] and same_shape(f[0], found[0][0]) for f in found[1:])
+
+
 def plain_add(n: Node) -> tuple[Node, Node] | None:
     """(a, b) when `n` is ``add.Tensor(a, b)`` of two graph tensors of one shape and dtype, alpha 1."""
     if not is_op(n, aten.add.Tensor) or n.kwargs.get("alpha", 1) != 1 or len(n.args) != 2:
@@ -164,8 +184,7 @@ def plain_add(n: Node) -> tuple[Node, Node] | None:
     a, b = n.args
     if not (isinstance(a, Node) and isinstance(b, Node)):
         return None
-    sa, sb, so = shape_dtype(a), shape_dtype(b), shape_dtype(n)
-    if sa is None or sa != sb or sa != so:
+    if not same_shape_dtype(a, b, n):
         return None
     return a, b
 

@@ -32,6 +32,7 @@ from .graph_utils import (
     is_op,
     is_scalar,
     kernel_friendly,
+    same_shape,
     strip_casts,
     tensor_meta,
 )
@@ -232,7 +233,7 @@ def match_norm_idiom(n: Node, ctx: PassContext) -> Match | Miss | None:
     H, dtype = xm.shape[-1], xm.dtype
     end, weight, bias, tail = _affine(m.normalized, H, dtype)
     em = tensor_meta(end)
-    if em is None or em.dtype != dtype or em.shape != xm.shape:
+    if em is None or em.dtype != dtype or not same_shape(em.shape, xm.shape):
         return Miss("the result's dtype or shape differs from the input's", pattern=pattern)
     nodes = {"x": m.x, "eps": m.eps, "rms": m.rms, "weight": weight, "bias": bias, "end": end}
     return Match(nodes, m.internal + tail, returned=(end,), pattern=pattern)

@@ -47,6 +47,7 @@ from .graph_utils import (
     insert_getitems,
     is_op,
     kernel_friendly,
+    same_size,
     tensor_meta,
 )
 
@@ -141,7 +142,7 @@ def match_linear_cross_entropy(ce: Node, ctx: PassContext) -> Match | Miss | Non
     if xm is None or zm is None or not kernel_friendly(xm) or not kernel_friendly(wm):
         return Miss("unsupported dtype or device of the hidden states or the weight")
     N, V = zm.shape
-    if xm.shape[0] != N or wm.shape[0] != V:
+    if not same_size(xm.shape[0], N) or not same_size(wm.shape[0], V):
         return Miss(f"the loss's logits {list(zm.shape)} are not the GEMM's rows [{xm.shape[0]}, {wm.shape[0]}]")
     if not _unit_h_stride(wm):
         return Miss("the weight has no unit stride along H")

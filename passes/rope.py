@@ -118,7 +118,7 @@ def _rope_site(add: Node) -> tuple[Node, Node, Node, list[Node], bool] | None:
                 xm, cm, sm, om = (tensor_meta(v) for v in (x, cos, sin, add))
                 if not (kernel_friendly(xm) and cm is not None and sm is not None and om is not None):
                     continue
-                if not (xm.dtype == cm.dtype == sm.dtype == om.dtype and om.shape == xm.shape):
+                if not (xm.dtype == cm.dtype == sm.dtype == om.dtype and same_shape(om.shape, xm.shape)):
                     continue
                 return x, cos, sin, [add, m1, m2, *rotation[2]], rotation[1]
     return None

@@ -193,3 +193,21 @@ def test_norm_epsilons_are_specialized_under_dynamic_true(family):
             m.variance_epsilon = 0.25  # far from 1e-6: a graph that kept the old one is wrong
     assert rel_err(f(**other).last_hidden_state, model(**other).last_hidden_state) < 1e-5
     assert len(dmfx.records()) == 2  # the guard on eps recompiled
+
+
+def test_shapes_compare_without_guarding_on_a_data_dependent_size():
+    """Under option unpad a backward graph's token dim is T, the real tokens' count, an unbacked SymInt:
+    ``(T, 64) != (128, 64)`` asks for T's value and fails the compile (GuardOnDataDependentSymNode;
+    tests/test_unpad_graph_fuzz.py found it in plain_add). graph_utils.same_size and same_shape decide
+    what is known (T == T) and call the rest different; backed sizes decide by their hints, as before."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from dmfx.passes.graph_utils import same_shape, same_size
+
+    env = ShapeEnv()
+    T = env.create_unbacked_symint()
+    s = env.create_symintnode(env.create_symbol(8, source=ConstantSource("s")), hint=8)
+    assert same_shape((T, 64), (T, 64)) and not same_shape((T, 64), (128, 64)) and not same_size(T, 128)
+    assert not same_shape((T, 64), (T, 64, 1)) and same_shape((2, 3), [2, 3]) and not same_size(2, 3)
+    assert same_size(s, 8) and not same_size(s, 9) and same_shape((s, T), (s, T))

@@ -35,7 +35,7 @@ from torch.fx import GraphModule, Node
 
 from ...cuda_ops import stat_dtype
 from ..fusion import record
-from ..graph_utils import PassContext, insert_call, insert_getitems, is_op, kernel_friendly, tensor_meta, val, views_to_reshapes
+from ..graph_utils import PassContext, insert_call, insert_getitems, is_op, kernel_friendly, same_shape, tensor_meta, val, views_to_reshapes
 
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
@@ -82,7 +82,7 @@ def _layer_norm_backward(g, ctx: PassContext, n: Node) -> None:
         ctx.miss("aten_backward", n, f"layer norm statistics in {rv.dtype}, dmfx's kernel keeps them in {stat_dtype(xv)}")
         return
     gv = tensor_meta(grad)
-    if gv is None or gv.dtype != xv.dtype or tuple(gv.shape) != tuple(xv.shape):
+    if gv is None or gv.dtype != xv.dtype or not same_shape(gv.shape, xv.shape):
         ctx.miss("aten_backward", n, "the gradient's dtype or shape differs from the input's")
         return
     out_mask = [bool(mask[0]), False, bool(mask[1]) and w is not None, bool(mask[2]) and b is not None, False]
@@ -119,7 +119,7 @@ def _dropout_parts(d: Node) -> tuple[Node, Node, float] | str:
     sv, mv = tensor_meta(src), tensor_meta(mask)
     if sv is None or mv is None or not kernel_friendly(sv) or sv.dim() < 1:
         return "a gradient the kernels do not take"
-    if mv.dtype != torch.bool or tuple(mv.shape) != tuple(sv.shape) or mv.device != sv.device:
+    if mv.dtype != torch.bool or not same_shape(mv.shape, sv.shape) or mv.device != sv.device:
         return "a dropout mask that is not a bool tensor of the gradient's shape and device"
     if not isinstance(scale, (int, float)):
         return "a symbolic dropout scale"
@@ -139,7 +139,7 @@ def _activation_backward(g, ctx: PassContext, n: Node, act: str, grad: Node, x: 
     gv, xv = tensor_meta(grad), tensor_meta(x)
     if gv is None or xv is None or not kernel_friendly(xv) or xv.dim() < 1:
         return
-    if gv.dtype != xv.dtype or tuple(gv.shape) != tuple(xv.shape) or gv.device != xv.device:
+    if gv.dtype != xv.dtype or not same_shape(gv.shape, xv.shape) or gv.device != xv.device:
         ctx.miss("aten_backward", n, "the gradient's dtype, shape or device differs from the activation's input")
         return
     dropout = _stored_dropout(grad, n)
@@ -203,7 +203,7 @@ def _softmax_backward(g, ctx: PassContext, n: Node) -> None:
     if dim % yv.dim() != yv.dim() - 1:
         ctx.miss("aten_backward", n, "softmax over another dim than the last")
         return
-    if input_dtype != yv.dtype or gv.dtype != yv.dtype or tuple(gv.shape) != tuple(yv.shape):
+    if input_dtype != yv.dtype or gv.dtype != yv.dtype or not same_shape(gv.shape, yv.shape):
         ctx.miss("aten_backward", n, "a cast around the softmax, or a gradient of another dtype or shape")
         return
     dropout = _stored_dropout(grad, n)  # attention-probability dropout: the kernel reads its mask

@@ -8,7 +8,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..fusion import record
-from ..graph_utils import PassContext, aten, is_op, plain_add, shape_dtype
+from ..graph_utils import PassContext, aten, is_op, plain_add, same_shape_dtype
 
 
 def fold_gradient_adds(gm: GraphModule, ctx: PassContext) -> None:
@@ -28,7 +28,7 @@ def fold_gradient_adds(gm: GraphModule, ctx: PassContext) -> None:
         if len(g.users) != 1:
             ctx.miss("fold_gradient_adds", g, "the summed gradient is read elsewhere too")
             continue
-        if shape_dtype(g) != shape_dtype(n.args[2]):
+        if not same_shape_dtype(g, n.args[2]):
             ctx.miss("fold_gradient_adds", g, "the gradient's shape or dtype differs from the norm's input")
             continue
         a, b = pair
