@@ -229,3 +229,24 @@ def test_regression_a_gradient_sum_of_the_token_count_by_the_width():
     failures, graphs, unpadded, why = run_padded(recipe)
     assert not failures, failures
     assert unpadded == graphs == 1, why
+
+
+def test_regression_a_norms_gradient_read_twice_by_its_backward():
+    """Found by this fuzz (seed 31, program 168): s = Linear(x) + x; h = RMSNorm(s) + s; two attentions
+    read h, their sum returned. Unpadded, the backward's ``dmfx::norm_backward`` read the gradient sum
+    ``g = dattn0 + dattn1`` twice, as grad_out and as grad_sum (s reaches the output through the norm
+    and as it is); fold_gradient_adds folded the add into grad_out alone and then failed to erase it
+    (RuntimeError: the node still had a user). It folds only a sum the norm reads once now."""
+    attn = {"heads": 4, "rope": None, "mask": "padding", "p": 0.0}
+    recipe = fixed_recipe(
+        "regression: h = rms(s) + s, s = Linear(x) + x; attn0(h) + attn1(h)", 12,
+        {"linear0": ("linear", {"bias": False}), "rms_t50": ("rms_t5", {}),
+         "attn0": ("attn", {**attn, "qkv": "chunk", "impl": "bert", "bias": True}),
+         "attn1": ("attn", {**attn, "qkv": "separate", "impl": "sdpa", "bias": False})},
+        [((2,), "module", "linear0", (0,)), ((3,), "add", None, (2, 0)), ((4,), "module", "rms_t50", (3,)),
+         ((5,), "add", None, (4, 3)), ((6,), "module", "attn0", (5,)), ((7,), "module", "attn1", (5,)),
+         ((8,), "add", None, (6, 7))],
+        [8, 2], [(3, 3), (5, 8)], pool=None, causal=False, seed=1)
+    failures, graphs, unpadded, why = run_padded(recipe)
+    assert not failures, failures
+    assert unpadded == graphs == 1, why

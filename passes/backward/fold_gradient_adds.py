@@ -25,7 +25,9 @@ def fold_gradient_adds(gm: GraphModule, ctx: PassContext) -> None:
         if pair is None:
             ctx.miss("fold_gradient_adds", g, "the add broadcasts, scales or mixes dtypes")
             continue
-        if len(g.users) != 1:
+        if len(g.users) != 1 or g in n.args[1:] or g in n.kwargs.values():
+            # (the norm itself may read it again as grad_sum: ``y = norm(s); out = y + s`` gives s the
+            # gradient dout through the norm and dout as it is; folding arg 0 alone leaves that read)
             ctx.miss("fold_gradient_adds", g, "the summed gradient is read elsewhere too")
             continue
         if not same_shape_dtype(g, n.args[2]):
