@@ -32,19 +32,20 @@ import random
 import time
 
 import torch
-from conftest import rel_err
 from test_fuzz_graphs import (
     FP32_TOL,
     ONLY,
     SEED,
     Program,
     _leaves,
+    compare,
     describe,
     error_summary,
     fixed_recipe,
     leaf_names,
     make_inputs,
     make_recipe,
+    mark_batch_and_length_dynamic,
 )
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -122,9 +123,7 @@ def forward_backward(recipe, module, inputs, cotangents=None, gen=None):
     the padding positions (d(sum(out * R)))."""
     inputs = {k: (v.detach().requires_grad_(recipe[f"{k}_grad"]) if k in ("x", "x2") else v)
               for k, v in inputs.items()}
-    for name in ("x", "x2", "mask", "ids"):  # (B and L symbolic from the first compile on, as in the graph fuzz)
-        for d in (0, 1):
-            torch._dynamo.maybe_mark_dynamic(inputs[name], d)
+    mark_batch_and_length_dynamic(inputs)
     outs = module(inputs["x"], inputs["x2"], inputs["mask"], inputs["ids"])
     tokens = len(outs) - bool(recipe["pool"])  # (the program's outputs, then a pooled [B, H] one)
     real = lambda i, o: inputs["mask"].view(*inputs["mask"].shape, *[1] * (o.dim() - 2)).to(o.dtype) \
@@ -158,10 +157,7 @@ def run_padded(recipe: dict, options: dict | None = None) -> tuple[list[str], in
         except Exception as e:  # noqa: BLE001  (a program dmfx cannot compile is a failure, with its recipe)
             failures.append(f"case B={B} L={L}: raised {error_summary(e)}")
             break
-        bad = [f"output {j}: {e:.3g}" for j, (o, r) in enumerate(zip(got[0], exp[0])) if not (e := rel_err(o, r)) < FP32_TOL]
-        scale = max(exp[1], key=lambda g: g.double().norm().item())
-        bad += [f"grad of {n}: {e:.3g} of the largest" for n, g, r in zip(names, got[1], exp[1])
-                if not (e := rel_err(g, r, scale)) < FP32_TOL]
+        bad, _ = compare(names, got[:2], exp[:2], {"outputs": [FP32_TOL] * len(exp[0]), "grads": [FP32_TOL] * len(exp[1])})
         if bad:
             failures.append(f"case B={B} L={L} ({'left' if i % 2 else 'right'} padding): " + "; ".join(bad))
     records = dmfx.records()
