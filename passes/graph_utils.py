@@ -139,6 +139,19 @@ def activation_name(n: Any) -> str | None:
 RESHAPES = (aten.view, aten._unsafe_view, aten.reshape)
 
 
+def shown(condition: Callable[[], Any]) -> bool:
+    """Whether the size condition holds, made a guard where it reads backed symbols (their example
+    values decide, as a plain ``==`` or ``<=`` would); False where the ShapeEnv cannot decide it
+    without a data-dependent value (an unbacked size: option unpad's token count T) or cannot reason
+    about it at all."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    try:
+        return bool(guard_or_false(condition()))
+    except Exception:  # noqa: BLE001 (a size the ShapeEnv cannot reason about: not shown)
+        return False
+
+
 def same_size(x: Any, y: Any) -> bool:
     """Two sizes (ints or SymInts) are equal. Backed SymInts decide by their hints, with a guard, as
     ``x == y`` does; a data-dependent one (unbacked: option unpad's token count T) is equal only where
@@ -146,9 +159,7 @@ def same_size(x: Any, y: Any) -> bool:
     compile)."""
     if isinstance(x, int) and isinstance(y, int):
         return x == y
-    from torch.fx.experimental.symbolic_shapes import guard_or_false
-
-    return bool(guard_or_false(x == y))
+    return shown(lambda: x == y)
 
 
 def same_shape(a: Any, b: Any) -> bool:

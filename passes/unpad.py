@@ -79,7 +79,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from .attention import sdpa_call
 from .fusion import record
-from .graph_utils import PassContext, aten, constant_value, insert_call, insert_getitems, is_op, tensor_meta, val
+from .graph_utils import PassContext, aten, constant_value, insert_call, insert_getitems, is_op, shown, tensor_meta, val
 
 log = logging.getLogger("dmfx")
 dmfx = torch.ops.dmfx
@@ -114,7 +114,7 @@ def _unify(a: Any, b: Any) -> bool:
     """Whether a == b, made known to the ShapeEnv where the two are distinct symbols of equal hints: a
     guard (Dynamo checks it before each call, so the compiled graph runs only where it holds), after
     which _eq sees the two as one. False where it cannot be shown (an unbacked size)."""
-    return _eq(a, b) or (_shown(lambda: a == b) and _eq(a, b))
+    return _eq(a, b) or (shown(lambda: a == b) and _eq(a, b))
 
 
 def _unify_token_inputs(placeholders: list[Node], params: frozenset, grid: Any) -> None:
@@ -133,18 +133,7 @@ def _unify_token_inputs(placeholders: list[Node], params: frozenset, grid: Any) 
 def _bound(S: Any, longest: int) -> bool:
     """Whether S <= longest, made a guard where S is symbolic (Dynamo checks it before each call; a
     longer batch recompiles): the graph's padding mask was checked up to that length only."""
-    return _shown(lambda: S <= longest)
-
-
-def _shown(condition: Callable[[], Any]) -> bool:
-    """Whether the size condition holds, made a guard where it reads symbols (its example values
-    decide); False where the ShapeEnv cannot reason about it (an unbacked size)."""
-    from torch.fx.experimental.symbolic_shapes import guard_or_false
-
-    try:
-        return bool(guard_or_false(condition()))
-    except Exception:  # noqa: BLE001 (a size the ShapeEnv cannot reason about: not shown)
-        return False
+    return shown(lambda: S <= longest)
 
 
 def _hint(x: Any) -> int:
