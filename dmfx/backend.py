@@ -559,7 +559,11 @@ def _whole_graph_to_inductor(gm: GraphModule, example_inputs: Sequence[Any], why
 
     pin_contiguous_outputs(gm)  # (eager's layout for the outputs, which Inductor's decompositions may change)
 
-    patches: dict[str, Any] = {"triton.cudagraphs": True} if cudagraphs else {}
+    from .functionalize import pin_reads_pass
+
+    # (Inductor's partitioner would recompute reads of an input the graph writes after the write)
+    patches: dict[str, Any] = {"joint_custom_post_pass": pin_reads_pass(),
+                               **({"triton.cudagraphs": True} if cudagraphs else {})}
 
     def inner_compile(*args: Any, **kwargs: Any) -> Any:  # (whether each graph read a float input's value)
         with record.caches_off():  # (here, as the backward compiles at its first run)
@@ -570,7 +574,7 @@ def _whole_graph_to_inductor(gm: GraphModule, example_inputs: Sequence[Any], why
     try:
         with record.caches_off():
             compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile if record.float_inputs else
-                                  compile_fx_inner, config_patches=patches or None)
+                                  compile_fx_inner, config_patches=patches)
     except Exception as e:
         if not opts.fallback or _dynamo_signal(e):
             raise
@@ -616,20 +620,27 @@ def _boxed(gm: GraphModule) -> Callable:
     return run
 
 
-def _partitioner(opts: Options, record: GraphRecord) -> Callable:
+def _partitioner(opts: Options, record: GraphRecord, writes: bool = False) -> Callable:
     """AOTAutograd's partitioner (min-cut or default), after the layout search on the joint graph:
-    the one place forward and backward are one graph, so layouts are chosen for both at once."""
+    the one place forward and backward are one graph, so layouts are chosen for both at once.
+    `writes`: the graph writes one of its inputs, whose reads the min-cut partitioner then must not
+    recompute in the backward, after the write (functionalize.pin_reads_of_written_inputs; the
+    default partitioner recomputes nothing but views)."""
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
+    from .functionalize import pin_reads_of_written_inputs
     from .inductor import joint_graph_passes, uses_inductor_joint
 
-    split = min_cut_rematerialization_partition if opts.partitioner == "min_cut" else default_partition
+    min_cut = opts.partitioner == "min_cut"
+    split = min_cut_rematerialization_partition if min_cut else default_partition
     inductor_joint = uses_inductor_joint(opts)
 
     def partition(joint: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
         joint = rewrite_joint(joint, joint_inputs, opts, record)
         if inductor_joint:
             joint = joint_graph_passes(joint, joint_inputs)
+        if min_cut and writes:
+            pin_reads_of_written_inputs(joint)
         return split(joint, joint_inputs, **kwargs)
 
     return partition
@@ -873,6 +884,7 @@ def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options
 
     from torch._dynamo.backends.common import aot_autograd
 
+    from .functionalize import written_inputs
     from .inductor import decompositions, uses_inductor_joint
 
     record.compiler = opts.compiler
@@ -904,7 +916,7 @@ def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options
         fw_compiler=wrap(_compiler("forward", record, opts, rewritten, cache, cudagraphs, dmfx_tag)),
         bw_compiler=wrap(_compiler("backward", record, opts, rewritten, cache, cudagraphs, dmfx_tag)),
         inference_compiler=wrap(_compiler("inference", record, opts, rewritten, cache, cudagraphs, dmfx_tag)),
-        partition_fn=_partitioner(opts, record),
+        partition_fn=_partitioner(opts, record, bool(written_inputs(traced))),
         decompositions=decompositions() if uses_inductor_joint(opts) else {},
         keep_inference_input_mutations=True,
     )

@@ -313,21 +313,94 @@ def attach_epilogue(body: GraphModule, epilogue: Epilogue) -> GraphModule:
 
 
 def _clone_read_for_autograd(graph: Graph, mutated: list[Node], input_requires_grad: tuple[bool, ...]) -> None:
-    """Make the nodes of `graph` (the body, no epilogue yet) that may require grad and read one of the
-    `mutated` inputs read a clone of it, made before any of them runs."""
+    """Make the body of `graph` (no epilogue yet) read a clone, made before any of it runs, of each
+    `mutated` input that a node which may require grad reads, directly or through views of it
+    (``h * state[:, None]``): autograd saves what such a node reads (BatchNorm's backward saves the
+    running statistics), and the epilogue's write would change it under the backward, where eager's
+    op wrote its input before autograd saved it. Every reader of the input is moved to the clone, so
+    that a view chain leading to a grad-requiring node reads it too."""
     from .passes.graph_utils import grad_dependent_nodes
 
     needs_grad = grad_dependent_nodes(graph, input_requires_grad)
     last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
     for x in mutated:
-        readers = [u for u in x.users if u in needs_grad]
-        if not readers:
+        if not any(u in needs_grad for u in _readers_through_views(x)):
             continue
         with graph.inserting_after(last_input):
             clone = graph.call_function(aten.clone.default, (x,))
         clone.meta.update(_meta_of(x))
-        for u in readers:
-            u.replace_input_with(x, clone)
+        for u in list(x.users):
+            if u is not clone:
+                u.replace_input_with(x, clone)
+
+
+def _readers_through_views(x: Node) -> list[Node]:
+    """The nodes that read `x` or a view of it and are not views themselves (their results are
+    data of their own, computed when they run)."""
+    found, frontier, seen = [], [x], {x}
+    while frontier:
+        for u in frontier.pop().users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if u.op == "call_function" and (_is_view(u) or _is_view_item(u) or u.target is aten._unsafe_view.default):
+                frontier.append(u)
+            else:
+                found.append(u)
+    return found
+
+
+def written_inputs(gm: GraphModule) -> tuple[int, ...]:
+    """The indices of `gm`'s inputs that a node of it writes (an argument its schema marks written:
+    the epilogue's ``copy_``, or an in-place op left in the graph)."""
+    return _written(gm.graph)
+
+
+def _written(graph: Graph) -> tuple[int, ...]:
+    placeholders = {n: i for i, n in enumerate(n for n in graph.nodes if n.op == "placeholder")}
+    found = set()
+    for n in graph.nodes:
+        schema = getattr(n.target, "_schema", None)
+        if n.op != "call_function" or schema is None:
+            continue
+        for arg, a in zip(schema.arguments, n.args):
+            if arg.alias_info is not None and arg.alias_info.is_write and a in placeholders:
+                found.add(placeholders[a])
+    return tuple(sorted(found))
+
+
+def pin_reads_of_written_inputs(joint: GraphModule | Graph, writes: bool = True) -> int:
+    """Mark every forward node of AOTAutograd's joint graph that reads a written input (a primal the
+    joint graph writes: AOTAutograd keeps the write of an input that does not require grad in the
+    graph, at its end) or a view of one as MUST_SAVE, so that the min-cut partitioner saves its
+    result (or something computed from it) instead of recomputing it in the backward, after the
+    write. With ``h = h * (1 + 0.1 * state)`` then ``state.mul_(3)``, the backward recomputed
+    ``1 + 0.1 * state`` from the new state and every gradient before it was wrong (PyTorch 2.11 and
+    2.14, its own backends too; pytorch/pytorch PR 197039 proposes the same fix in the partitioner).
+    Pinning bans recomputation; it does not save: a node the backward does not need stays unsaved.
+    `writes`: the graph AOTAutograd traced writes an input; where the joint graph shows no written
+    primal then (a PyTorch that returns the new values instead), the reads of every primal that does
+    not require grad are pinned (a mutated input never requires grad here). Returns how many nodes
+    were pinned."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    graph = joint.graph if isinstance(joint, GraphModule) else joint
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    primals = [n for n in placeholders if str(n.target).startswith("primals")]
+    written = [p for p in (placeholders[i] for i in _written(graph)) if p in primals]
+    if not written and writes:
+        written = [p for p in primals if not getattr(p.meta.get("val"), "requires_grad", True)]
+    backward = {n for n in placeholders if n not in primals}
+    for n in graph.nodes:  # (what the tangents feed: the backward's own nodes)
+        if n.op == "call_function" and any(a in backward for a in n.all_input_nodes):
+            backward.add(n)
+    pinned = 0
+    for p in written:
+        for u in _readers_through_views(p):
+            if u.op == "call_function" and u not in backward:
+                u.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                pinned += 1
+    return pinned
 
 
 def _unaliased(graph: Graph, value: Any, inputs: set[Node]) -> Any:
@@ -437,3 +510,21 @@ def _reads_after(x: Node, w: Node, allowed: set, order: dict[Node, int]) -> bool
             elif order.get(u, -1) > order[w] or u.op == "output":
                 return True
     return False
+
+
+def pin_reads_pass() -> Any:
+    """pin_reads_of_written_inputs as an Inductor joint-graph pass (its ``joint_custom_post_pass``,
+    run before Inductor's min-cut partitioner), for the graphs dmfx leaves to Inductor whole: a
+    training graph that writes an input (a buffer updated in place) would otherwise recompute the
+    reads of that input in the backward, after the write. A joint graph that writes no input is
+    left as it is."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class PinReadsOfWrittenInputs(CustomGraphPass):
+        def __call__(self, graph: Graph) -> None:
+            pin_reads_of_written_inputs(graph, writes=False)
+
+        def uuid(self) -> Any:
+            return "dmfx.functionalize.pin_reads_of_written_inputs/1"
+
+    return PinReadsOfWrittenInputs()

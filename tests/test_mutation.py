@@ -407,3 +407,64 @@ def test_reinplacing_leaves_an_unsafe_write_alone(case):
     gm = _traced(fn, torch.randn(6, 4), torch.tensor([1, 4]), torch.randn(2, 4))
     assert reinplace_input_writes(gm) == 0
     assert [op for op, _ in _input_writes(gm)] == ["aten.copy_.default"]
+
+
+def _scaled_by_state(h, state):
+    h = h * (1 + 0.1 * state)  # (a value computed from the state: the backward needs it)
+    state.mul_(3.0)
+    return h
+
+
+def _scaled_by_state_row(h, state):
+    h = h * (1 + 0.1 * state)
+    state[0] = 5.0
+    return h
+
+
+def _scaled_by_state_view(h, state):
+    h = h * (1 + 0.1 * state[:, None, :]).squeeze(1)
+    state.copy_(torch.full_like(state, 5.0))
+    return h
+
+
+@pytest.mark.parametrize("compiler", ["fx", "inductor"])
+@pytest.mark.parametrize("fn", [_scaled_by_state, _scaled_by_state_row, _scaled_by_state_view],
+                         ids=["mul_", "setitem", "copy_"])
+def test_a_value_computed_from_an_input_before_the_graph_writes_it_differentiates_with_the_old_value(fn, compiler):
+    """The backward reads what the forward computed from the input before the write. AOTAutograd's
+    min-cut partitioner recomputed ``1 + 0.1 * state`` in the backward, after the write, from the new
+    state: every gradient through it was wrong, without an error (PyTorch 2.11 and 2.14, backends
+    aot_eager and inductor alike). dmfx pins those reads (functionalize.pin_reads_of_written_inputs),
+    in its own partitioner and in Inductor's when it leaves the graph to Inductor whole."""
+    torch.manual_seed(0)
+    h, state, R = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4), torch.randn(3, 4)
+    want_state = state.clone()
+    (fn(h, want_state) * R).sum().backward()
+    want, h.grad = h.grad.clone(), None
+    got_state = state.clone()
+    compiled = torch.compile(fn, backend="dmfx", options={"compiler": compiler, "fallback": False})
+    (compiled(h, got_state) * R).sum().backward()
+    assert torch.equal(got_state, want_state)
+    assert rel_err(h.grad, want) < 1e-6, rel_err(h.grad, want)
+    (record,) = dmfx.records()
+    assert record.epilogue and (record.fallback is None or record.fallback.startswith("left to Inductor")), record.fallback
+
+
+def test_an_attention_over_a_written_cache_whose_views_are_made_after_its_softmax():
+    """Functionalization re-derives the views of a written input where each is read: the values of a
+    static cache, viewed into heads, come after the softmax. The fused attention, inserted where its
+    pattern begins, read them before they existed ("used before it has been defined"); the fusion
+    driver now moves such an op after its inputs (graph_utils.topologically_ordered)."""
+    from tests.test_mutation_fuzz import H, LMAX, Program
+
+    torch.manual_seed(0)
+    model = Program(["attn", "ln"], sdpa=False).eval()
+    x, pos = torch.randn(2, 1, H), torch.tensor([3])
+    cache_k, cache_v, state = torch.randn(2, LMAX, H), torch.randn(2, LMAX, H), torch.randn(2, H)
+    mine = [t.clone() for t in (cache_k, cache_v)]
+    with torch.no_grad():
+        want = model(x, state, cache_k, cache_v, pos)[0]
+        got = torch.compile(model, backend="dmfx", options=_options(True))(x, state, *mine, pos)[0]
+    assert rel_err(got, want) < 1e-5
+    assert rel_err(mine[0], cache_k) < 1e-6 and rel_err(mine[1], cache_v) < 1e-6
+    assert _record().fired.get("attention", 0) == 1, _record().fired
