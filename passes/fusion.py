@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from .graph_utils import PassContext, is_impure, is_op, views_to_reshapes
+from .graph_utils import PassContext, is_impure, is_op, topologically_ordered, views_to_reshapes
 
 
 @dataclass
@@ -179,6 +179,7 @@ def run_fusion(fusion: Fusion, gm: GraphModule, ctx: PassContext) -> None:
         record(ctx, pattern, dead, into=done.node, gemm=fusion.gemm)
         erase(dead)
         gone.update(dead)
+    topologically_ordered(gm.graph)  # (a fused op inserted before an input made later: after it)
 
 
 def read_outside(m: Match) -> Node | None:
