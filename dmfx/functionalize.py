@@ -394,13 +394,34 @@ def pin_reads_of_written_inputs(joint: GraphModule | Graph, writes: bool = True)
     for n in graph.nodes:  # (what the tangents feed: the backward's own nodes)
         if n.op == "call_function" and any(a in backward for a in n.all_input_nodes):
             backward.add(n)
+    writes_of = {n.args[0]: n for n in graph.nodes if n.op == "call_function" and n.target is aten.copy_.default}
     pinned = 0
     for p in written:
-        for u in _readers_through_views(p):
-            if u.op == "call_function" and u not in backward:
+        # (the ops that make p's new value are not pinned: saving the written value itself for the
+        # backward made Inductor write the input wrong; their other readers are, so the backward
+        # needs none of them)
+        chain = _write_chain(writes_of[p])[0] if p in writes_of else []
+        for u in {u for v in (p, *chain) for u in _readers_through_views(v)}:
+            if u.op == "call_function" and u not in backward and u not in chain and u is not writes_of.get(p):
                 u.meta["recompute"] = CheckpointPolicy.MUST_SAVE
                 pinned += 1
     return pinned
+
+
+def _write_chain(w: Node) -> tuple[list[Node], bool]:
+    """The ops that made the value ``copy_(x, value)`` (`w`) writes into x, from the last to the first,
+    following each op's first argument (a ``copy(x, v)``'s v) back towards x, and whether the chain
+    reaches x (else the new value is not computed from x's old one: one write). A clone of x holds
+    its old values: not a write, skipped."""
+    x, node, chain = w.args[0], w.args[1], []
+    while isinstance(node, Node) and node is not x and node.op == "call_function" and node.args:
+        nxt = node.args[1] if node.target is aten.copy.default and node.args[0] is x else node.args[0]
+        if not isinstance(nxt, Node):
+            break
+        if node.target is not aten.clone.default:
+            chain.append(node)
+        node = nxt
+    return chain, node is x
 
 
 def _unaliased(graph: Graph, value: Any, inputs: set[Node]) -> Any:
@@ -517,14 +538,69 @@ def pin_reads_pass() -> Any:
     run before Inductor's min-cut partitioner), for the graphs dmfx leaves to Inductor whole: a
     training graph that writes an input (a buffer updated in place) would otherwise recompute the
     reads of that input in the backward, after the write. A joint graph that writes no input is
-    left as it is."""
+    left as it is. A pass the user set there already runs after it."""
+    from torch._inductor import config
     from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    theirs = config.joint_custom_post_pass  # (None, a pass, or a list of them)
+    theirs = list(theirs) if isinstance(theirs, (list, tuple)) else [theirs] if theirs is not None else []
 
     class PinReadsOfWrittenInputs(CustomGraphPass):
         def __call__(self, graph: Graph) -> None:
             pin_reads_of_written_inputs(graph, writes=False)
+            for p in theirs:
+                p(graph)
 
         def uuid(self) -> Any:
-            return "dmfx.functionalize.pin_reads_of_written_inputs/1"
+            return ("dmfx.functionalize.pin_reads_of_written_inputs/1",
+                    *(p.uuid() if isinstance(p, CustomGraphPass) else p for p in theirs))
 
     return PinReadsOfWrittenInputs()
+
+
+def inductor_write_hazard(gm: GraphModule, input_requires_grad: Sequence[bool] | None = None) -> str | None:
+    """Why Inductor would miscompile `gm`'s writes into its inputs, or None. `gm` is a functional body
+    with its epilogue attached (``copy_(input, new value)``). The hazard: the new value is made by a
+    chain of ops on the input (index_copy of an index_copy, a mul_ after an index_copy_), and a value
+    between two of those writes is read by something else (a clone, attention saving a view of a
+    cache written again later in the graph). Inductor makes such a chain write into the input's
+    buffer in place and runs the read after the next write: ``cache.index_copy_(1, pos, k1); w =
+    cache.clone(); cache.index_copy_(1, pos, k2)`` returns w with k2's rows (PyTorch 2.11 and 2.14,
+    plain torch.compile too; tests/test_mutation.py). One write per input per graph (a static KV
+    cache's update, running statistics written by one op or a chain nothing else reads) is safe.
+    In training (`input_requires_grad` given), so is a value written by an index write (not only
+    element-wise updates) that nothing which may require grad is computed from: where something is
+    (``state[0] = v`` then ``h * (1 + 0.1 * state)``), Inductor's backward overwrote the input
+    (PyTorch 2.11 and 2.14, plain torch.compile too: the state 3.4 from eager's after the backward,
+    right after the forward alone; running statistics updated by mul_ and add_ and read by a norm
+    were right)."""
+    from .passes.graph_utils import grad_dependent_nodes
+
+    needs_grad = grad_dependent_nodes(gm.graph, input_requires_grad) if input_requires_grad is not None else set()
+    placeholders = {n for n in gm.graph.nodes if n.op == "placeholder"}
+    for w in gm.graph.nodes:
+        if w.op != "call_function" or w.target is not aten.copy_.default or w.args[0] not in placeholders:
+            continue
+        x = w.args[0]
+        chain, from_x = _write_chain(w)
+        if needs_grad and any(torch.Tag.pointwise not in getattr(c.target, "tags", ()) for c in chain):
+            # (an index write in the chain: a chain of element-wise updates, running statistics read by a
+            # norm, compiled right)
+            reached, frontier = set(chain), list(chain)
+            while frontier:  # (what is computed from the written values)
+                for u in frontier.pop().users:
+                    if u not in reached and u is not w:
+                        reached.add(u)
+                        frontier.append(u)
+            saved = [u for u in gm.graph.nodes if u in reached and u in needs_grad and u not in chain]
+            if saved:
+                return (f"the training graph writes input {x.name}, and {saved[0].name}, which may require grad, "
+                        "is computed from the written value")
+        if not from_x:
+            continue  # (the new value is not computed from the input's old one: one write)
+        for later, mid in zip(chain, chain[1:]):  # (a value between two writes, and the write after it)
+            readers = [u for u in _readers_through_views(mid) if u is not later and u is not w]
+            if readers:
+                return (f"the graph writes input {x.name} more than once, and {readers[0].name} reads it between "
+                        f"two writes ({mid.name}, then {later.name})")
+    return None

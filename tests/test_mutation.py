@@ -455,7 +455,7 @@ def test_an_attention_over_a_written_cache_whose_views_are_made_after_its_softma
     static cache, viewed into heads, come after the softmax. The fused attention, inserted where its
     pattern begins, read them before they existed ("used before it has been defined"); the fusion
     driver now moves such an op after its inputs (graph_utils.topologically_ordered)."""
-    from tests.test_mutation_fuzz import H, LMAX, Program
+    from tests.test_mutation_fuzz import LMAX, H, Program
 
     torch.manual_seed(0)
     model = Program(["attn", "ln"], sdpa=False).eval()
@@ -468,3 +468,128 @@ def test_an_attention_over_a_written_cache_whose_views_are_made_after_its_softma
     assert rel_err(got, want) < 1e-5
     assert rel_err(mine[0], cache_k) < 1e-6 and rel_err(mine[1], cache_v) < 1e-6
     assert _record().fired.get("attention", 0) == 1, _record().fired
+
+
+def _clone_between_two_index_writes(cache, pos, k1, k2):
+    cache.index_copy_(1, pos, k1)
+    seen = cache.clone()
+    cache.index_copy_(1, pos, k2)
+    return seen
+
+
+def _clone_between_an_index_write_and_a_scale(cache, pos, k1, k2):
+    cache.index_copy_(1, pos, k1)
+    seen = cache.view(2, -1, 4, 8).transpose(1, 2).clone()
+    cache.mul_(2.0)
+    return seen
+
+
+def _clone_between_two_setitems(cache, pos, k1, k2):
+    cache[:, 3] = k1[:, 0]
+    seen = cache.clone()
+    cache[:, 3] = k2[:, 0]
+    return seen
+
+
+READ_BETWEEN_WRITES = [_clone_between_two_index_writes, _clone_between_an_index_write_and_a_scale,
+                       _clone_between_two_setitems]
+
+
+def _cache_args():
+    torch.manual_seed(0)
+    return torch.randn(2, 16, 32), torch.tensor([3]), torch.randn(2, 1, 32), torch.randn(2, 1, 32)
+
+
+@pytest.mark.xfail(strict=True, reason="PyTorch's Inductor runs the clone after the second write (2.11, 2.14): "
+                   "dmfx compiles such graphs as FX (functionalize.inductor_write_hazard); an XPASS means "
+                   "PyTorch fixed it and the detour can go")
+@pytest.mark.parametrize("fn", READ_BETWEEN_WRITES, ids=["index_copy", "index_copy-mul", "setitem"])
+def test_pytorch_inductor_reads_an_input_between_two_writes(fn):
+    cache, pos, k1, k2 = _cache_args()
+    want_cache, got_cache = cache.clone(), cache.clone()
+    want = fn(want_cache, pos, k1, k2)
+    got = torch.compile(fn, backend="inductor")(got_cache, pos, k1, k2)
+    assert torch.equal(got_cache, want_cache)
+    assert rel_err(got, want) < 1e-6, rel_err(got, want)
+
+
+@pytest.mark.parametrize("fuse", ["auto", "all"])
+@pytest.mark.parametrize("fn", READ_BETWEEN_WRITES, ids=["index_copy", "index_copy-mul", "setitem"])
+def test_a_graph_that_reads_an_input_between_two_writes_is_compiled_as_fx_under_inductor(fn, fuse):
+    """The graphs Inductor miscompiles (above): dmfx's default compiler is Inductor, and it neither
+    leaves them to Inductor whole (fuse="auto") nor compiles its rewrite with Inductor; they run as
+    FX, with eager's values, and the record says why."""
+    cache, pos, k1, k2 = _cache_args()
+    want_cache, got_cache = cache.clone(), cache.clone()
+    want = fn(want_cache, pos, k1, k2)
+    compiled = torch.compile(fn, backend="dmfx", options={"compiler": "inductor", "fuse": fuse, "fallback": False})
+    got = compiled(got_cache, pos, k1, k2)
+    assert torch.equal(got_cache, want_cache)
+    assert torch.equal(got, want)
+    (record,) = dmfx.records()
+    assert record.compiler == "fx" and any("compiled as FX, not by Inductor" in m for m in record.missed), record.missed
+
+
+def test_a_static_cache_written_once_per_graph_stays_with_inductor():
+    """The hazard check leaves HF's decode step alone: each cache tensor is written once per graph."""
+    from dmfx.functionalize import attach_epilogue, functional_body, inductor_write_hazard
+
+    def step(cache, pos, k1, k2):
+        cache.index_copy_(1, pos, k1)
+        return cache.view(2, -1, 4, 8).transpose(1, 2).clone() * 2
+
+    def lowered(fn):
+        return attach_epilogue(*functional_body(lambda *a: (fn(*a),), _cache_args(), training=False))
+
+    assert inductor_write_hazard(lowered(step)) is None
+    assert "more than once" in inductor_write_hazard(lowered(_clone_between_two_index_writes))
+
+
+def _index_write_then_read_for_the_gradient(h, state):
+    state[0] = h[-1].detach() * 0.5
+    return h * (1 + 0.1 * state)
+
+
+def _index_write_read_by_a_backward(h, state):
+    state[0] = h[-1].detach() * 0.5
+    return h * state
+
+
+def _written_state_case():
+    torch.manual_seed(0)
+    return torch.randn(3, 4, requires_grad=True), torch.randn(3, 4), torch.randn(3, 4)
+
+
+@pytest.mark.xfail(strict=True, reason="PyTorch's Inductor overwrites the written input in the backward (2.11, "
+                   "2.14): dmfx compiles such training graphs as FX (functionalize.inductor_write_hazard); an "
+                   "XPASS means PyTorch fixed it")
+@pytest.mark.parametrize("fn", [_index_write_then_read_for_the_gradient, _index_write_read_by_a_backward])
+def test_pytorch_inductor_keeps_a_written_input_through_the_backward(fn):
+    h, state, R = _written_state_case()
+    want_state, got_state = state.clone(), state.clone()
+    (fn(h, want_state) * R).sum().backward()
+    (torch.compile(fn, backend="inductor")(h, got_state) * R).sum().backward()
+    assert torch.equal(got_state, want_state)
+
+
+def test_a_training_graph_that_reads_a_state_it_wrote_is_compiled_as_fx():
+    """``state[0] = v`` then ``h * (1 + 0.1 * state)``: the written state feeds the gradients' path,
+    and Inductor's backward overwrote the state (above; the mutation fuzz's program 85 of seed 2026,
+    1.4 from eager's). Such a training graph runs as FX, whether dmfx rewrites it or would leave it
+    to Inductor whole."""
+    step = _index_write_then_read_for_the_gradient
+    h, state, R = _written_state_case()
+    want_state = state.clone()
+    (step(h, want_state) * R).sum().backward()
+    want, h.grad = h.grad.clone(), None
+    for fuse in ("all", "auto"):
+        dmfx.reset()
+        torch._dynamo.reset()
+        got_state = state.clone()
+        compiled = torch.compile(step, backend="dmfx", options={"compiler": "inductor", "fuse": fuse, "fallback": False})
+        (compiled(h, got_state) * R).sum().backward()
+        assert torch.equal(got_state, want_state), fuse
+        assert rel_err(h.grad, want) < 1e-6, (fuse, rel_err(h.grad, want))
+        h.grad = None
+        (record,) = dmfx.records()
+        assert record.compiler == "fx", (fuse, record.compiler, record.missed)
