@@ -712,7 +712,7 @@ def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Opt
 
         why, scope = auto_decision(aten_gm, record.devices, record.training)
         epilogue = aten_gm.meta.get("dmfx_epilogue")
-        grads = [isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs] if record.training else None
+        grads = input_requires_grad(example_inputs) if record.training else None
         if why and epilogue is not None and inductor_write_hazard(attach_epilogue(aten_gm, epilogue), grads):
             why = None  # (Inductor alone would miscompile its writes: dmfx compiles it, as FX: _compile_graph)
         if scope is not None and self_check_pending:  # (the kernels' verdict unknown: not built here)
@@ -891,14 +891,14 @@ def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options
 
     from .functionalize import inductor_write_hazard, written_inputs
 
-    grads = [isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs] if record.training else None
+    grads = input_requires_grad(example_inputs) if record.training else None
     hazard = inductor_write_hazard(traced, grads) if opts.compiler == "inductor" else None
-    if hazard:  # (Inductor would run a read of a written input after a later write: compiled as FX)
+    if hazard:  # (Inductor would miscompile the graph's writes into its inputs: compiled as FX)
         if capture:
-            record.cudagraphs = "not applied: the graph is compiled as FX (an input written twice)"
+            record.cudagraphs = "not applied: the graph is compiled as FX (Inductor miscompiles its input writes)"
         opts, write_only, capture = replace(opts, compiler="fx", cudagraphs=False), False, False
-        record.missed.append(f"compiled as FX, not by Inductor: {hazard}, and Inductor reorders such a read after "
-                             "the next write (functionalize.inductor_write_hazard)")
+        record.missed.append(f"compiled as FX, not by Inductor: {hazard}, which Inductor miscompiles "
+                             "(functionalize.inductor_write_hazard)")
         _log_once(f"write-hazard:{record.graph_id}", "dmfx: graph %d is compiled as FX, not by Inductor: %s",
                   record.graph_id, hazard)
     from .inductor import decompositions, uses_inductor_joint

@@ -397,12 +397,14 @@ def pin_reads_of_written_inputs(joint: GraphModule | Graph, writes: bool = True)
     writes_of = {n.args[0]: n for n in graph.nodes if n.op == "call_function" and n.target is aten.copy_.default}
     pinned = 0
     for p in written:
-        # (the ops that make p's new value are not pinned: saving the written value itself for the
-        # backward made Inductor write the input wrong; their other readers are, so the backward
-        # needs none of them)
+        # (the ops that make p's new value are pinned only where the backward reads one itself
+        # (h * state.add_(1)): saving the written value for the backward made Inductor write the
+        # input wrong; their other readers are pinned, so the backward needs none of them)
         chain = _write_chain(writes_of[p])[0] if p in writes_of else []
-        for u in {u for v in (p, *chain) for u in _readers_through_views(v)}:
-            if u.op == "call_function" and u not in backward and u not in chain and u is not writes_of.get(p):
+        read_by_backward = {c for c in chain if any(u in backward for u in _readers_through_views(c))}
+        for u in {u for v in (p, *chain) for u in _readers_through_views(v)} | read_by_backward:
+            if u.op == "call_function" and u not in backward and u is not writes_of.get(p) and \
+                    (u not in chain or u in read_by_backward):
                 u.meta["recompute"] = CheckpointPolicy.MUST_SAVE
                 pinned += 1
     return pinned

@@ -427,9 +427,13 @@ def _scaled_by_state_view(h, state):
     return h
 
 
+def _scaled_by_the_written_state(h, state):
+    return h * state.add_(1)  # (the backward reads the written value itself: not recomputed from the input)
+
+
 @pytest.mark.parametrize("compiler", ["fx", "inductor"])
-@pytest.mark.parametrize("fn", [_scaled_by_state, _scaled_by_state_row, _scaled_by_state_view],
-                         ids=["mul_", "setitem", "copy_"])
+@pytest.mark.parametrize("fn", [_scaled_by_state, _scaled_by_state_row, _scaled_by_state_view, _scaled_by_the_written_state],
+                         ids=["mul_", "setitem", "copy_", "add_-read"])
 def test_a_value_computed_from_an_input_before_the_graph_writes_it_differentiates_with_the_old_value(fn, compiler):
     """The backward reads what the forward computed from the input before the write. AOTAutograd's
     min-cut partitioner recomputed ``1 + 0.1 * state`` in the backward, after the write, from the new
