@@ -93,8 +93,15 @@ def functional_body(gm: Callable, example_inputs: Sequence[Any], training: bool)
             gm = _without_no_grad_regions(gm)
     else:  # a function (the pass tests lower plain functions)
         names = tuple(f"input {i}" for i in range(len(example_inputs)))
-    with torch.no_grad():
-        body, meta, in_spec, out_spec = _aot_export_function(gm, tuple(example_inputs), trace_joint=False)
+    try:
+        with torch.no_grad():
+            body, meta, in_spec, out_spec = _aot_export_function(gm, tuple(example_inputs), trace_joint=False)
+    except RuntimeError as e:
+        shared = _sharing_storage(example_inputs, names)
+        if "aliased inputs that are mutated" in str(e) and shared:
+            raise UnsupportedGraph(f"inputs {shared[0]} and {shared[1]} share storage and the graph writes one of "
+                                   "them in place (AOTAutograd's functionalization refuses such inputs)") from e
+        raise
     _check_flat(in_spec.children()[0], out_spec)
     if getattr(meta, "tokens", None):
         raise UnsupportedGraph("the graph calls ops with side effects (effect tokens)")
@@ -112,6 +119,21 @@ def functional_body(gm: Callable, example_inputs: Sequence[Any], training: bool)
     epilogue = Epilogue(tuple(mutated), aliased, names, requires_grad)
     attach_epilogue(body, epilogue)  # raises here, not after the passes, if a view cannot be replayed
     return body, epilogue
+
+
+def _sharing_storage(example_inputs: Sequence[Any], names: Sequence[str]) -> tuple[str, str] | None:
+    """The names of the first two tensor inputs that share storage, or None."""
+    seen: dict[Any, str] = {}
+    for t, name in zip(example_inputs, names):
+        if isinstance(t, torch.Tensor):
+            try:
+                key = t.untyped_storage()._cdata
+            except Exception:  # noqa: BLE001 (a tensor without storage: nothing shared)
+                continue
+            if key in seen:
+                return seen[key], name
+            seen[key] = name
+    return None
 
 
 def _refuse_grad_mode_changes(gm: GraphModule, why: str = "") -> None:
@@ -334,13 +356,13 @@ def _clone_read_for_autograd(graph: Graph, mutated: list[Node], input_requires_g
                 u.replace_input_with(x, clone)
 
 
-def _readers_through_views(x: Node) -> list[Node]:
+def _readers_through_views(x: Node, skip: set | frozenset = frozenset()) -> list[Node]:
     """The nodes that read `x` or a view of it and are not views themselves (their results are
-    data of their own, computed when they run)."""
+    data of their own, computed when they run); `skip`'s nodes are neither listed nor followed."""
     found, frontier, seen = [], [x], {x}
     while frontier:
         for u in frontier.pop().users:
-            if u in seen:
+            if u in seen or u in skip:
                 continue
             seen.add(u)
             if u.op == "call_function" and (_is_view(u) or _is_view_item(u) or u.target is aten._unsafe_view.default):
@@ -521,18 +543,7 @@ def _same_layout(w: Node, x: Node) -> bool:
 
 def _reads_after(x: Node, w: Node, allowed: set, order: dict[Node, int]) -> bool:
     """Whether a node after `w` (other than `allowed`) reads `x` or a view of it."""
-    aliases, frontier = set(), [x]
-    while frontier:
-        n = frontier.pop()
-        aliases.add(n)
-        for u in n.users:
-            if u in allowed:
-                continue
-            if u.op == "call_function" and (_is_view(u) or _is_view_item(u) or u.target is aten._unsafe_view.default):
-                frontier.append(u)
-            elif order.get(u, -1) > order[w] or u.op == "output":
-                return True
-    return False
+    return any(order.get(u, -1) > order[w] or u.op == "output" for u in _readers_through_views(x, allowed))
 
 
 def pin_reads_pass() -> Any:

@@ -597,3 +597,27 @@ def test_a_training_graph_that_reads_a_state_it_wrote_is_compiled_as_fx():
         h.grad = None
         (record,) = dmfx.records()
         assert record.compiler == "fx", (fuse, record.compiler, record.missed)
+
+
+def test_inputs_that_share_storage_where_one_is_written_are_left_to_pytorch_with_their_names():
+    """A tensor and a view of it passed as two inputs, one written: AOTAutograd's functionalization
+    refuses them. dmfx says which inputs share storage (fallback=False raises that; by default the
+    graph runs as PyTorch's, with eager's values)."""
+
+    def f(a, b):
+        a.mul_(2.0)
+        return b * 3
+
+    base = torch.randn(4, 6)
+    want_base = base.clone()
+    want = f(want_base, want_base[1:])
+    shared = base.clone()
+    with pytest.raises(Exception, match="inputs .* share storage and the graph writes one of them"):
+        torch.compile(f, backend="dmfx", options={"fallback": False})(shared, shared[1:])
+    dmfx.reset()
+    torch._dynamo.reset()
+    got_base = base.clone()
+    got = torch.compile(f, backend="dmfx")(got_base, got_base[1:])
+    assert torch.equal(got, want) and torch.equal(got_base, want_base)
+    (record,) = dmfx.records()
+    assert "share storage" in record.fallback, record.fallback
