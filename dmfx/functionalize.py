@@ -379,15 +379,11 @@ def written_inputs(gm: GraphModule) -> tuple[int, ...]:
 
 
 def _written(graph: Graph) -> tuple[int, ...]:
+    from .passes.verify import op_writes
+
     placeholders = {n: i for i, n in enumerate(n for n in graph.nodes if n.op == "placeholder")}
-    found = set()
-    for n in graph.nodes:
-        schema = getattr(n.target, "_schema", None)
-        if n.op != "call_function" or schema is None:
-            continue
-        for arg, a in zip(schema.arguments, n.args):
-            if arg.alias_info is not None and arg.alias_info.is_write and a in placeholders:
-                found.add(placeholders[a])
+    found = {placeholders[n.args[i]] for n in graph.nodes if n.op == "call_function"
+             for i in op_writes(n.target) if i < len(n.args) and n.args[i] in placeholders}
     return tuple(sorted(found))
 
 
@@ -406,16 +402,15 @@ def pin_reads_of_written_inputs(joint: GraphModule | Graph, writes: bool = True)
     were pinned."""
     from torch.utils.checkpoint import CheckpointPolicy
 
+    from .passes.graph_utils import computed_from
+
     graph = joint.graph if isinstance(joint, GraphModule) else joint
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     primals = [n for n in placeholders if str(n.target).startswith("primals")]
     written = [p for p in (placeholders[i] for i in _written(graph)) if p in primals]
     if not written and writes:
         written = [p for p in primals if not getattr(p.meta.get("val"), "requires_grad", True)]
-    backward = {n for n in placeholders if n not in primals}
-    for n in graph.nodes:  # (what the tangents feed: the backward's own nodes)
-        if n.op == "call_function" and any(a in backward for a in n.all_input_nodes):
-            backward.add(n)
+    backward = computed_from(graph, [n for n in placeholders if n not in primals])  # (what the tangents feed)
     writes_of = {n.args[0]: n for n in graph.nodes if n.op == "call_function" and n.target is aten.copy_.default}
     pinned = 0
     for p in written:
@@ -587,7 +582,7 @@ def inductor_write_hazard(gm: GraphModule, input_requires_grad: Sequence[bool] |
     (PyTorch 2.11 and 2.14, plain torch.compile too: the state 3.4 from eager's after the backward,
     right after the forward alone; running statistics updated by mul_ and add_ and read by a norm
     were right)."""
-    from .passes.graph_utils import grad_dependent_nodes
+    from .passes.graph_utils import computed_from, grad_dependent_nodes
 
     needs_grad = grad_dependent_nodes(gm.graph, input_requires_grad) if input_requires_grad is not None else set()
     placeholders = {n for n in gm.graph.nodes if n.op == "placeholder"}
@@ -599,13 +594,8 @@ def inductor_write_hazard(gm: GraphModule, input_requires_grad: Sequence[bool] |
         if needs_grad and any(torch.Tag.pointwise not in getattr(c.target, "tags", ()) for c in chain):
             # (an index write in the chain: a chain of element-wise updates, running statistics read by a
             # norm, compiled right)
-            reached, frontier = set(chain), list(chain)
-            while frontier:  # (what is computed from the written values)
-                for u in frontier.pop().users:
-                    if u not in reached and u is not w:
-                        reached.add(u)
-                        frontier.append(u)
-            saved = [u for u in gm.graph.nodes if u in reached and u in needs_grad and u not in chain]
+            reached = computed_from(gm.graph, chain)  # (what is computed from the written values)
+            saved = [u for u in gm.graph.nodes if u in reached and u in needs_grad and u not in chain and u is not w]
             if saved:
                 return (f"the training graph writes input {x.name}, and {saved[0].name}, which may require grad, "
                         "is computed from the written value")

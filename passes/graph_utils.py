@@ -322,9 +322,13 @@ def grad_dependent_nodes(graph: Graph, input_requires_grad: Iterable[bool] | Non
     every node computed from one of them: what may require grad (an over-estimate)."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if input_requires_grad is None:
-        found = set(placeholders)
-    else:
-        found = {n for n, rg in zip(placeholders, input_requires_grad) if rg}
+        return computed_from(graph, placeholders)
+    return computed_from(graph, [n for n, rg in zip(placeholders, input_requires_grad) if rg])
+
+
+def computed_from(graph: Graph, sources: Iterable[Node]) -> set[Node]:
+    """`sources` and every call node of `graph` computed from one of them (in a graph in order)."""
+    found = set(sources)
     for n in graph.nodes:
         if n.op == "call_function" and any(a in found for a in n.all_input_nodes):
             found.add(n)

@@ -103,6 +103,12 @@ class _Effect:
 _effects: dict[Any, _Effect | None] = {}
 
 
+def op_writes(target: Any) -> tuple[int, ...]:
+    """The indices of the arguments an OpOverload writes (its schema's ``Tensor(a!)``); () for others."""
+    effect = _effect(target)
+    return effect.writes if effect is not None else ()
+
+
 def _effect(target: Any) -> _Effect | None:
     """The `_Effect` of an OpOverload (cached), None for targets without a schema."""
     if target in _effects:
