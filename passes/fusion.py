@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from .graph_utils import PassContext, is_impure, is_op, topologically_ordered, views_to_reshapes
+from .graph_utils import PassContext, is_impure, is_op, same_layout, topologically_ordered, views_to_reshapes
 
 
 @dataclass
@@ -174,7 +174,11 @@ def run_fusion(fusion: Fusion, gm: GraphModule, ctx: PassContext) -> None:
         inside = set(found.absorbed)
         for old, new in done.uses.items():
             old.replace_all_uses_with(new, delete_user_cb=lambda u: u not in inside)
-        views_to_reshapes(done.strides_unknown)
+        # (a fused op laying out its output otherwise than the chain did: dmfx's norms write contiguously
+        # where element-wise ops kept a transposed input's strides, Gemma 3's q/k norms; the views after it
+        # become reshapes now, not only at the pipeline's end, so that each pass leaves a graph that runs)
+        moved = [new for old, new in done.uses.items() if isinstance(new, Node) and not same_layout(old, new)]
+        views_to_reshapes([*done.strides_unknown, *moved])
         dead = dying(found.absorbed)
         record(ctx, pattern, dead, into=done.node, gemm=fusion.gemm)
         erase(dead)

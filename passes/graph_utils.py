@@ -162,6 +162,21 @@ def same_size(x: Any, y: Any) -> bool:
     return shown(lambda: x == y)
 
 
+def same_layout(a: Any, b: Any) -> bool:
+    """Nodes `a` and `b` hold tensors laid out alike: equal strides in every dim of more than one
+    element, known without a guard (undecided, or not tensors: False)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    x, y = tensor_meta(a), tensor_meta(b)
+    if x is None or y is None or x.dim() != y.dim():
+        return False
+    try:
+        return all(statically_known_true(n <= 1) or statically_known_true(p == q)
+                   for n, p, q in zip(x.shape, x.stride(), y.stride()))
+    except Exception:  # noqa: BLE001 (strides the ShapeEnv cannot compare: not shown alike)
+        return False
+
+
 def same_shape(a: Any, b: Any) -> bool:
     """Two shapes (sizes, lists or tuples; ints or SymInts) are equal (same_size)."""
     return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
