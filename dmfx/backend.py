@@ -689,21 +689,7 @@ def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Opt
         if not opts.fallback or _dynamo_signal(e) or isinstance(e, GraphVerificationError) and e.strict:
             raise
         why = f"could not lower to a functional ATen graph: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-        from .cuda_ops.build import warn
-
-        # under compiler="inductor", what dmfx cannot rewrite is still Inductor's to compile (the user
-        # chose a compiler: the graph must not run slower than under Inductor because dmfx met it)
-        compiled = _whole_graph_to_inductor(gm, example_inputs, why, record, opts, start, capture) \
-            if opts.compiler == "inductor" else None
-        if compiled is not None:
-            warn("dmfx: %s", record.summary())
-            return compiled
-        record.fallback = why
-        if capture:
-            record.cudagraphs = "not applied: the graph runs as Dynamo gave it"
-        warn("dmfx: %s", record.summary())
-        _finish(record, opts)
-        return gm.forward
+        return _left_to_pytorch(gm, example_inputs, why, record, opts, start, capture)
     record.aten_ops_before = _count_ops(aten_gm)
     hint = None if opts.unpad else _padding_hint(aten_gm, record, gm)
     if opts.compiler == "inductor" and opts.fuse == "auto" and not opts.unpad:
@@ -790,6 +776,27 @@ def _run_deferred_self_check(example_inputs: Sequence[Any], opts: Options) -> No
 
     if passes_to_skip(t.device for t in example_inputs if isinstance(t, torch.Tensor)) - set(opts.skip):
         raise _KernelsNeeded
+
+
+def _left_to_pytorch(gm: GraphModule, example_inputs: Sequence[Any], why: str, record: GraphRecord, opts: Options,
+                     start: float, capture: bool) -> Callable:
+    """A graph dmfx cannot compile (`why`), under option fallback: under compiler="inductor" it is
+    still Inductor's to compile whole (the user chose a compiler: the graph must not run slower than
+    under Inductor because dmfx met it); else, or where Inductor fails too, it runs as Dynamo gave it.
+    The log says so."""
+    from .cuda_ops.build import warn
+
+    compiled = _whole_graph_to_inductor(gm, example_inputs, why, record, opts, start, capture) \
+        if opts.compiler == "inductor" else None
+    if compiled is not None:
+        warn("dmfx: %s", record.summary())
+        return compiled
+    record.fallback = why
+    if capture:
+        record.cudagraphs = "not applied: the graph runs as Dynamo gave it"
+    warn("dmfx: %s", record.summary())
+    _finish(record, opts)
+    return gm.forward
 
 
 def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options, record: GraphRecord, start: float,
@@ -936,8 +943,15 @@ def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options
         decompositions=decompositions() if uses_inductor_joint(opts) else {},
         keep_inference_input_mutations=True,
     )
-    with graph_cache.tagged(dmfx_tag), record.caches_off():
-        compiled = compiler(traced, example_inputs)
+    try:
+        with graph_cache.tagged(dmfx_tag), record.caches_off():
+            compiled = compiler(traced, example_inputs)
+    except Exception as e:  # (AOTAutograd's trace of the joint, or a compiler of dmfx's, failed)
+        if not opts.fallback or _dynamo_signal(e):
+            raise
+        why = f"AOTAutograd could not compile the rewritten graph: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        record.fired, record.replaced, record.compiled, record.compiler = {}, {}, {}, opts.compiler
+        return _left_to_pytorch(gm, example_inputs, why, record, replace(opts, cache=False), start, capture)
     if cache is not None:
         if "forward" in record.compiled or "inference" in record.compiled:
             record.cache = "miss"

@@ -116,9 +116,48 @@ def functional_body(gm: Callable, example_inputs: Sequence[Any], training: bool)
         for k, info in enumerate(meta.output_info)
     )
     requires_grad = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs) if training else None
+    if training:
+        differentiable_copies(body, requires_grad)
     epilogue = Epilogue(tuple(mutated), aliased, names, requires_grad)
     attach_epilogue(body, epilogue)  # raises here, not after the passes, if a view cannot be replayed
     return body, epilogue
+
+
+def differentiable_copies(gm: GraphModule, input_requires_grad: Sequence[bool]) -> int:
+    """Writes into a buffer the graph made (``k = x.new_empty(...); k[..., :d] = a; k[..., d:] = b``:
+    DeepSeek V3's keys) are functionalized into ``aten.copy(slice of k, a)`` and ``slice_scatter``.
+    ``aten.copy`` has no derivative formula (autograd differentiates ``copy_``), so tracing the
+    backward of a training graph from such a body fails ("derivative for aten::copy is not
+    implemented") where the copied value may require grad. Each such copy becomes what it computes:
+    the value expanded to the destination's shape, cast to its dtype and device (``_to_copy``: a new
+    tensor, as ``copy`` returns one). Its strides may differ from the destination's: views after it
+    become reshapes. Copies into the graph's inputs (the functional form of ``x.copy_(v)``, which
+    the epilogue writes back) are kept: functionalize's write analysis reads them. Returns how many
+    were replaced."""
+    from .passes.graph_utils import PassContext, grad_dependent_nodes, refresh_val, same_shape, views_to_reshapes
+
+    needs_grad = grad_dependent_nodes(gm.graph, input_requires_grad)
+    ctx, done = PassContext(), []
+    for n in list(gm.graph.nodes):
+        if n.target is not aten.copy.default or n.args[1] not in needs_grad:
+            continue
+        dst, src = n.args[0].meta.get("val"), n.args[1].meta.get("val")
+        if not isinstance(dst, torch.Tensor) or not isinstance(src, torch.Tensor):
+            continue
+        with gm.graph.inserting_before(n):
+            value = n.args[1]
+            if not same_shape(src.shape, dst.shape):
+                value = gm.graph.call_function(aten.expand.default, (value, list(dst.shape)))
+                refresh_val(value, ctx)
+            value = gm.graph.call_function(aten._to_copy.default, (value,), {"dtype": dst.dtype, "device": dst.device})
+            refresh_val(value, ctx)
+        n.replace_all_uses_with(value)
+        gm.graph.erase_node(n)
+        done.append(value)
+    if done:
+        views_to_reshapes(done)
+        gm.recompile()
+    return len(done)
 
 
 def _sharing_storage(example_inputs: Sequence[Any], names: Sequence[str]) -> tuple[str, str] | None:

@@ -4,13 +4,16 @@ to Inductor whole): the loss, the logits and every parameter's gradient match ea
 cotangent, a padded batch), no graph falls back, and the fusions that make the family's layer fire.
 
 Each family brings a shape of graph the original zoo lacks: normalized queries and keys (Qwen3,
-StableLM's per-head LayerNorms), soft-capped attention and logits and sandwich norms (Gemma 2), partial rotary
-embeddings and parallel attention/MLP blocks (Phi, GPT-NeoX, Cohere, GPT-J), rotary embeddings that
-rotate interleaved pairs (Cohere, GPT-J: its tables repeated once per tensor), LayerNorm without parameters
-(OLMo) or with ``1 + weight`` and a squared-ReLU MLP (Nemotron), scaled residuals and logits (Granite), a routed mixture of
-experts (Mixtral), ALiBi (BLOOM), one layer's weights used by every layer (ALBERT), disentangled
-relative attention (DeBERTa-v2), an embedding projection (ELECTRA), bottlenecks and NoNorm
-(MobileBERT), learned positions with an offset and ReLU (OPT), and multi-query attention (Falcon)."""
+StableLM's per-head LayerNorms; Gemma 3's, after the heads' transpose), soft-capped attention and logits
+and sandwich norms (Gemma 2), partial rotary embeddings and parallel attention/MLP blocks (Phi,
+GPT-NeoX, Cohere, GPT-J), rotary embeddings that rotate interleaved pairs (Cohere, GPT-J: its tables
+repeated once per tensor), LayerNorm without parameters (OLMo) or with ``1 + weight`` and a squared-ReLU
+MLP (Nemotron), scaled residuals and logits (Granite), a routed mixture of experts (Mixtral; DeepSeek
+V3's, after a dense layer, with latent attention whose keys are written into a new buffer slice by
+slice: a functional ``aten.copy`` autograd cannot differentiate), ALiBi (BLOOM), one layer's weights
+used by every layer (ALBERT), disentangled relative attention (DeBERTa-v2), an embedding projection
+(ELECTRA), bottlenecks and NoNorm (MobileBERT), learned positions with an offset and ReLU (OPT), and
+multi-query attention (Falcon)."""
 
 from __future__ import annotations
 
@@ -35,6 +38,13 @@ FAMILIES = {
               {"rms_norm", "bias_dropout_residual_norm", "attention", "rope", "glu", "cross_entropy"}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_DEC, head_dim=16, sliding_window=8),
                {"rms_norm", "bias_dropout_residual_norm", "attention", "rope", "glu", "softcap", "cross_entropy"}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(_DEC, head_dim=16, sliding_window=8),
+               {"rms_norm", "bias_dropout_residual_norm", "attention", "rope", "glu", "cross_entropy"}),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(_DEC, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                         first_k_dense_replace=1, n_group=1, topk_group=1),
+                    {"rms_norm", "bias_dropout_residual_norm", "glu", "cross_entropy"}),
     "phi": ("PhiConfig", "PhiForCausalLM", dict(_DEC, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
             {"layer_norm", "bias_dropout_residual_norm", "attention", "rope", "bias_act_dropout", "cross_entropy"}),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(_H, hidden_dropout=0.0, attention_dropout=0.0,
@@ -85,7 +95,7 @@ FAMILIES = {
 # Half the families run HF's SDPA attention (dmfx's lower_sdpa_calls takes the calls), half its eager
 # attention (the attention pass takes the matmul/softmax chain); Gemma 2, BLOOM and DeBERTa-v2 have
 # no SDPA implementation in HF.
-SDPA = {"qwen3", "phi", "olmo", "mixtral", "opt", "electra", "albert", "granite", "falcon"}
+SDPA = {"gemma3", "deepseek_v3", "qwen3", "phi", "olmo", "mixtral", "opt", "electra", "albert", "granite", "falcon"}
 
 
 def _case(name: str, impl: str):

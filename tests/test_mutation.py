@@ -621,3 +621,75 @@ def test_inputs_that_share_storage_where_one_is_written_are_left_to_pytorch_with
     assert torch.equal(got, want) and torch.equal(got_base, want_base)
     (record,) = dmfx.records()
     assert "share storage" in record.fallback, record.fallback
+
+
+def _keys_written_slice_by_slice(h, w):
+    """DeepSeek V3's keys: a new buffer written slice by slice with values that require grad
+    (functionalized: ``aten.copy`` into each slice, then ``slice_scatter``)."""
+    k = h.new_empty(h.shape[0], 2 * h.shape[1])
+    k[:, : h.shape[1]] = h @ w
+    k[:, h.shape[1]:] = torch.sin(h)[:, :1]  # (a copy that broadcasts)
+    return F.layer_norm(k, (k.shape[-1],)) * 3
+
+
+def _copy_into_a_state(h, w, state):
+    """A copy_ into an input of a value that requires grad: eager's state then requires grad too."""
+    state.copy_(h @ w)
+    return (h * state).sum(-1)
+
+
+@pytest.mark.parametrize("options", [{"compiler": "fx"}, {"compiler": "inductor", "fuse": "all"},
+                                     {"compiler": "inductor", "fuse": "auto"}], ids=["fx", "inductor-all", "auto"])
+@pytest.mark.parametrize("fn", [_keys_written_slice_by_slice, _copy_into_a_state], ids=["new-buffer", "input"])
+def test_a_copy_of_a_value_that_requires_grad_trains_as_eager(fn, options):
+    """``aten.copy`` (the functional form of ``copy_``) has no derivative formula; AOTAutograd's trace
+    of a functional body that copies a value requiring grad failed ("derivative for aten::copy is not
+    implemented", DeepSeek V3 in training) and, with the default fallback, raised to the user. Such
+    copies are lowered to the value cast and expanded to the destination (functionalize.
+    differentiable_copies): the outputs, the written state and the gradients are eager's."""
+    torch.manual_seed(0)
+    h, w = torch.randn(5, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    args = [torch.zeros(5, 8)] if fn is _copy_into_a_state else []
+    want_args = [a.clone() for a in args]
+    want = fn(h, w, *want_args)
+    R = torch.randn_like(want)
+    want_grads = torch.autograd.grad((want * R).sum(), (h, w))
+    got = torch.compile(fn, backend="dmfx", options={"fallback": False, **options})(h, w, *args)
+    got_grads = torch.autograd.grad((got * R).sum(), (h, w))
+    assert rel_err(got, want) < 1e-5
+    for a, b in zip(got_grads, want_grads):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max(), (a - b).abs().max()
+    for a, b in zip(args, want_args):
+        assert rel_err(a, b) < 1e-5 and a.requires_grad == b.requires_grad
+    assert all(r.fallback is None or r.fallback.startswith("left to Inductor: ") for r in dmfx.records())
+
+
+def test_a_rewritten_graph_aotautograd_cannot_compile_is_left_to_pytorch(monkeypatch):
+    """Where AOTAutograd's trace of dmfx's rewritten graph (or one of dmfx's compilers) fails, the
+    default (fallback on) leaves the graph to PyTorch, as a graph dmfx cannot lower is, and the record
+    says why; fallback=False raises. (The failure is made here: a forward compiler that raises.)"""
+    import dmfx.backend as backend
+
+    def broken(kind, *args, **kwargs):
+        def compile_one(gm, example_inputs):
+            raise RuntimeError(f"no {kind} compiler today")
+        return compile_one
+
+    monkeypatch.setattr(backend, "_compiler", broken)
+    f = lambda x, w: F.layer_norm(x @ w, (w.shape[-1],)) * 2  # noqa: E731
+    x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
+    want = f(x, w)
+    for compiler in ("fx", "inductor"):
+        dmfx.reset()
+        torch._dynamo.reset()
+        options = {"compiler": compiler, "fuse": "all", "cache": False}
+        with pytest.raises(Exception, match="no forward compiler today"):
+            torch.compile(f, backend="dmfx", options={**options, "fallback": False})(x, w)
+        dmfx.reset()
+        torch._dynamo.reset()
+        got = torch.compile(f, backend="dmfx", options=options)(x, w)
+        assert rel_err(got, want) < 1e-6
+        (record,) = dmfx.records()
+        assert "AOTAutograd could not compile the rewritten graph: RuntimeError: no forward compiler today" in \
+            record.fallback, record.fallback
+        assert not record.fired and record.compiler == compiler, (record.fired, record.compiler)
