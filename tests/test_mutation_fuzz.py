@@ -48,6 +48,7 @@ SEED = int(os.environ.get("DMFX_MUTATION_FUZZ_SEED", "2026"))
 ONLY = os.environ.get("DMFX_MUTATION_FUZZ_ONLY")
 N_PROGRAMS = 48  # (compiler "fx", half of them training; about 1 s each)
 N_INDUCTOR_PROGRAMS = 6  # (compiler "inductor", fuse="all": dmfx's rewrites compiled by Inductor; 5-10 s each)
+N_AUTO_PROGRAMS = 8  # (the defaults, compiler "inductor" and fuse="auto"; 1-3 s each)
 FP32_TOL = 1e-4
 H, HEADS, LMAX = 32, 4, 16
 
@@ -235,15 +236,16 @@ def draw(index: int) -> tuple[list[str], bool, int, list[tuple[int, int]], Progr
     raise AssertionError(f"program {index}: eager rejected 50 draws")
 
 
-def check_program(index: int, compiler: str = "fx") -> dict:
+def check_program(index: int, compiler: str = "fx", fuse: str | None = None) -> dict:
     """Run program `index` of SEED against eager; returns what it saw (fired passes, graphs). Raises an
     AssertionError naming the program, call and value that differ."""
     training = index % 2 == 1
     plan, sdpa, B, schedule, ref = draw(index)
     mine = copy.deepcopy(ref)
-    options = {"fallback": False, "compiler": compiler, **({"fuse": "all"} if compiler == "inductor" else {})}
+    fuse = fuse or ("all" if compiler == "inductor" else None)
+    options = {"fallback": False, "compiler": compiler, **({"fuse": fuse} if fuse else {})}
     compiled = torch.compile(mine, backend="dmfx", options=options)
-    where = f"program {index} of seed {SEED} ({'training' if training else 'inference'}, {compiler}, " \
+    where = f"program {index} of seed {SEED} ({'training' if training else 'inference'}, {compiler}, fuse={fuse}, " \
             f"{'sdpa' if sdpa else 'written-out'} attention): {plan}"
     sessions = zip(_session(ref, ref, B, schedule, index, training), _session(mine, compiled, B, schedule, index, training))
     for (c, L, start, inputs_ref, out_ref, grads_ref), (_, _, _, inputs_mine, out_mine, grads_mine) in sessions:
@@ -264,12 +266,14 @@ def check_program(index: int, compiler: str = "fx") -> dict:
                 err = (grads_mine[n] - g).abs().max().item() / max(scale, 1e-30)
                 assert err < FP32_TOL, f"{at}: gradient of {n} is {err:.2e} (of the largest) from eager's"
     records = dmfx.records()
-    assert records and all(r.fallback is None for r in records), [r.fallback for r in records]
+    # (under fuse="auto" a graph may be left to Inductor whole, by choice: never run eagerly)
+    whole = [r for r in records if fuse == "auto" and r.compiler == "inductor" and (r.fallback or "").startswith("left to Inductor: ")]
+    assert records and all(r.fallback is None for r in records if r not in whole), [r.fallback for r in records]
     fired: dict[str, int] = {}
     for r in records:
         for k, v in r.fired.items():
             fired[k] = fired.get(k, 0) + v
-    return {"fired": fired, "graphs": len(records), "epilogue": any(r.epilogue for r in records),
+    return {"fired": fired, "graphs": len(records), "whole": len(whole), "epilogue": any(r.epilogue for r in records),
             "compilers": sorted({r.compiler for r in records})}
 
 
@@ -299,3 +303,18 @@ def test_mutation_fuzz_under_inductor(index):
     if ONLY is not None and int(ONLY) != index:
         pytest.skip("DMFX_MUTATION_FUZZ_ONLY names another program")
     check_program(index, "inductor")
+
+
+def test_mutation_fuzz_under_the_defaults():
+    """The defaults (compiler "inductor", fuse="auto") on the CPU: a graph without dropout is left to
+    Inductor whole, unless Inductor would miscompile its writes (functionalize.inductor_write_hazard:
+    then dmfx compiles it as FX). Both ways must match eager. (An exploration run of programs 0-199
+    of seed 2026 under the defaults found no difference.)"""
+    ways = set()
+    for i in _indices(N_AUTO_PROGRAMS):
+        torch._dynamo.reset()
+        dmfx.reset()
+        seen = check_program(i, "inductor", "auto")
+        ways.add("whole" if seen["whole"] else "fx" if seen["compilers"] == ["fx"] else "rewritten")
+    # (both of the defaults' ways with such graphs are taken: the fuzz tests each)
+    assert ONLY is not None or {"whole", "fx"} <= ways, ways
