@@ -30,7 +30,9 @@ queue, CPU time measures the work; use it with ``--threads 1``. Report which clo
 Usage: ``python -m bench.lm_step [--models llama-small,bert-mlm] [--layers 4] [--train/--infer]
 [--rounds 5] [--threads 2] [--clock wall|cpu] [--autocast bf16|fp16] [--device cpu|cuda] [--batch B] [--seq L]
 [--saved] [--candidates eager,inductor,dmfx,dmfx-fx,dmfx-all,floor]``; ``--saved`` also reports each candidate's
-bytes kept from the forward for the backward (kept_for_backward);
+bytes kept from the forward for the backward (kept_for_backward); ``--lora RANK [--lora-dropout P]``
+fine-tunes with LoRA adapters on the attention's query and value projections (PEFT's default
+targets and dropout 0.05), every other parameter frozen (lora);
 ``dmfx-skip-<pass>[+<pass>...]`` is dmfx's default with those passes skipped (an ablation, e.g.
 ``dmfx-skip-accumulate_embedding_grad``); ``dmfx-all-skip-<pass>+<pass>...`` / ``dmfx-fx-skip-...`` the same
 from ``fuse="all"`` / ``compiler="fx"``; any dmfx candidate may end in ``@option=value`` (a Python literal,
@@ -108,6 +110,46 @@ def build(name: str, layers: int, seed: int = 0, batch: int | None = None, seq: 
         return model, {"pixel_values": pixels, "labels": torch.randint(0, cfg.num_labels, (batch,))}
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
     return model, {"input_ids": ids, "labels": ids}
+
+
+#: the projections LoRA adapts (PEFT's defaults for these families: the attention's queries and values)
+LORA_TARGETS = ("q_proj", "v_proj", "query", "value", "q", "v")
+
+
+class LoRALinear(torch.nn.Module):
+    """A frozen linear plus a trainable low-rank update, as PEFT's LoRA writes it:
+    ``base(x) + B(A(dropout(x))) * alpha / rank``, A initialized as PEFT does (Kaiming-uniform),
+    B at zero (the model starts as the base model)."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int, dropout: float, alpha: float = 16.0):
+        super().__init__()
+        self.base = base
+        self.lora_dropout = torch.nn.Dropout(dropout)
+        self.lora_A = torch.nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = torch.nn.Linear(rank, base.out_features, bias=False)
+        torch.nn.init.kaiming_uniform_(self.lora_A.weight, a=5 ** 0.5)
+        torch.nn.init.zeros_(self.lora_B.weight)
+        self.scaling = alpha / rank
+
+    def forward(self, x):
+        return self.base(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+
+def lora(model, rank: int, dropout: float = 0.05):
+    """`model` fine-tuned with LoRA: each linear named in LORA_TARGETS wrapped in a LoRALinear of
+    `rank`, every other parameter frozen (the LM head and embeddings too). Returns the model."""
+    wrapped = 0
+    for module in list(model.modules()):
+        for name in LORA_TARGETS:
+            child = getattr(module, name, None)
+            if isinstance(child, torch.nn.Linear):
+                setattr(module, name, LoRALinear(child, rank, dropout))
+                wrapped += 1
+    if not wrapped:
+        raise ValueError(f"--lora: no linear named one of {LORA_TARGETS} in {type(model).__name__}")
+    for name, param in model.named_parameters():
+        param.requires_grad = ".lora_A." in name or ".lora_B." in name
+    return model
 
 
 def step_of(module, kwargs, train: bool, autocast: torch.dtype | None = None, device: str = "cpu"):
@@ -206,9 +248,12 @@ def kept_for_backward(step) -> int:
 
 def run(name: str, layers: int, train: bool, names: list[str], rounds: int, clock,
         autocast: torch.dtype | None = None, attn: str = "eager", device: str = "cpu", dynamic: bool | None = None,
-        batch: int | None = None, seq: int | None = None, saved: bool = False) -> dict:
+        batch: int | None = None, seq: int | None = None, saved: bool = False, lora_rank: int = 0,
+        lora_dropout: float = 0.05) -> dict:
     torch._dynamo.reset()
     base, kwargs = build(name, layers, batch=batch, seq=seq, attn=attn)
+    if lora_rank:
+        base = lora(base, lora_rank, lora_dropout)
     base, kwargs = base.to(device), {k: v.to(device) for k, v in kwargs.items()}
     steps = candidates(names, base, kwargs, train, autocast, device, dynamic)
     first = {}
@@ -226,6 +271,7 @@ def run(name: str, layers: int, train: bool, names: list[str], rounds: int, cloc
                         lambda n, e: log(f"  {n} failed: {type(e).__name__}: {e}"))
     med = {n: median(t["total"]) for n, t in times.items()}
     res = {"model": name, "layers": layers, "device": device, "mode": "train" if train else "infer",
+           "lora": {"rank": lora_rank, "dropout": lora_dropout} if lora_rank else None,
            "autocast": str(autocast).replace("torch.", "") if autocast else None, "attn": attn, "dynamic": dynamic, "median_ms": med,
            "range_ms": {n: (min(t["total"]), max(t["total"])) for n, t in times.items()},
            "first_call_s": first}
@@ -261,6 +307,9 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=None, help="sequence length of a text model (default: the model's own)")
     p.add_argument("--saved", action="store_true",
                    help="also each candidate's bytes kept from the forward for the backward (training)")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="fine-tune with LoRA of this rank on the attention's query and value projections, the rest frozen")
+    p.add_argument("--lora-dropout", type=float, default=0.05, help="the LoRA adapters' dropout (PEFT's usual 0.05)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[a.autocast]
@@ -271,12 +320,13 @@ def main() -> None:
     out = {"env": {**environment(a.device), "clock": a.clock}, "results": []}
     for name in a.models.split(","):
         r = run(name, a.layers, not a.infer, a.candidates.split(","), a.rounds, clock, autocast, a.attn, a.device,
-                a.dynamic or None, a.batch, a.seq, a.saved)
+                a.dynamic or None, a.batch, a.seq, a.saved, a.lora, a.lora_dropout)
         out["results"].append(r)
         for n, t in r["median_ms"].items():
             lo, hi = r["range_ms"][n]
             extra = "  ".join(f"{k} {v[n]:.3f}" for k, v in r.items() if k.startswith(("vs_", "paired_")) and n in v)
             mode = f"{r['mode']} {a.autocast}" if a.autocast else r["mode"]
+            mode += f" lora{a.lora}" if a.lora else ""
             kept = f"  kept for backward {r['kept_mb'][n]:.0f} MB" if n in r.get("kept_mb", {}) else ""
             print(f"{name} x{a.layers} {mode} {n:9s} {t:9.1f} ms [{lo:.0f}-{hi:.0f}]  {extra}  "
                   f"first call {r['first_call_s'].get(n, float('nan')):.1f} s{kept}", flush=True)

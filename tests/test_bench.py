@@ -78,6 +78,28 @@ def test_lm_step_times_a_whole_model_with_its_loss_and_its_gemm_floor():
     assert r["first_call_s"]["dmfx-fx"] > 0
 
 
+def test_lm_step_lora_trains_only_the_adapters_and_starts_as_the_base_model():
+    """``--lora``: the attention's query and value projections get LoRA adapters (B at zero: the
+    logits are the base model's), only the adapters train, and a step gives them gradients; a model
+    without such projections is refused by name."""
+    import copy
+
+    from bench import lm_step
+
+    model, kwargs = lm_step.build("llama-small", 1)
+    base = copy.deepcopy(model)
+    adapted = lm_step.lora(model, 4, dropout=0.0)
+    assert sum(isinstance(m, lm_step.LoRALinear) for m in adapted.modules()) == 2  # (q_proj and v_proj)
+    trainable = {n for n, p in adapted.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable), trainable
+    with torch.no_grad():
+        assert torch.equal(adapted(**kwargs).logits, base(**kwargs).logits)
+    adapted(**kwargs).loss.backward()
+    assert all(p.grad is not None for n, p in adapted.named_parameters() if n in trainable)
+    with pytest.raises(ValueError, match="no linear named"):
+        lm_step.lora(torch.nn.Sequential(torch.nn.Linear(4, 4)), 2)
+
+
 def test_lm_step_counts_the_bytes_a_step_keeps_for_its_backward():
     """kept_for_backward (``--saved``): the distinct storages autograd saves, parameters left out: here the
     linear's input and the tanh's output, not its weight."""
