@@ -504,10 +504,17 @@ def padding_mask_input(gm: GraphModule, mask: Any, heads: Any, B: Any, S: Any, c
                     break
                 why = (f"the attention mask hides more than padding{' and later keys' if kinds == [True] else ''} "
                        f"at {shape[1]} tokens (a window wider than this batch)")
-    except Exception as e:  # (shapes the probes cannot take, ops that need other inputs)
+    except _PROBE_ERRORS as e:  # (shapes the probes cannot take, ops that need other inputs)
         why = f"the attention mask's computation could not be checked ({type(e).__name__})"
     cache[mask] = MaskCheck(None, False, why) if why else MaskCheck(source, kinds[0], None, longest)
     return cache[mask]
+
+
+#: What running a mask's computation on a probe may raise where the probe is not a shape or value it
+#: takes (ATen's errors: a size mismatch, an index out of range, an argument of another type): the
+#: mask is then not taken for a padding mask. Anything else is a bug of the pass and propagates (the
+#: graph is left to PyTorch with a warning, or, with fallback off, the compile fails).
+_PROBE_ERRORS = (RuntimeError, ValueError, IndexError, TypeError)
 
 
 def hides_padding_keys(gm: GraphModule, mask: Any, source: Node, cache: dict) -> bool:
@@ -529,7 +536,7 @@ def hides_padding_keys(gm: GraphModule, mask: Any, source: Node, cache: dict) ->
             ok = all(_hides(program.run(p, *sizes), (p == 0)[:, None, None, :])
                      for b, s, sizes in [example, *(shape for shape, _ in seconds)]
                      for p in _probes(b, s, val(source).dtype, val(source).device))
-        except Exception:  # (shapes the probes cannot take)
+        except _PROBE_ERRORS:  # (shapes the probes cannot take)
             ok = False
     cache["keys", mask] = ok
     return ok
