@@ -950,7 +950,9 @@ def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options
         if not opts.fallback or _dynamo_signal(e):
             raise
         why = f"AOTAutograd could not compile the rewritten graph: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-        record.fired, record.replaced, record.compiled, record.compiler = {}, {}, {}, opts.compiler
+        # (nothing of the rewrite runs: the record keeps only what the graph is and what was missed)
+        record.fired, record.replaced, record.compiled, record.copies, record.attention_forms = {}, {}, {}, [], {}
+        record.unpad, record.scope_skip, record.compiler = {}, (), opts.compiler
         return _left_to_pytorch(gm, example_inputs, why, record, replace(opts, cache=False), start, capture)
     if cache is not None:
         if "forward" in record.compiled or "inference" in record.compiled:
