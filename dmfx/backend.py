@@ -946,14 +946,20 @@ def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options
     try:
         with graph_cache.tagged(dmfx_tag), record.caches_off():
             compiled = compiler(traced, example_inputs)
-    except Exception as e:  # (AOTAutograd's trace of the joint, or a compiler of dmfx's, failed)
-        if not opts.fallback or _dynamo_signal(e):
+    except Exception as e:  # (AOTAutograd's trace of the joint, the joint passes, or the forward's compile failed)
+        from .passes.verify import GraphVerificationError
+
+        if not opts.fallback or _dynamo_signal(e) or isinstance(e, GraphVerificationError) and e.strict:
             raise
         why = f"AOTAutograd could not compile the rewritten graph: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         # (nothing of the rewrite runs: the record keeps only what the graph is and what was missed)
         record.fired, record.replaced, record.compiled, record.copies, record.attention_forms = {}, {}, {}, [], {}
-        record.unpad, record.scope_skip, record.compiler = {}, (), opts.compiler
-        return _left_to_pytorch(gm, example_inputs, why, record, replace(opts, cache=False), start, capture)
+        # a graph that writes its inputs runs as Dynamo gave it: whether Inductor would miscompile its
+        # writes was judged on the rewritten graph only (inductor_write_hazard)
+        left = replace(opts, cache=False, compiler="fx" if written_inputs(traced) else opts.compiler)
+        record.unpad, record.scope_skip, record.compiler, record.bytes_saved = {}, (), left.compiler, None
+        record.aten_ops_after = record.aten_ops_before
+        return _left_to_pytorch(gm, example_inputs, why, record, left, start, capture)
     if cache is not None:
         if "forward" in record.compiled or "inference" in record.compiled:
             record.cache = "miss"

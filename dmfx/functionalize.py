@@ -128,25 +128,29 @@ def differentiable_copies(gm: GraphModule, input_requires_grad: Sequence[bool]) 
     DeepSeek V3's keys) are functionalized into ``aten.copy(slice of k, a)`` and ``slice_scatter``.
     ``aten.copy`` has no derivative formula (autograd differentiates ``copy_``), so tracing the
     backward of a training graph from such a body fails ("derivative for aten::copy is not
-    implemented") where the copied value may require grad. Each such copy becomes what it computes:
-    the value expanded to the destination's shape, cast to its dtype and device (``_to_copy``: a new
-    tensor, as ``copy`` returns one). Its strides may differ from the destination's: views after it
-    become reshapes. Copies into the graph's inputs (the functional form of ``x.copy_(v)``, which
-    the epilogue writes back) are kept: functionalize's write analysis reads them. Returns how many
-    were replaced."""
-    from .passes.graph_utils import PassContext, grad_dependent_nodes, refresh_val, same_shape, views_to_reshapes
+    implemented") where the copied value or the destination may require grad. Each such copy
+    becomes what it computes: the value expanded to the destination's shape, cast to its dtype and
+    device (``_to_copy``: a new tensor, as ``copy`` returns one; the destination's gradient is zero,
+    as it is through ``copy_``). Its strides may differ from the destination's: views after it become
+    reshapes. This covers the functional form of ``x.copy_(v)`` into an input too; the write analysis
+    below follows ``_to_copy`` to v as it followed ``copy(x, v)``, and only reinplace_input_writes
+    (inference graphs, which this never touches) reads the ``copy`` form. Returns how many were
+    replaced."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    from .passes.graph_utils import PassContext, grad_dependent_nodes, refresh_val, views_to_reshapes
 
     needs_grad = grad_dependent_nodes(gm.graph, input_requires_grad)
     ctx, done = PassContext(), []
     for n in list(gm.graph.nodes):
-        if n.target is not aten.copy.default or n.args[1] not in needs_grad:
+        if n.target is not aten.copy.default or (n.args[0] not in needs_grad and n.args[1] not in needs_grad):
             continue
         dst, src = n.args[0].meta.get("val"), n.args[1].meta.get("val")
         if not isinstance(dst, torch.Tensor) or not isinstance(src, torch.Tensor):
             continue
         with gm.graph.inserting_before(n):
             value = n.args[1]
-            if not same_shape(src.shape, dst.shape):
+            if src.dim() != dst.dim() or not all(statically_known_true(a == b) for a, b in zip(src.shape, dst.shape)):
                 value = gm.graph.call_function(aten.expand.default, (value, list(dst.shape)))
                 refresh_val(value, ctx)
             value = gm.graph.call_function(aten._to_copy.default, (value,), {"dtype": dst.dtype, "device": dst.device})

@@ -511,10 +511,11 @@ def padding_mask_input(gm: GraphModule, mask: Any, heads: Any, B: Any, S: Any, c
 
 
 #: What running a mask's computation on a probe may raise where the probe is not a shape or value it
-#: takes (ATen's errors: a size mismatch, an index out of range, an argument of another type): the
-#: mask is then not taken for a padding mask. Anything else is a bug of the pass and propagates (the
-#: graph is left to PyTorch with a warning, or, with fallback off, the compile fails).
-_PROBE_ERRORS = (RuntimeError, ValueError, IndexError, TypeError)
+#: takes (ATen's errors: a size mismatch, an index out of range, an argument of another type; Python's
+#: arithmetic on the size inputs: a division by zero, an overflow): the mask is then not taken for a
+#: padding mask. Anything else is a bug of the pass and propagates (the graph is left to PyTorch with
+#: a warning, or, with fallback off, the compile fails).
+_PROBE_ERRORS = (RuntimeError, ValueError, IndexError, TypeError, ArithmeticError)
 
 
 def hides_padding_keys(gm: GraphModule, mask: Any, source: Node, cache: dict) -> bool:
