@@ -765,6 +765,7 @@ class ProgramResult:
     graphs: int = 0
     worst: float = 0.0
     seconds: float = 0.0
+    eager_unusable: str = ""  # (why eager gave nothing to compare with: the rest of the program is not run)
 
     def report(self) -> str:
         return f"{describe(self.recipe)}\n" + "\n".join(f"  {f}" for f in self.failures)
@@ -795,7 +796,18 @@ def run_program(recipe: dict, options: dict | None = None) -> ProgramResult:
     names = leaf_names(recipe, module)
     for B, L in recipe["cases"]:
         inputs = make_inputs(recipe, B, L, gen)
-        exp = forward_backward(recipe, ref, inputs, gen=gen)
+        try:
+            exp = forward_backward(recipe, ref, inputs, gen=gen)
+        except RuntimeError as e:  # (eager itself cannot differentiate it: every output under no_grad)
+            if "does not require grad" not in str(e):
+                raise
+            result.eager_unusable = f"case B={B} L={L}: eager's outputs do not require grad"
+            break
+        if not all(bool(torch.isfinite(t).all()) for t in (*exp[0], *exp[1])):
+            # (eager overflowed: float16 GEMMs past 65504 under an fp16 autocast; dmfx keeps float32
+            # inside its kernels and stays finite, so there is nothing to compare with)
+            result.eager_unusable = f"case B={B} L={L}: eager's outputs or gradients are not finite"
+            break
         try:
             got = forward_backward(recipe, compiled, inputs, exp[2])
         except Exception as e:  # noqa: BLE001  (a program dmfx cannot compile is a failure, with its recipe)
@@ -826,8 +838,10 @@ def fuzz_summary(results: list[ProgramResult], seconds: float) -> str:
         for k in r.fired:
             patterns[k] = patterns.get(k, 0) + 1
     cases = sum(len(r.recipe["cases"]) for r in results)
+    unusable = sum(bool(r.eager_unusable) for r in results)
     return (f"{cases} cases, {len(results)} programs ({sum(r.graphs for r in results)} graphs compiled) in {seconds:.0f}s, "
-            f"seed {SEED}; {fused}/{len(results)} programs fused something; programs where each pattern fired: "
+            f"seed {SEED}; {fused}/{len(results)} programs fused something; {unusable} stopped where eager gave "
+            f"nothing to compare (not differentiable, or not finite); programs where each pattern fired: "
             f"{dict(sorted(patterns.items(), key=lambda kv: -kv[1]))}; "
             f"worst error {max(r.worst for r in results):.2f} of its tolerance")
 
@@ -859,9 +873,17 @@ def test_graph_fuzz_matches_eager(dtype, autocast, record_property):
     failed = [r for r in results if r.failures]
     assert not failed, (f"{len(failed)} of {len(results)} programs differ from eager:\n"
                         + "\n".join(r.report() for r in failed[:4]))
-    assert sum(bool(r.fired) for r in results) >= MIN_FUSED_FRACTION * len(results), summary
+    _assert_fused_enough(results, summary)
     if autocast and ONLY is None:
         assert any(r.fired.get("attention_softmax") or r.fired.get("attention") for r in results), summary
+
+
+def _assert_fused_enough(results: list[ProgramResult], summary: str) -> None:
+    """Most programs fuse something, and most could be compared at all (the fuzz tests nothing
+    otherwise); a program eager cannot differentiate or that overflows in eager is no failure of dmfx's."""
+    usable = [r for r in results if not r.eager_unusable]
+    assert len(usable) >= 0.75 * len(results), summary
+    assert sum(bool(r.fired) for r in usable) >= MIN_FUSED_FRACTION * len(usable), summary
 
 
 NO_GRAD_PROGRAMS, NO_GRAD_CASES = 12, 4
@@ -891,7 +913,7 @@ def fuzz_first_cases(what: str, programs: int, cases: int, options: dict | None 
     failed = [r for r in results if r.failures]
     assert not failed, (f"{len(failed)} of {len(results)} programs differ from eager:\n"
                         + "\n".join(r.report() for r in failed[:4]))
-    assert sum(bool(r.fired) for r in results) >= MIN_FUSED_FRACTION * len(results), summary
+    _assert_fused_enough(results, summary)
 
 
 INDUCTOR_PROGRAMS, INDUCTOR_CASES = 16, 4
