@@ -899,7 +899,8 @@ def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options
     from .functionalize import inductor_write_hazard, written_inputs
 
     grads = input_requires_grad(example_inputs) if record.training else None
-    hazard = inductor_write_hazard(traced, grads) if opts.compiler == "inductor" else None
+    writes = bool(written_inputs(traced))
+    hazard = inductor_write_hazard(traced, grads) if opts.compiler == "inductor" and writes else None
     if hazard:  # (Inductor would miscompile the graph's writes into its inputs: compiled as FX)
         if capture:
             record.cudagraphs = "not applied: the graph is compiled as FX (Inductor miscompiles its input writes)"
@@ -939,7 +940,7 @@ def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options
         fw_compiler=wrap(_compiler("forward", record, opts, rewritten, cache, cudagraphs, dmfx_tag)),
         bw_compiler=wrap(_compiler("backward", record, opts, rewritten, cache, cudagraphs, dmfx_tag)),
         inference_compiler=wrap(_compiler("inference", record, opts, rewritten, cache, cudagraphs, dmfx_tag)),
-        partition_fn=_partitioner(opts, record, bool(written_inputs(traced))),
+        partition_fn=_partitioner(opts, record, writes),
         decompositions=decompositions() if uses_inductor_joint(opts) else {},
         keep_inference_input_mutations=True,
     )
@@ -956,7 +957,7 @@ def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options
         record.fired, record.replaced, record.compiled, record.copies, record.attention_forms = {}, {}, {}, [], {}
         # a graph that writes its inputs runs as Dynamo gave it: whether Inductor would miscompile its
         # writes was judged on the rewritten graph only (inductor_write_hazard)
-        left = replace(opts, cache=False, compiler="fx" if written_inputs(traced) else opts.compiler)
+        left = replace(opts, cache=False, compiler="fx" if writes else opts.compiler)
         record.unpad, record.scope_skip, record.compiler, record.bytes_saved = {}, (), left.compiler, None
         record.aten_ops_after = record.aten_ops_before
         return _left_to_pytorch(gm, example_inputs, why, record, left, start, capture)
