@@ -21,7 +21,10 @@ Models (random weights from HF configs, eager attention unless ``--attn sdpa``, 
 * ``bloom-lm``: ``BloomForCausalLM`` (hidden 512, 8 heads of 64, ALiBi, vocab 32000; BLOOM has eager
   attention only), B=4 L=256;
 * ``clip-cls``: ``CLIPForImageClassification``, CLIP ViT-B/32's image tower (QuickGELU MLPs), 1000
-  classes, B=32 images of 224x224 (50 tokens).
+  classes, B=32 images of 224x224 (50 tokens);
+* ``deepseek-lm``: ``DeepseekV3ForCausalLM`` at LLaMA-lm's width (hidden 512, 8 heads; latent attention:
+  q rank 256, kv rank 128, heads of 32 + 32 rotary features (pairs in, halves out: rope_interleave),
+  values of 64; dense SwiGLU layers, no experts; vocab 32000), B=4 L=256.
 
 ``--clock cpu`` times with the process's CPU time instead of the wall clock: on a machine shared
 with other work (these 2-core machines often run at a load of 4-8) the wall clock measures the
@@ -81,6 +84,12 @@ MODELS = {
     # CLIP ViT-B/32's image tower (QuickGELU MLPs, no dropout) with a classification head, labels
     "clip-cls": ("CLIPConfig", "CLIPForImageClassification", dict(vision_config=dict(patch_size=32), num_labels=1000),
                  32, None),
+    # DeepSeek V3's multi-head latent attention (its rotary: interleaved pairs in, halves out) at LLaMA-lm's
+    # width; every layer dense (first_k_dense_replace past the last layer: no routed experts), labels
+    "deepseek-lm": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(hidden_size=512, intermediate_size=1376, num_attention_heads=8, num_key_value_heads=8,
+                         q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64,
+                         first_k_dense_replace=64, n_routed_experts=8, vocab_size=32000, use_cache=False), 4, 256),
 }
 #: the config keys `--layers` sets (default: num_hidden_layers)
 LAYER_KEY = {"GPT2Config": ("n_layer",), "GPTJConfig": ("n_layer",), "BloomConfig": ("n_layer",), "T5Config": ("num_layers",),

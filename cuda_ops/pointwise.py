@@ -19,12 +19,14 @@ Ops
     ``mask * mask_scale`` (``native_dropout_backward``) instead of a regenerated mask, and p must be 0.
 ``dmfx::glu(gate, up, act) -> out``: ``act(gate) * up`` (SwiGLU with "silu", GeGLU with "gelu").
 ``dmfx::glu_backward(grad_out, gate, up, act, output_mask) -> (dgate, dup)``.
-``dmfx::rope(q, k, cos, sin, inverse, interleaved=False) -> (q_out, k_out)``: HF LLaMA's
+``dmfx::rope(q, k, cos, sin, inverse, interleaved=False, deinterleave=False) -> (q_out, k_out)``: HF LLaMA's
     apply_rotary_pos_emb on q and k in one kernel, ``x * cos + rotate_half(x) * sin``, which rotates the
     pairs (j, j + D/2); ``interleaved=True`` rotates the pairs (2j, 2j + 1) instead (GPT-J's and Cohere's
-    ``rotate_every_two``: ``stack(-x[..., 1::2], x[..., ::2], -1).flatten(-2)``). ``inverse=True``
-    applies the transpose map (the backward). cos/sin broadcast to q and k through strides (never
-    materialized).
+    ``rotate_every_two``: ``stack(-x[..., 1::2], x[..., ::2], -1).flatten(-2)``); ``deinterleave=True``
+    rotates the pairs (2j, 2j + 1) of x into (j, j + D/2) of the output (DeepSeek's ``rope_interleave``:
+    rotate_half's map on ``cat(x[..., 0::2], x[..., 1::2], -1)``, cos/sin by halves as in rotate_half's
+    form; the two flags exclude each other). ``inverse=True`` applies the transpose map (the backward).
+    cos/sin broadcast to q and k through strides (never materialized).
 ``dmfx::softcap(x, cap) -> out``: Gemma 2's soft-capped logits, ``cap * tanh(x / cap)``, one pass. x of
     any shape and strides (read in place where its last dim has unit stride); out is contiguous, x's
     shape and dtype, computed in float32 (float64 for float64 x) and rounded once. cap must be positive
@@ -73,7 +75,8 @@ _lib.define("glu(Tensor gate, Tensor up, str act) -> Tensor")
 _lib.define(
     "glu_backward(Tensor grad_out, Tensor gate, Tensor up, str act, bool[] output_mask) -> (Tensor dgate, Tensor dup)"
 )
-_lib.define("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool inverse, bool interleaved=False) -> (Tensor, Tensor)")
+_lib.define("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool inverse, bool interleaved=False, "
+            "bool deinterleave=False) -> (Tensor, Tensor)")
 _lib.define("softcap(Tensor x, float cap) -> Tensor")
 _lib.define("softcap_backward(Tensor grad_out, Tensor out, float cap) -> Tensor")
 
@@ -185,7 +188,10 @@ def _softcap_backward_fake(grad_out, out, cap):
 
 
 @torch.library.register_fake("dmfx::rope")
-def _rope_fake(q, k, cos, sin, inverse, interleaved=False):
+def _rope_fake(q, k, cos, sin, inverse, interleaved=False, deinterleave=False):
+    if interleaved and deinterleave:
+        raise RuntimeError("dmfx::rope: interleaved and deinterleave exclude each other (GPT-J's pairs in and out, or "
+                           "DeepSeek's pairs in and halves out)")
     order = _rope_layout(q, k)
     if order is None:
         return _like(q), _like(k)
@@ -216,12 +222,15 @@ def glu(gate: Tensor, up: Tensor, act: str = "silu") -> Tensor:
     return torch.ops.dmfx.glu(gate, up, act)
 
 
-def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> tuple[Tensor, Tensor]:
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False,
+         deinterleave: bool = False) -> tuple[Tensor, Tensor]:
     """HF's ``apply_rotary_pos_emb(q, k, cos, sin)`` (cos/sin already unsqueezed to broadcast);
-    ``interleaved``: GPT-J's and Cohere's, which rotate the pairs (2j, 2j + 1)."""
+    ``interleaved``: GPT-J's and Cohere's, which rotate the pairs (2j, 2j + 1); ``deinterleave``:
+    DeepSeek's ``apply_rotary_pos_emb_interleave``, which rotates the pairs (2j, 2j + 1) into the halves
+    (j, j + D/2), with cos/sin of D (HF's halves of D/2 each repeated: ``cat([c, c], -1)``)."""
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         _check_tensor("rope", name, t)
-    return torch.ops.dmfx.rope(q, k, cos, sin, False, bool(interleaved))
+    return torch.ops.dmfx.rope(q, k, cos, sin, False, bool(interleaved), bool(deinterleave))
 
 
 def softcap(x: Tensor, cap: float) -> Tensor:
@@ -282,14 +291,19 @@ def _rotate(t: Tensor, interleaved: bool) -> Tensor:
     return torch.cat((-t[..., h:], t[..., :h]), dim=-1)
 
 
-def reference_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> tuple[Tensor, Tensor]:
+def reference_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False,
+                   deinterleave: bool = False) -> tuple[Tensor, Tensor]:
     """HF LLaMA's apply_rotary_pos_emb: ``x * cos + rotate_half(x) * sin`` for x in (q, k);
-    ``interleaved``: ``rotate_every_two`` (GPT-J, Cohere) in place of ``rotate_half``."""
+    ``interleaved``: ``rotate_every_two`` (GPT-J, Cohere) in place of ``rotate_half``; ``deinterleave``:
+    rotate_half's form on x's pairs (2j, 2j + 1) taken as halves, ``cat(x[..., 0::2], x[..., 1::2])``
+    (DeepSeek's rope_interleave)."""
     acc = _acc_dtype(q)
     c, s = cos.to(acc), sin.to(acc)
 
     def emb(x):
         xa = x.to(acc)
+        if deinterleave:
+            xa = torch.cat((xa[..., 0::2], xa[..., 1::2]), dim=-1)
         return (xa * c + _rotate(xa, interleaved) * s).to(x.dtype)
 
     return emb(q), emb(k)

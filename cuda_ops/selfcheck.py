@@ -487,8 +487,8 @@ def _check_pointwise(r: _Runner) -> None:
         dgate, dup = r.m.glu_bwd(go, ins["gate"], ins["up"], code, [True, True])
         r.expect_grads(what.replace("fwd", "bwd"), {"gate": dgate, "up": dup}, g, dtype)
     for dtype in (torch.float32, torch.bfloat16):
-        for interleaved in (False, True):
-            _check_rope(r, reference_rope, dtype, interleaved)
+        for pairing in ("halves", "interleaved", "deinterleave"):
+            _check_rope(r, reference_rope, dtype, pairing)
     # the soft cap (logits of about 4 against a cap of 3: the tanh bends them), a strided x in fp32
     for shape, dtype, cap in (((5, 37), torch.float32, 3.0), ((3, 4, 67), torch.bfloat16, 2.0)):
         x, go = r.randn(*shape, dtype=dtype, scale=4.0), r.randn(*shape, dtype=dtype)
@@ -502,17 +502,18 @@ def _check_pointwise(r: _Runner) -> None:
         r.expect_grads(what.replace("fwd", "bwd"), {"x": dx}, g, dtype)
 
 
-def _check_rope(r: _Runner, reference_rope, dtype, interleaved: bool) -> None:
+def _check_rope(r: _Runner, reference_rope, dtype, pairing: str) -> None:
+    flags = {"interleaved": pairing == "interleaved", "deinterleave": pairing == "deinterleave"}
     B, H, Hk, L, D = 2, 3, 1, 5, 8  # (grouped-query k: fewer heads)
     ins = {"q": r.blhd(B, H, L, D, dtype), "k": r.blhd(B, Hk, L, D, dtype),
            "cos": r.randn(1, 1, L, D, dtype=dtype), "sin": r.randn(1, 1, L, D, dtype=dtype)}
     gq, gk = r.randn(B, H, L, D, dtype=dtype), r.randn(B, Hk, L, D, dtype=dtype)
-    outs, g = _reference(lambda **a: reference_rope(**a, interleaved=interleaved), ins, [gq, gk], grads=["q", "k"])
-    what = "rope interleaved" if interleaved else "rope"
-    qo, ko = r.m.rope(*ins.values(), False, interleaved)
+    outs, g = _reference(lambda **a: reference_rope(**a, **flags), ins, [gq, gk], grads=["q", "k"])
+    what = f"rope {pairing}"
+    qo, ko = r.m.rope(*ins.values(), False, *flags.values())
     r.expect(f"{what} q {_shape(ins['q'])}", qo, outs[0], dtype)
     r.expect(f"{what} k {_shape(ins['k'])}", ko, outs[1], dtype)
-    dq, dk = r.m.rope(gq, gk, ins["cos"], ins["sin"], True, interleaved)  # the backward: the transposed rotation
+    dq, dk = r.m.rope(gq, gk, ins["cos"], ins["sin"], True, *flags.values())  # the backward: the transposed rotation
     r.expect_grads(f"{what} inverse {_shape(gq)}", {"q": dq, "k": dk}, g, dtype)
 
 

@@ -10,6 +10,14 @@ or interleaved, GPT-J's and Cohere's ``rotate_every_two`` (the pairs (2i, 2i + 1
     rotate_every_two(x) = stack([-x[..., 1::2], x[..., ::2]], -1).flatten(-2)
                                                 -> dmfx::rope(q, k, cos, sin, False, interleaved=True)
 
+or DeepSeek's ``apply_rotary_pos_emb_interleave`` (``rope_interleave``: DeepSeek V3, Mistral 4, GLM-4
+MoE lite, LongCat, ...), whose pairs (2i, 2i + 1) come out as the halves (i, i + D/2), with tables of
+D/2::
+
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    x' = cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+                    -> dmfx::rope(q, k, cat([c, c], -1), cat([s, s], -1), False, False, deinterleave=True)
+
 Eager runs 2 slices, a neg, a cat (or a stack and a view), 2 muls and an add per tensor (5 kernels,
 3 of them writing a full copy of q or k); the fused kernel reads q, k, cos, sin once and writes q',
 k'. Its backward is the same kernel with the transposed rotation. q and k are paired by the cos/sin
@@ -105,8 +113,8 @@ def _rotation_of(rot: object) -> tuple[Node, bool, list[Node]] | None:
     return None
 
 
-def _rope_site(add: Node) -> tuple[Node, Node, Node, list[Node], bool] | None:
-    """add = x * cos + rotate(x) * sin: (x, cos, sin, absorbed nodes, interleaved)."""
+def _rope_site(add: Node) -> tuple[Node, Node, Node, list[Node], str] | None:
+    """add = x * cos + rotate(x) * sin: (x, cos, sin, absorbed nodes, pairing: "halves" or "interleaved")."""
     for m1, m2 in commuted(add, aten.add):
         for x, cos in commuted(m1, aten.mul):
             for rot, sin in commuted(m2, aten.mul):
@@ -120,24 +128,102 @@ def _rope_site(add: Node) -> tuple[Node, Node, Node, list[Node], bool] | None:
                     continue
                 if not (xm.dtype == cm.dtype == sm.dtype == om.dtype and same_shape(om.shape, xm.shape)):
                     continue
-                return x, cos, sin, [add, m1, m2, *rotation[2]], rotation[1]
+                return x, cos, sin, [add, m1, m2, *rotation[2]], "interleaved" if rotation[1] else "halves"
     return None
 
 
+def _pair_slice(n: object, start: int) -> Node | None:
+    """n = x[..., start::2] along x's last dim (start 0 or 1): x."""
+    if not is_op(n, aten.slice):
+        return None
+    x = _whole(n.args[0])
+    xm = tensor_meta(x)
+    if xm is None or xm.dim() == 0:
+        return None
+    dim, s, e, st = _slice_args(n)
+    D = xm.shape[-1]
+    if dim not in (-1, xm.dim() - 1) or st != 2 or s != start or not isinstance(D, int):
+        return None
+    return x if e is None or e in _END or (isinstance(e, int) and e >= D) else None
+
+
+def _products(n: object, a: object, b: object) -> bool:
+    """n = a * b (either order), read once."""
+    return is_op(n, aten.mul) and len(n.users) == 1 and len(n.args) == 2 and {id(v) for v in n.args} == {id(a), id(b)}
+
+
+def _deinterleaved_site(cat: Node) -> tuple[Node, Node, Node, list[Node], str] | None:
+    """cat = cat([x1 * c - x2 * s, x2 * c + x1 * s], -1) with x1, x2 = x[..., 0::2], x[..., 1::2]
+    (DeepSeek's apply_rotary_pos_emb_interleave; c and s of D/2 in the last dim): (x, c, s, absorbed
+    nodes, "deinterleave")."""
+    parts = cat.args[0]
+    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    if not isinstance(parts, (list, tuple)) or len(parts) != 2:
+        return None
+    sub, add = parts
+    if not is_op(sub, aten.sub) or len(sub.args) != 2 or sub.kwargs.get("alpha", 1) != 1 or len(sub.users) != 1:
+        return None
+    if not is_op(add, aten.add) or len(add.users) != 1:
+        return None
+    m1, m2 = sub.args
+    for x1, c in commuted(m1, aten.mul):
+        for x2, s in commuted(m2, aten.mul):
+            x = _pair_slice(x1, 0)
+            if x is None or _pair_slice(x2, 1) is not x or not isinstance(c, Node) or not isinstance(s, Node):
+                continue
+            for m3, m4 in commuted(add, aten.add):
+                if not (_products(m1, x1, c) and _products(m2, x2, s) and _products(m3, x2, c) and _products(m4, x1, s)):
+                    continue
+                muls = {m1, m2, m3, m4}
+                if not (set(x1.users) <= muls and set(x2.users) <= muls):
+                    continue
+                xm, cm, sm, om, hm, am, x1m = (tensor_meta(v) for v in (x, c, s, cat, sub, add, x1))
+                if not kernel_friendly(xm) or any(t is None for t in (cm, sm, om, hm, am, x1m)):
+                    continue
+                if dim not in (-1, xm.dim() - 1) or not (xm.dtype == cm.dtype == sm.dtype == om.dtype):
+                    continue
+                h = xm.shape[-1] // 2
+                if not (same_shape(om.shape, xm.shape) and same_shape(am.shape, x1m.shape) and same_shape(hm.shape, x1m.shape)):
+                    continue
+                if cm.shape[-1:] != (h,) or sm.shape[-1:] != (h,) or cm.dim() > xm.dim() or sm.dim() > xm.dim():
+                    continue  # (tables of D/2, broadcast to x1: the kernel takes them repeated to D)
+                return x, c, s, [cat, sub, add, m1, m2, m3, m4, x1, x2], "deinterleave"
+    return None
+
+
+def _site(anchor: Node) -> tuple[Node, Node, Node, list[Node], str] | None:
+    """A rotation ending at `anchor` (an add, or DeepSeek's cat): (x, cos, sin, absorbed nodes, pairing)."""
+    if is_op(anchor, aten.add):
+        return _rope_site(anchor)
+    return _deinterleaved_site(anchor) if is_op(anchor, aten.cat) else None
+
+
+def _anchors_after(mul: Node) -> list[Node]:
+    """The nodes a rotation that multiplies by a table in `mul` may end at: the add after it, or (DeepSeek's
+    form) the cat after its sub or add."""
+    found = []
+    for u in mul.users:
+        if is_op(u, aten.add):
+            found.append(u)
+        if is_op(u, aten.add, aten.sub):
+            found.extend(c for c in u.users if is_op(c, aten.cat))
+    return found
+
+
 def _sites_sharing(
-    graph: Graph, order: dict[Node, int], cos: Node, sin: Node, interleaved: bool, equal_tables: bool
+    graph: Graph, order: dict[Node, int], cos: Node, sin: Node, pairing: str, equal_tables: bool
 ) -> list[tuple[Node, Node, list[Node]]]:
-    """The rope sites (add, x, absorbed nodes) that rotate a tensor the same way with `cos` and `sin`
-    (`equal_tables`: or with tables of the same values), in graph order (`order`: each node's place)."""
+    """The rope sites (anchor, x, absorbed nodes) that rotate a tensor the same way (`pairing`) with `cos`
+    and `sin` (`equal_tables`: or with tables of the same values), in graph order (`order`: each node's place)."""
     tables = [cos]
     if equal_tables and cos.op == "call_function":
         tables = [n for n in graph.nodes if n.target == cos.target and same_value(n, cos)]
     found = {}
     for c in tables:
         for m1 in c.users:
-            for add in m1.users:
-                site = _rope_site(add) if is_op(add, aten.add) and add not in found else None
-                if site is None or site[4] != interleaved:
+            for add in _anchors_after(m1):
+                site = _site(add) if add not in found else None
+                if site is None or site[4] != pairing:
                     continue
                 shared = site[1] is cos and site[2] is sin
                 if shared or (equal_tables and same_value(site[1], cos) and same_value(site[2], sin)):
@@ -149,13 +235,13 @@ def match_rope(qa: Node, ctx: PassContext) -> Match | Miss | None:
     """`qa` rotates q; k is the next site rotated with the same cos and sin (sites pair up in graph
     order: an odd one is the second of its pair, matched from the first). Sites sharing the table
     nodes pair first; a site left without a partner then looks among the sites with equal tables."""
-    site = _rope_site(qa)
+    site = _site(qa)
     if site is None:
         return None
-    q, cos, sin, q_chain, interleaved = site
+    q, cos, sin, q_chain, pairing = site
     order = {n: j for j, n in enumerate(qa.graph.nodes)}
     for equal_tables in (False, True):
-        sites = _sites_sharing(qa.graph, order, cos, sin, interleaved, equal_tables)
+        sites = _sites_sharing(qa.graph, order, cos, sin, pairing, equal_tables)
         i = next(j for j, (add, _, _) in enumerate(sites) if add is qa)
         if i % 2:
             return None
@@ -168,18 +254,26 @@ def match_rope(qa: Node, ctx: PassContext) -> Match | Miss | None:
     last = max((q, k, cos, sin), key=order.__getitem__)
     if any(order[u] <= order[last] for u in (*qa.users, *ka.users)):
         return Miss("a reader of q' or k' comes before k or q is computed")
-    nodes = {"q": q, "k": k, "cos": cos, "sin": sin, "last": last, "interleaved": interleaved}
+    nodes = {"q": q, "k": k, "cos": cos, "sin": sin, "last": last, "pairing": pairing}
     return Match(nodes, q_chain + k_chain, returned=(qa, ka))
 
 
 def rewrite_rope(graph: Graph, m: Match, ctx: PassContext) -> Replacement:
     qa, ka = m.returned
     with graph.inserting_before(m["last"].next):
-        args = (m["q"], m["k"], m["cos"], m["sin"], False) + ((True,) if m["interleaved"] else ())
+        cos, sin, pairing = m["cos"], m["sin"], m["pairing"]
+        flags: tuple = ()
+        if pairing == "interleaved":
+            flags = (True,)
+        elif pairing == "deinterleave":  # (the kernel takes tables of D: each half-table twice)
+            cos, sin = (insert_call(graph, ctx, aten.cat.default, ([t, t], -1)) for t in (cos, sin))
+            flags = (False, True)
+        args = (m["q"], m["k"], cos, sin, False) + flags
         fused = insert_call(graph, ctx, torch.ops.dmfx.rope.default, args)
         q_out, k_out = insert_getitems(graph, fused, 2)
     return Replacement(fused, {qa: q_out, ka: k_out})
 
 
-#: q * cos + rotate(q) * sin and the same for k (rotate_half or rotate_every_two) -> dmfx::rope.
-ROPE = Fusion("rope", (aten.add,), match_rope, rewrite_rope)
+#: q * cos + rotate(q) * sin and the same for k (rotate_half or rotate_every_two), or DeepSeek's
+#: de-interleaving rotation -> dmfx::rope.
+ROPE = Fusion("rope", (aten.add, aten.cat), match_rope, rewrite_rope)

@@ -235,8 +235,9 @@ def test_glu_matches_cpu(cpu_ext, cuda_ext, dtype, act, N):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("inverse", [False, True])
-@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
-def test_rope_matches_cpu(cpu_ext, cuda_ext, dtype, inverse, interleaved):
+@pytest.mark.parametrize("pairing", [(False, False), (True, False), (False, True)],
+                         ids=["rotate_half", "interleaved", "deinterleave"])
+def test_rope_matches_cpu(cpu_ext, cuda_ext, dtype, inverse, pairing):
     for (B, S, Hq, Hk, D), form in [((2, 5, 4, 2, 8), "hf"), ((1, 7, 3, 3, 2), "SD"), ((2, 33, 32, 8, 128), "hf"),
                                     ((2, 4, 2, 2, 6), "1SD"), ((0, 4, 2, 2, 8), "SD"), ((3, 17, 5, 1, 64), "BSD")]:
 
@@ -253,9 +254,9 @@ def test_rope_matches_cpu(cpu_ext, cuda_ext, dtype, inverse, interleaved):
                 cos, sin = cos[:1], sin[:1]
             q, k, cos, sin = (t.to(dtype).to(device).to(dt) for t in (q, k, cos, sin))
             ext = cuda_ext if device == DEVICE else cpu_ext
-            return tuple(ext.rope(q, k, cos, sin, inverse, interleaved))
+            return tuple(ext.rope(q, k, cos, sin, inverse, *pairing))
 
-        compare(*both(run, dtype), dtype, f"rope {(B, S, Hq, Hk, D)} {form} inverse={inverse} interleaved={interleaved}")
+        compare(*both(run, dtype), dtype, f"rope {(B, S, Hq, Hk, D)} {form} inverse={inverse} (interleaved, deinterleave)={pairing}")
 
 
 # ------------------------------------------------------------------------------------------------

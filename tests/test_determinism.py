@@ -158,9 +158,9 @@ def test_rope(dtype):
     q, k = torch.randn(B, H, L, D).to(dtype), torch.randn(B, 2, L, D).to(dtype)
     cos, sin = torch.randn(1, 1, L, D).to(dtype), torch.randn(1, 1, L, D).to(dtype)
     for inverse in (False, True):
-        for interleaved in (False, True):
-            fn = lambda: ops.rope(q, k, cos, sin, inverse, interleaved)  # noqa: E731
-            assert_bitwise(_runs(fn, 2) + _runs(fn, 1, 1), f"rope(inverse={inverse}, interleaved={interleaved}), 1 and 2 threads")
+        for pairing in ((False, False), (True, False), (False, True)):  # (interleaved, deinterleave)
+            fn = lambda: ops.rope(q, k, cos, sin, inverse, *pairing)  # noqa: E731
+            assert_bitwise(_runs(fn, 2) + _runs(fn, 1, 1), f"rope(inverse={inverse}, pairing={pairing}), 1 and 2 threads")
 
 
 def _heads(B, L, H, D, dtype):

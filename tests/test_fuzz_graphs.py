@@ -218,12 +218,20 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, rotate=rotate_half):
     return q_embed, k_embed
 
 
+def apply_rotary_pos_emb_interleave(q, k, cos, sin, unsqueeze_dim=1):  # DeepSeek V3's (rope_interleave)
+    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+    q1, q2 = q[..., 0::2], q[..., 1::2]
+    k1, k2 = k[..., 0::2], k[..., 1::2]
+    return torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], -1), torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], -1)
+
+
 class Attention(nn.Module):
     """Self-attention as HF writes it. `qkv`: "separate" (three linears read x), "split" (GPT-2: one
     projection, ``split`` into q/k/v column views) or "chunk"; `impl`: "bert" (matmul, divide by
     sqrt(d), add the mask, softmax, dropout, matmul), "llama" (multiply by the scale, fp32 softmax
-    cast back) or "sdpa"; `rope`: the rotary embedding of q and k, LLaMA's ("half") or Cohere's
-    ("interleaved"), or none (None); `mask`: "none", "padding"
+    cast back) or "sdpa"; `rope`: the rotary embedding of q and k, LLaMA's ("half"), Cohere's
+    ("interleaved") or DeepSeek's ("deinterleave": pairs in, halves out), or none (None); `mask`: "none", "padding"
     (HF's additive [B, 1, 1, L] with finfo.min), "additive" ([B, 1, L, L] with -1e4) or "causal"."""
 
     def __init__(self, H, heads, qkv, impl, rope, mask, bias, p=0.0):
@@ -257,7 +265,9 @@ class Attention(nn.Module):
         B, L, H = x.shape
         shape = (B, L, self.heads, self.d)
         q, k, v = (t.view(shape).transpose(1, 2) for t in self._project(x))
-        if self.rope:
+        if self.rope == "deinterleave":
+            q, k = apply_rotary_pos_emb_interleave(q, k, *self._rotary(x))
+        elif self.rope:
             rotate = rotate_every_two if self.rope == "interleaved" else rotate_half
             q, k = apply_rotary_pos_emb(q, k, *self._rotary(x), rotate=rotate)
         causal = self.mask == "causal"
@@ -432,7 +442,7 @@ class RecipeBuilder:
             impl = rng.choice(("bert", "bert", "llama", "sdpa"))
             mask = rng.choice(("none", "padding", "additive", "causal") if impl != "sdpa" else ("none", "padding", "causal"))
             spec = {"heads": self.heads, "qkv": rng.choice(("separate", "separate", "split", "chunk")), "impl": impl,
-                    "rope": rng.choice(("half", "interleaved"))
+                    "rope": rng.choice(("half", "interleaved", "deinterleave"))
                     if (self.H // self.heads) % 2 == 0 and rng.random() < 0.3 else None, "mask": mask,
                     "bias": impl == "bert" or rng.random() < 0.3, "p": self.dropout_p}
         else:

@@ -10,7 +10,8 @@ GPT-NeoX, Cohere, GPT-J), rotary embeddings that rotate interleaved pairs (Coher
 repeated once per tensor), LayerNorm without parameters (OLMo) or with ``1 + weight`` and a squared-ReLU
 MLP (Nemotron), scaled residuals and logits (Granite), a routed mixture of experts (Mixtral; DeepSeek
 V3's, after a dense layer, with latent attention whose keys are written into a new buffer slice by
-slice: a functional ``aten.copy`` autograd cannot differentiate), ALiBi (BLOOM), one layer's weights
+slice: a functional ``aten.copy`` autograd cannot differentiate, and a rotary embedding whose interleaved
+pairs come out as halves), ALiBi (BLOOM), one layer's weights
 used by every layer (ALBERT), disentangled relative attention (DeBERTa-v2), an embedding projection
 (ELECTRA), bottlenecks and NoNorm (MobileBERT), learned positions with an offset and ReLU (OPT), and
 multi-query attention (Falcon)."""
@@ -44,7 +45,7 @@ FAMILIES = {
                     dict(_DEC, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                          q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                          first_k_dense_replace=1, n_group=1, topk_group=1),
-                    {"rms_norm", "bias_dropout_residual_norm", "glu", "cross_entropy"}),
+                    {"rms_norm", "bias_dropout_residual_norm", "rope", "glu", "cross_entropy"}),
     "phi": ("PhiConfig", "PhiForCausalLM", dict(_DEC, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
             {"layer_norm", "bias_dropout_residual_norm", "attention", "rope", "bias_act_dropout", "cross_entropy"}),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(_H, hidden_dropout=0.0, attention_dropout=0.0,

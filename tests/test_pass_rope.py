@@ -132,3 +132,67 @@ def test_interleaved_rope_near_misses_are_left_alone():
     gm, ctx = rewrite(random_tables, q, k, cos, sin)
     assert "rope" not in ctx.fired
     assert sum("rope" in m for m in ctx.missed) == 2, ctx.missed
+
+
+def apply_rope_deinterleave(q, k, cos, sin):  # DeepSeek V3's apply_rotary_pos_emb_interleave
+    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(1)
+    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(1)
+    q1, q2 = q[..., 0::2], q[..., 1::2]
+    k1, k2 = k[..., 0::2], k[..., 1::2]
+    return torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], -1), torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], -1)
+
+
+def test_deepseek_rope_pairs_in_halves_out():
+    """DeepSeek's rope_interleave (DeepSeek V3, Mistral 4, ...): the pairs (2i, 2i + 1) rotate into the
+    halves (i, i + D/2) with tables of D/2, k with one head (MLA's shared rotary key), q a slice of a
+    wider head as DeepSeek's q_rot is."""
+    B, S, D = 2, 6, 8
+    q = torch.randn(B, S, 4, D + 4).transpose(1, 2)[..., 4:]  # [B, H, S, D], strided
+    k = torch.randn(B, 1, S, D)
+    cos, sin = torch.randn(B, S, D), torch.randn(B, S, D)  # (random: a wrong table half shows)
+    gm, ctx = rewrite(apply_rope_deinterleave, q, k, cos, sin)
+    assert ctx.fired.get("rope") == 1, ctx.missed
+    assert not {aten.sub.Tensor, aten.mul.Tensor} & set(targets(gm)), targets(gm)
+    (rope,) = [n for n in gm.graph.nodes if n.target is torch.ops.dmfx.rope.default]
+    assert rope.args[5:] == (False, True)
+    check_same(apply_rope_deinterleave, gm, q, k, cos, sin, tol=1e-6)
+
+
+def test_deepseek_rope_near_misses_are_left_alone():
+    B, S, D = 2, 6, 8
+    q, k = torch.randn(B, 4, S, D), torch.randn(B, 1, S, D)
+    cos, sin = torch.randn(B, S, D // 2).unsqueeze(1), torch.randn(B, S, D // 2).unsqueeze(1)
+
+    def emb(x, c, s, first=(0, 1), signs=(1, 1), dim=-1):
+        x1, x2 = x[..., first[0]::2], x[..., first[1]::2]
+        return torch.cat([x1 * c - signs[0] * x2 * s, x2 * c + signs[1] * x1 * s], dim)
+
+    def swapped_slices(q, k, c, s):  # x[..., 1::2] taken as the first of a pair
+        return emb(q, c, s, (1, 0)), emb(k, c, s, (1, 0))
+
+    def plus_not_minus(q, k, c, s):  # x1 * c + x2 * s: not a rotation
+        r = lambda x: torch.cat([x[..., 0::2] * c + x[..., 1::2] * s, x[..., 1::2] * c + x[..., 0::2] * s], -1)  # noqa: E731
+        return r(q), r(k)
+
+    def tables_swapped(q, k, c, s):  # the second half rotated with the sine where the cosine goes
+        r = lambda x: torch.cat([x[..., 0::2] * c - x[..., 1::2] * s, x[..., 1::2] * s + x[..., 0::2] * c], -1)  # noqa: E731
+        return r(q), r(k)
+
+    def stacked_on_another_dim(q, k, c, s):  # cat along the heads: not the halves of one row
+        return emb(q, c, s, dim=1), emb(k, c, s, dim=1)
+
+    def slice_read_again(q, k, c, s):  # x1 has a reader outside the rotation
+        return emb(q, c, s), emb(k, c, s), q[..., 0::2] * 2
+
+    def only_q(q, k, c, s):  # no k rotated with the same tables: nothing to pair with
+        return emb(q, c, s), k * 2
+
+    for fn in (swapped_slices, plus_not_minus, tables_swapped, stacked_on_another_dim, slice_read_again, only_q):
+        gm, ctx = rewrite(fn, q, k, cos, sin)
+        assert "rope" not in ctx.fired, fn.__name__
+        check_same(fn, gm, q, k, cos, sin)
+    one = torch.randn(B, 1, S, 1)  # one angle per token, broadcast along D/2: not the kernel's tables
+    fn = lambda q, k, c, s: (emb(q, c, s), emb(k, c, s))  # noqa: E731
+    gm, ctx = rewrite(fn, q, k, one, one * 0.5)
+    assert "rope" not in ctx.fired
+    check_same(fn, gm, q, k, one, one * 0.5)

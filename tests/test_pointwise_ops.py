@@ -388,26 +388,32 @@ def _tables(B, S, D, form, dtype):
     return cos.to(dtype), sin.to(dtype)
 
 
-@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+#: dmfx::rope's pairings as its (interleaved, deinterleave) flags: rotate_half's (LLaMA), rotate_every_two's
+#: (GPT-J, Cohere), DeepSeek's (pairs in, halves out).
+PAIRINGS = {"rotate_half": (False, False), "interleaved": (True, False), "deinterleave": (False, True)}
+
+
+@pytest.mark.parametrize("pairing", list(PAIRINGS))
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
-def test_rope_matches_reference(dtype, interleaved):
+def test_rope_matches_reference(dtype, pairing):
+    flags = PAIRINGS[pairing]
     for (B, S, Hq, Hk, D), form in [((2, 5, 4, 2, 8), "hf"), ((1, 7, 3, 3, 2), "SD"), ((2, 3, 2, 1, 64), "1SD"),
                                     ((2, 4, 2, 2, 6), "sliced"), ((0, 4, 2, 2, 8), "SD"), ((1, 1, 1, 1, 128), "hf")]:
         q, k = _hf_qk(B, S, Hq, Hk, D, dtype)
         cos, sin = _tables(B if B else 1, S, D, form, dtype)
-        qo, ko = torch.ops.dmfx.rope(q, k, cos, sin, False, interleaved)
+        qo, ko = torch.ops.dmfx.rope(q, k, cos, sin, False, *flags)
         assert qo.shape == q.shape and ko.shape == k.shape
         # contiguous, or (q and k permuted alike, as HF makes them) in q's memory order
         assert (qo.is_contiguous() and ko.is_contiguous()) or (qo.stride() == q.stride() and ko.stride() == k.stride())
         if q.numel() == 0:
             continue
-        rq, rk = P.reference_rope(q, k, cos, sin, interleaved)
-        what = f"{dtype} {(B, S, Hq, Hk, D)} {form} interleaved={interleaved}"
+        rq, rk = P.reference_rope(q, k, cos, sin, *flags)
+        what = f"{dtype} {(B, S, Hq, Hk, D)} {form} {pairing}"
         assert rel_err(qo, rq) < TOL[dtype], what
         assert rel_err(ko, rk) < TOL[dtype], what
         # inverse=True is the transpose map: <rope(x), g> == <x, rope_inv(g)>.
         gq, gk = torch.randn_like(q), torch.randn_like(k)
-        iq, ik = torch.ops.dmfx.rope(gq, gk, cos, sin, True, interleaved)
+        iq, ik = torch.ops.dmfx.rope(gq, gk, cos, sin, True, *flags)
         if dtype in (torch.float32, torch.float64):
             lhs = (qo.double() * gq.double()).sum() + (ko.double() * gk.double()).sum()
             rhs = (q.double() * iq.double()).sum() + (k.double() * ik.double()).sum()
@@ -431,6 +437,15 @@ def test_rope_inverse_formula():
     out, _ = torch.ops.dmfx.rope(g, k, cos, sin, False, True)
     expect = g * cos + torch.stack((-od * sin[..., 0::2], ev * sin[..., 1::2]), -1).flatten(-2)
     torch.testing.assert_close(out, expect, rtol=1e-6, atol=1e-6)
+    # deinterleave (DeepSeek's): out[i] = x[2i] c[i] - x[2i+1] s[i], out[i+h] = x[2i+1] c[i+h] + x[2i] s[i+h]
+    out, _ = torch.ops.dmfx.rope(g, k, cos, sin, False, False, True)
+    expect = torch.cat((ev * cos[..., :h] - od * sin[..., :h], od * cos[..., h:] + ev * sin[..., h:]), -1)
+    torch.testing.assert_close(out, expect, rtol=1e-6, atol=1e-6)
+    # ... and its inverse: the transposed map reads by halves and writes the pairs back
+    out, _ = torch.ops.dmfx.rope(g, k, cos, sin, True, False, True)
+    lo, hi = g[..., :h], g[..., h:]
+    expect = torch.stack((lo * cos[..., :h] + hi * sin[..., h:], hi * cos[..., h:] - lo * sin[..., :h]), -1).flatten(-2)
+    torch.testing.assert_close(out, expect, rtol=1e-6, atol=1e-6)
 
 
 def test_rope_gradcheck_including_tables():
@@ -438,16 +453,17 @@ def test_rope_gradcheck_including_tables():
     q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
     cos, sin = _tables(2, 3, 4, "hf", torch.float64)
     cos, sin = cos.requires_grad_(), sin.requires_grad_()
-    for interleaved in (False, True):
+    for flags in PAIRINGS.values():
         for inverse in (False, True):
-            assert torch.autograd.gradcheck(lambda *a: torch.ops.dmfx.rope(*a, inverse, interleaved), (q, k, cos, sin))
+            assert torch.autograd.gradcheck(lambda *a: torch.ops.dmfx.rope(*a, inverse, *flags), (q, k, cos, sin))
         # Tables broadcast over the batch too.
         c2, s2 = (t.detach()[0, 0].clone().requires_grad_() for t in (cos, sin))
-        assert torch.autograd.gradcheck(lambda *a: torch.ops.dmfx.rope(*a, False, interleaved), (q, k, c2, s2))
-        # It is linear in (q, k): double backward works (the backward is rope itself).
+        assert torch.autograd.gradcheck(lambda *a: torch.ops.dmfx.rope(*a, False, *flags), (q, k, c2, s2))
+        # It is linear in (q, k): double backward works (the backward is rope itself), the tables' too.
         assert torch.autograd.gradgradcheck(
-            lambda a, b: torch.ops.dmfx.rope(a, b, cos.detach(), sin.detach(), False, interleaved), (q, k)
+            lambda a, b: torch.ops.dmfx.rope(a, b, cos.detach(), sin.detach(), False, *flags), (q, k)
         )
+        assert torch.autograd.gradgradcheck(lambda *a: torch.ops.dmfx.rope(*a, True, *flags), (q, k, cos, sin))
 
 
 def test_rope_autograd_one_output_unused():
@@ -463,9 +479,11 @@ def test_rope_autograd_one_output_unused():
 def test_rope_opcheck_and_errors():
     q, k = _hf_qk(2, 3, 2, 1, 8, torch.float32)
     cos, sin = _tables(2, 3, 8, "hf", torch.float32)
-    for interleaved in (False, True):
+    for flags in PAIRINGS.values():
         opcheck(torch.ops.dmfx.rope.default,
-                (q.detach().requires_grad_(), k.detach().requires_grad_(), cos, sin, False, interleaved))
+                (q.detach().requires_grad_(), k.detach().requires_grad_(), cos, sin, False, *flags))
+    with pytest.raises(RuntimeError, match="interleaved and deinterleave exclude each other"):
+        torch.ops.dmfx.rope(q, k, cos, sin, False, True, True)
     with pytest.raises(RuntimeError, match="head dim D .* must be even"):
         torch.ops.dmfx.rope(torch.randn(1, 2, 3, 5), torch.randn(1, 1, 3, 5), torch.randn(3, 5), torch.randn(3, 5), False)
     with pytest.raises(RuntimeError, match="cos of shape .* must broadcast to q's shape"):

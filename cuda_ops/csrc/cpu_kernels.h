@@ -44,7 +44,7 @@ at::Tensor glu_fwd_cpu(const at::Tensor& gate, const at::Tensor& up, int64_t act
 Tensors glu_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& gate, const at::Tensor& up, int64_t act,
                     std::vector<bool> output_mask);
 Tensors rope_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, bool inverse,
-                 bool interleaved);
+                 bool interleaved, bool deinterleave);
 at::Tensor softcap_fwd_cpu(const at::Tensor& x, double cap);
 at::Tensor softcap_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& out, double cap);
 

@@ -305,8 +305,8 @@ inline RopeSide prepare_rope_side(const char* op, const char* xname, const at::T
 }
 
 inline std::vector<RopeSide> check_rope(const char* op, const at::Tensor& q, const at::Tensor& k,
-                                        const at::Tensor& cos, const at::Tensor& sin,
-                                        c10::DeviceType device) {
+                                        const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
+                                        bool deinterleave, c10::DeviceType device) {
   check_float_tensor(op, "q", q, device);
   check_matches(op, "k", k, "q", q);
   check_matches(op, "cos", cos, "q", q);
@@ -321,6 +321,8 @@ inline std::vector<RopeSide> check_rope(const char* op, const at::Tensor& q, con
               q.sizes(), " and k ", k.sizes());
   TORCH_CHECK(q.size(-1) % 2 == 0, "dmfx::", op, ": the head dim D (last dim of q and k) must be even, got ",
               q.size(-1));
+  TORCH_CHECK(!(interleaved && deinterleave), "dmfx::", op, ": interleaved and deinterleave exclude each other (GPT-J's "
+              "pairs in and out, or DeepSeek's pairs in and halves out)");
   return {prepare_rope_side(op, "q", q, cos, sin), prepare_rope_side(op, "k", k, cos, sin)};
 }
 

@@ -521,12 +521,27 @@ void softcap_bwd_impl(const at::Tensor& grad_out, const at::Tensor& out, double 
 // (2j, 2j + 1) interleaved (GPT-J's and Cohere's rotate_every_two). Forward: o = x * c + rot(x) * s with
 // rot(x)[a] = -x[b], rot(x)[b] = x[a]. Inverse (the transpose map, i.e. the backward):
 // o[a] = x[a] c[a] + x[b] s[b], o[b] = x[b] c[b] - x[a] s[a].
+// deinterleave (DeepSeek's rope_interleave): rotate_half's map on the de-interleaved row, x's pairs
+// (2j, 2j + 1) read as (j, j + h), the tables and o indexed by halves; its inverse reads by halves and
+// writes the pairs back interleaved.
 template <typename scalar_t>
 inline void rope_row(const scalar_t* x, const scalar_t* c, const scalar_t* s, scalar_t* o, int64_t h,
-                     bool inverse, bool interleaved) {
+                     bool inverse, bool interleaved, bool deinterleave) {
   using acc_t = at::opmath_type<scalar_t>;
   auto f = [](scalar_t v) { return static_cast<acc_t>(v); };
-  if (interleaved) {
+  if (deinterleave) {
+    for (int64_t j = 0; j < h; ++j) {
+      if (!inverse) {
+        const acc_t x1 = f(x[2 * j]), x2 = f(x[2 * j + 1]);
+        o[j] = static_cast<scalar_t>(x1 * f(c[j]) - x2 * f(s[j]));
+        o[j + h] = static_cast<scalar_t>(x2 * f(c[j + h]) + x1 * f(s[j + h]));
+      } else {
+        const acc_t x1 = f(x[j]), x2 = f(x[j + h]);
+        o[2 * j] = static_cast<scalar_t>(x1 * f(c[j]) + x2 * f(s[j + h]));
+        o[2 * j + 1] = static_cast<scalar_t>(x2 * f(c[j + h]) - x1 * f(s[j]));
+      }
+    }
+  } else if (interleaved) {
     for (int64_t a = 0; a < 2 * h; a += 2) {
       const acc_t x1 = f(x[a]), x2 = f(x[a + 1]);
       if (!inverse) {
@@ -550,7 +565,8 @@ inline void rope_row(const scalar_t* x, const scalar_t* c, const scalar_t* s, sc
 }
 
 template <typename scalar_t>
-void rope_impl(const std::vector<RopeSide>& sides, std::vector<at::Tensor>& outs, bool inverse, bool interleaved) {
+void rope_impl(const std::vector<RopeSide>& sides, std::vector<at::Tensor>& outs, bool inverse, bool interleaved,
+               bool deinterleave) {
   struct Side {
     Rows<scalar_t> x, c, s;
     scalar_t* o;
@@ -572,7 +588,8 @@ void rope_impl(const std::vector<RopeSide>& sides, std::vector<at::Tensor>& outs
       const Side& sd = first ? v[0] : v[1];
       const int64_t r = first ? i : i - v[0].rows;
       rope_row<scalar_t>(sd.x.data + sd.x.idx.offset(r), sd.c.data + sd.c.idx.offset(r),
-                         sd.s.data + sd.s.idx.offset(r), sd.o + r * D, h, inverse, interleaved);
+                         sd.s.data + sd.s.idx.offset(r), sd.o + r * D, h, inverse, interleaved,
+                         deinterleave);
     }
   });
 }
@@ -694,12 +711,12 @@ at::Tensor softcap_bwd_cpu(const at::Tensor& grad_out_in, const at::Tensor& out_
 }
 
 std::vector<at::Tensor> rope_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
-                                 const at::Tensor& sin, bool inverse, bool interleaved) {
+                                 const at::Tensor& sin, bool inverse, bool interleaved, bool deinterleave) {
   using namespace pointwise_impl;
-  const std::vector<RopeSide> sides = check_rope("rope", q, k, cos, sin, at::kCPU);
+  const std::vector<RopeSide> sides = check_rope("rope", q, k, cos, sin, interleaved, deinterleave, at::kCPU);
   std::vector<at::Tensor> outs = {at::empty(q.sizes(), q.options()), at::empty(k.sizes(), k.options())};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "dmfx_rope", [&] {
-    rope_impl<scalar_t>(sides, outs, inverse, interleaved);
+    rope_impl<scalar_t>(sides, outs, inverse, interleaved, deinterleave);
   });
   return outs;
 }
@@ -722,10 +739,10 @@ void bind_pointwise(pybind11::module_& m) {
         pybind11::arg("mask") = pybind11::none(), pybind11::arg("mask_scale") = 1.0);
   m.def("glu_fwd", &glu_fwd_cpu, "gated activation act(gate) * up (CPU)");
   m.def("glu_bwd", &glu_bwd_cpu, "gated activation backward [dgate, dup] (CPU)");
-  m.def("rope", &rope_cpu, "rotary position embedding of q and k (pairs (j, j + D/2), or (2j, 2j + 1) interleaved); "
-        "inverse=True is its backward (CPU)",
+  m.def("rope", &rope_cpu, "rotary position embedding of q and k (pairs (j, j + D/2), (2j, 2j + 1) interleaved, or "
+        "(2j, 2j + 1) in and (j, j + D/2) out with deinterleave); inverse=True is its backward (CPU)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("inverse"),
-        pybind11::arg("interleaved") = false);
+        pybind11::arg("interleaved") = false, pybind11::arg("deinterleave") = false);
   m.def("softcap_fwd", &softcap_fwd_cpu, "soft cap cap * tanh(x / cap) (CPU)", pybind11::arg("x"), pybind11::arg("cap"));
   m.def("softcap_bwd", &softcap_bwd_cpu, "soft cap backward grad_out * (1 - (out / cap)^2), from the output (CPU)",
         pybind11::arg("grad_out"), pybind11::arg("out"), pybind11::arg("cap"));
@@ -870,6 +887,12 @@ Tensor rotate(const Tensor& t, bool interleaved) {
   return at::cat({t.slice_symint(-1, h).neg(), t.slice_symint(-1, 0, h)}, -1);
 }
 
+// DeepSeek's de-interleaved order of the last dim, cat(t[..., 0::2], t[..., 1::2]): the order in which
+// dmfx::rope with deinterleave=True rotates its input's pairs (by halves).
+Tensor deinterleaved(const Tensor& t) {
+  return at::cat({t.slice_symint(-1, 0, c10::nullopt, 2), t.slice_symint(-1, 1, c10::nullopt, 2)}, -1);
+}
+
 // (q_out, k_out) = rope(q, k, cos, sin). The map is linear in (q, k): its backward is the transpose
 // map, dmfx::rope in the other direction (differentiable again). cos/sin rarely need gradients; only
 // then are q and k kept, for the plain-ATen formulas of theirs.
@@ -877,13 +900,14 @@ struct RopeFn : public torch::autograd::Function<RopeFn> {
   static constexpr const char* name = "dmfx::rope";
   using Sig = decltype(rope<CpuPointwise>);
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& cos,
-                               const Tensor& sin, bool inverse, bool interleaved) {
+                               const Tensor& sin, bool inverse, bool interleaved, bool deinterleave) {
     ctx->saved_data["needs"] = needs_bits(q, k, cos, sin);
     ctx->saved_data["inverse"] = inverse;
     ctx->saved_data["interleaved"] = interleaved;
+    ctx->saved_data["deinterleave"] = deinterleave;
     const bool tables = requires_grad(cos) || requires_grad(sin);
     ctx->save_for_backward({cos, sin, tables ? q : Tensor(), tables ? k : Tensor()});
-    return AutogradKernel<RopeFn>::below(q, k, cos, sin, inverse, interleaved);
+    return AutogradKernel<RopeFn>::below(q, k, cos, sin, inverse, interleaved, deinterleave);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
     // (an output whose gradient autograd did not compute arrives as zeros: materialized grads)
@@ -891,20 +915,24 @@ struct RopeFn : public torch::autograd::Function<RopeFn> {
     const Tensor &cos = v[0], &sin = v[1], &q = v[2], &k = v[3], &gq = g[0], &gk = g[1];
     const bool inverse = ctx->saved_data["inverse"].toBool();
     const bool interleaved = ctx->saved_data["interleaved"].toBool();
-    variable_list grads(6);
+    const bool deinterleave = ctx->saved_data["deinterleave"].toBool();
+    variable_list grads(7);
     if (needs(ctx, 0) || needs(ctx, 1)) {
-      auto [dq, dk] = op_of<RopeFn>().call(gq, gk, cos, sin, !inverse, interleaved);
+      auto [dq, dk] = op_of<RopeFn>().call(gq, gk, cos, sin, !inverse, interleaved, deinterleave);
       grads[0] = needs(ctx, 0) ? dq : Tensor();
       grads[1] = needs(ctx, 1) ? dk : Tensor();
     }
     if (q.defined()) {
       // forward: out = x c + rot(x) s       -> dc = g x, ds = g rot(x)
       // inverse: out = x c - rot(x s)       -> dc = g x, ds = x rot(g)   (rot^T = -rot)
+      // deinterleave: the same in the halves' order, x de-interleaved in the forward, g in the inverse
+      auto halves = [&](const Tensor& t) { return deinterleave ? deinterleaved(t) : t; };
+      auto dc = [&](const Tensor& gx, const Tensor& x) { return inverse ? halves(gx).mul(x) : gx.mul(halves(x)); };
       auto ds = [&](const Tensor& gx, const Tensor& x) {
-        return inverse ? x.mul(rotate(gx, interleaved)) : gx.mul(rotate(x, interleaved));
+        return inverse ? x.mul(rotate(halves(gx), interleaved)) : gx.mul(rotate(halves(x), interleaved));
       };
       if (needs(ctx, 2))
-        grads[2] = gq.mul(q).sum_to_size_symint(cos.sym_sizes()).add(gk.mul(k).sum_to_size_symint(cos.sym_sizes()));
+        grads[2] = dc(gq, q).sum_to_size_symint(cos.sym_sizes()).add(dc(gk, k).sum_to_size_symint(cos.sym_sizes()));
       if (needs(ctx, 3))
         grads[3] = ds(gq, q).sum_to_size_symint(sin.sym_sizes()).add(ds(gk, k).sum_to_size_symint(sin.sym_sizes()));
     }

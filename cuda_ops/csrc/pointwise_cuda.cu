@@ -335,11 +335,13 @@ struct RopeArgs {
   int64_t h;                 // D / 2
   bool inverse;
   bool interleaved;          // pairs (2j, 2j + 1) (GPT-J's rotate_every_two), else (j, j + h)
+  bool deinterleave;         // x's pairs (2j, 2j + 1) rotate into o's (j, j + h) (DeepSeek's); inverse: back
 };
 
 // Thread j < h of a row handles the pair (a, b) = (j, j + h), or (2j, 2j + 1) interleaved. Forward:
 // o = x c + rot(x) s, rot(x)[a] = -x[b], rot(x)[b] = x[a]; inverse: o[a] = x[a] c[a] + x[b] s[b],
-// o[b] = x[b] c[b] - x[a] s[a].
+// o[b] = x[b] c[b] - x[a] s[a]. deinterleave: the same with (j, j + h) for the tables and for o, and
+// (2j, 2j + 1) for x (inverse: for o, x read by halves).
 template <typename scalar_t>
 __global__ void rope_kernel(const RopeArgs<scalar_t> a) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -348,20 +350,24 @@ __global__ void rope_kernel(const RopeArgs<scalar_t> a) {
   if (j >= a.h) return;
   const int64_t h = a.h, D = 2 * h;
   const int64_t ia = a.interleaved ? 2 * j : j, ib = a.interleaved ? 2 * j + 1 : j + h;
+  // (deinterleave: x's pair in the forward, o's in the inverse, is (2j, 2j + 1); the rest by halves)
+  const bool pairs_in = a.deinterleave && !a.inverse, pairs_out = a.deinterleave && a.inverse;
+  const int64_t xa = pairs_in ? 2 * j : ia, xb = pairs_in ? 2 * j + 1 : ib;
+  const int64_t oa = pairs_out ? 2 * j : ia, ob = pairs_out ? 2 * j + 1 : ib;
   for (int64_t r = first_row(); r < jb.rows; r += row_stride()) {
     const scalar_t* x = jb.x + jb.xi.offset(r);
     const scalar_t* c = jb.c + jb.ci.offset(r);
     const scalar_t* s = jb.s + jb.si.offset(r);
-    const acc_t x1 = static_cast<acc_t>(x[ia]), x2 = static_cast<acc_t>(x[ib]);
+    const acc_t x1 = static_cast<acc_t>(x[xa]), x2 = static_cast<acc_t>(x[xb]);
     const acc_t c1 = static_cast<acc_t>(c[ia]), c2 = static_cast<acc_t>(c[ib]);
     const acc_t s1 = static_cast<acc_t>(s[ia]), s2 = static_cast<acc_t>(s[ib]);
     scalar_t* o = jb.o + r * D;
     if (!a.inverse) {
-      o[ia] = static_cast<scalar_t>(x1 * c1 - x2 * s1);
-      o[ib] = static_cast<scalar_t>(x2 * c2 + x1 * s2);
+      o[oa] = static_cast<scalar_t>(x1 * c1 - x2 * s1);
+      o[ob] = static_cast<scalar_t>(x2 * c2 + x1 * s2);
     } else {
-      o[ia] = static_cast<scalar_t>(x1 * c1 + x2 * s2);
-      o[ib] = static_cast<scalar_t>(x2 * c2 - x1 * s1);
+      o[oa] = static_cast<scalar_t>(x1 * c1 + x2 * s2);
+      o[ob] = static_cast<scalar_t>(x2 * c2 - x1 * s1);
     }
   }
 }
@@ -675,9 +681,9 @@ at::Tensor softcap_bwd_cuda(const at::Tensor& grad_out_in, const at::Tensor& out
 }
 
 std::vector<at::Tensor> rope_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
-                                  const at::Tensor& sin, bool inverse, bool interleaved) {
+                                  const at::Tensor& sin, bool inverse, bool interleaved, bool deinterleave) {
   using namespace pointwise_impl;
-  const std::vector<RopeSide> sides = check_rope("rope", q, k, cos, sin, at::kCUDA);
+  const std::vector<RopeSide> sides = check_rope("rope", q, k, cos, sin, interleaved, deinterleave, at::kCUDA);
   const c10::cuda::CUDAGuard device_guard(q.device());
   std::vector<at::Tensor> outs = {at::empty(q.sizes(), q.options()), at::empty(k.sizes(), k.options())};
   const int64_t rows = std::max(sides[0].rows, sides[1].rows);
@@ -699,6 +705,7 @@ std::vector<at::Tensor> rope_cuda(const at::Tensor& q, const at::Tensor& k, cons
     a.h = q.size(-1) / 2;
     a.inverse = inverse;
     a.interleaved = interleaved;
+    a.deinterleave = deinterleave;
     const Plan p = plan_launch(a.h, rows, 2);
     rope_kernel<scalar_t><<<p.grid, p.block, 0, pw_stream()>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -24,7 +24,7 @@ std::vector<at::Tensor> glu_bwd_cuda(const at::Tensor& grad_out, const at::Tenso
                                      const at::Tensor& up, int64_t act, std::vector<bool> output_mask);
 
 std::vector<at::Tensor> rope_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
-                                  const at::Tensor& sin, bool inverse, bool interleaved);
+                                  const at::Tensor& sin, bool inverse, bool interleaved, bool deinterleave);
 
 at::Tensor softcap_fwd_cuda(const at::Tensor& x, double cap);
 
@@ -40,10 +40,10 @@ void bind_pointwise(pybind11::module_& m) {
         pybind11::arg("mask") = pybind11::none(), pybind11::arg("mask_scale") = 1.0);
   m.def("glu_fwd", &glu_fwd_cuda, "gated activation act(gate) * up (CUDA)");
   m.def("glu_bwd", &glu_bwd_cuda, "gated activation backward [dgate, dup] (CUDA)");
-  m.def("rope", &rope_cuda, "rotary position embedding of q and k (pairs (j, j + D/2), or (2j, 2j + 1) interleaved); "
-        "inverse=True is its backward (CUDA)",
+  m.def("rope", &rope_cuda, "rotary position embedding of q and k (pairs (j, j + D/2), (2j, 2j + 1) interleaved, or "
+        "(2j, 2j + 1) in and (j, j + D/2) out with deinterleave); inverse=True is its backward (CUDA)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("inverse"),
-        pybind11::arg("interleaved") = false);
+        pybind11::arg("interleaved") = false, pybind11::arg("deinterleave") = false);
   m.def("softcap_fwd", &softcap_fwd_cuda, "soft cap cap * tanh(x / cap) (CUDA)", pybind11::arg("x"), pybind11::arg("cap"));
   m.def("softcap_bwd", &softcap_bwd_cuda, "soft cap backward grad_out * (1 - (out / cap)^2), from the output (CUDA)",
         pybind11::arg("grad_out"), pybind11::arg("out"), pybind11::arg("cap"));

@@ -108,10 +108,10 @@ inline Tensor permuted(const Tensor& t, const std::vector<int64_t>& order, int64
 
 template <class K>
 std::tuple<Tensor, Tensor> rope(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin, bool inverse,
-                                bool interleaved) {
+                                bool interleaved, bool deinterleave) {
   const auto order = rope_layout(q, k);
   if (order.empty()) {
-    auto r = K::rope(q, k, cos, sin, inverse, interleaved);
+    auto r = K::rope(q, k, cos, sin, inverse, interleaved, deinterleave);
     return {std::move(r[0]), std::move(r[1])};
   }
   // run on the memory-order views (contiguous outputs there), hand back the logical views
@@ -119,7 +119,7 @@ std::tuple<Tensor, Tensor> rope(const Tensor& q, const Tensor& k, const Tensor& 
   for (size_t i = 0; i < order.size(); ++i) back[order[i]] = static_cast<int64_t>(i);
   const int64_t rank = q.dim();
   auto r = K::rope(q.permute(order), k.permute(order), permuted(cos, order, rank), permuted(sin, order, rank), inverse,
-                   interleaved);
+                   interleaved, deinterleave);
   return {r[0].permute(back), r[1].permute(back)};
 }
 
