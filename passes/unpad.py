@@ -1079,7 +1079,7 @@ def _legacy_empty(t: Any) -> bool:
 
 
 class Rope(Rule):
-    """``dmfx::rope(q [B, H, S, D], k [B, Hk, S, D], cos, sin, inverse, interleaved)``: each token's
+    """``dmfx::rope(q [B, H, S, D], k [B, Hk, S, D], cos, sin, inverse, interleaved, deinterleave)``: each token's
     q and k rotated by the angles of its position. cos and sin broadcast to q as an element-wise op's
     operands do (_operand_role): HF's ``[1, 1, S, D]`` from shared position ids is a position table
     ("pos": gathered by each token's position), ``[B, 1, S, D]`` (position ids per sequence) a token
