@@ -1,4 +1,6 @@
+import contextlib
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -47,6 +49,27 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None)
     a, b = a.detach().double(), b.detach().double()
     denom = (scale.detach().double() if scale is not None else b).norm().item()
     return (a - b).norm().item() / max(denom, 1e-30)
+
+
+@contextlib.contextmanager
+def relu_kinks(activations: dict | None = None):
+    """Within it, every ``F.relu`` call (and `activations`' "relu" entry, a dict holding F.relu itself)
+    appends to the yielded list whether its input has an element within 1e-5 of its largest of 0: where
+    float32 values may round to either side of ReLU's kink, so that two correct computations pass a
+    cotangent there or not (the fuzzes' arbiters run float64 eager inside it)."""
+    import torch.nn.functional as F
+
+    near: list[bool] = []
+    relu = F.relu
+
+    def recording(h, *args, **kwargs):
+        m = h.detach().abs()
+        near.append(bool((m <= 1e-5 * m.amax().clamp_min(1e-30)).any()))
+        return relu(h, *args, **kwargs)
+
+    with mock.patch.object(F, "relu", recording), mock.patch.dict(activations if activations is not None else {},
+                                                                   {"relu": recording} if activations else {}):
+        yield near
 
 
 def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -18,11 +18,10 @@ import math
 import os
 import random
 import time
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
-from conftest import rel_err
+from conftest import rel_err, relu_kinks
 
 import dmfx
 
@@ -322,14 +321,7 @@ def _arbitrate(chain, variant, inputs, R, ga, why):
         return False, why
     x, mask, hmask, params = inputs
     leaves = [t.detach().double().requires_grad_() for t in (x, *params)]
-    near = []
-    relu = F.relu
-
-    def recording_relu(h, *args, **kwargs):
-        near.append(bool((h.detach().abs() <= 1e-5 * h.detach().abs().amax().clamp_min(1e-30)).any()))
-        return relu(h, *args, **kwargs)
-
-    with mock.patch.object(F, "relu", recording_relu):
+    with relu_kinks() as near:
         exact = chain(leaves[0], mask.double(), hmask.double(), *leaves[1:])
     gd = torch.autograd.grad(exact, leaves, R.double(), allow_unused=True)
     gd = [torch.zeros_like(t) if g is None else g for g, t in zip(gd, leaves)]
