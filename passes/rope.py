@@ -65,15 +65,28 @@ def _whole(n: object) -> object:
     return n
 
 
-def _slice_of(n: object, x: Node, start: int, end: int | None, D: int, step: int = 1) -> bool:
-    """n = x[..., start:end:step] along the last dim (end None: to the end)."""
-    if not is_op(n, aten.slice) or _whole(n.args[0]) is not x or len(n.users) != 1:
-        return False
-    dim, s, e, st = _slice_args(n)
+def _last_dim_slice(n: object) -> tuple[Node, int, int | None, int] | None:
+    """n = x[..., start:end:step] along x's last dim: (x, start, end, step), end None where the slice runs
+    to the end (None, the traced maximum, or any int from D on)."""
+    if not is_op(n, aten.slice):
+        return None
+    x = _whole(n.args[0])
     xm = tensor_meta(x)
-    if dim not in (-1, xm.dim() - 1) or st != step or s != start:
-        return False
-    return e == end or (end is None and (e is None or e in _END or e >= D))
+    if xm is None or xm.dim() == 0:
+        return None
+    dim, start, end, step = _slice_args(n)
+    D = xm.shape[-1]
+    if dim not in (-1, xm.dim() - 1):
+        return None
+    if end in _END or (isinstance(end, int) and isinstance(D, int) and end >= D):
+        end = None
+    return x, start, end, step
+
+
+def _slice_of(n: object, x: Node, start: int, end: int | None, step: int = 1) -> bool:
+    """n = x[..., start:end:step] along the last dim (end None: to the end), read once."""
+    found = _last_dim_slice(n)
+    return found is not None and found[0] is x and found[1:] == (start, end, step) and len(n.users) == 1
 
 
 def _rotation_of(rot: object) -> tuple[Node, bool, list[Node]] | None:
@@ -106,9 +119,9 @@ def _rotation_of(rot: object) -> tuple[Node, bool, list[Node]] | None:
         return None
     if interleaved:
         # the stacked dim is new and last (dim -1 or rank of the slices), then flattened into D
-        ok = dim in (-1, xm.dim()) and _slice_of(hi, x, 1, None, D, 2) and _slice_of(lo, x, 0, None, D, 2)
+        ok = dim in (-1, xm.dim()) and _slice_of(hi, x, 1, None, 2) and _slice_of(lo, x, 0, None, 2)
         return (x, True, [rot, rot.args[0], parts[0], hi, lo]) if ok else None
-    if dim in (-1, xm.dim() - 1) and _slice_of(hi, x, D // 2, None, D) and _slice_of(lo, x, 0, D // 2, D):
+    if dim in (-1, xm.dim() - 1) and _slice_of(hi, x, D // 2, None) and _slice_of(lo, x, 0, D // 2):
         return x, False, [rot, parts[0], hi, lo]
     return None
 
@@ -134,22 +147,13 @@ def _rope_site(add: Node) -> tuple[Node, Node, Node, list[Node], str] | None:
 
 def _pair_slice(n: object, start: int) -> Node | None:
     """n = x[..., start::2] along x's last dim (start 0 or 1): x."""
-    if not is_op(n, aten.slice):
-        return None
-    x = _whole(n.args[0])
-    xm = tensor_meta(x)
-    if xm is None or xm.dim() == 0:
-        return None
-    dim, s, e, st = _slice_args(n)
-    D = xm.shape[-1]
-    if dim not in (-1, xm.dim() - 1) or st != 2 or s != start or not isinstance(D, int):
-        return None
-    return x if e is None or e in _END or (isinstance(e, int) and e >= D) else None
+    found = _last_dim_slice(n)
+    return found[0] if found is not None and found[1:] == (start, None, 2) else None
 
 
 def _products(n: object, a: object, b: object) -> bool:
     """n = a * b (either order), read once."""
-    return is_op(n, aten.mul) and len(n.users) == 1 and len(n.args) == 2 and {id(v) for v in n.args} == {id(a), id(b)}
+    return len(getattr(n, "users", ())) == 1 and any(u is a and v is b for u, v in commuted(n, aten.mul))
 
 
 def _deinterleaved_site(cat: Node) -> tuple[Node, Node, Node, list[Node], str] | None:
@@ -258,6 +262,19 @@ def match_rope(qa: Node, ctx: PassContext) -> Match | Miss | None:
     return Match(nodes, q_chain + k_chain, returned=(qa, ka))
 
 
+def _doubled(graph: Graph, ctx: PassContext, t: Node, last: Node) -> Node:
+    """cat([t, t], -1) for a site whose fused op goes after `last` (at the insertion point): one an
+    earlier site made of the same values, where there is one up to `last` (a model's layers share their
+    tables, each sliced from them again), else a new one."""
+    for n in graph.nodes:
+        parts = n.args[0] if is_op(n, aten.cat) else ()
+        if len(parts) == 2 and parts[0] is parts[1] and n.args[1:] == (-1,) and same_value(parts[0], t):
+            return n
+        if n is last:
+            break
+    return insert_call(graph, ctx, aten.cat.default, ([t, t], -1))
+
+
 def rewrite_rope(graph: Graph, m: Match, ctx: PassContext) -> Replacement:
     qa, ka = m.returned
     with graph.inserting_before(m["last"].next):
@@ -266,7 +283,7 @@ def rewrite_rope(graph: Graph, m: Match, ctx: PassContext) -> Replacement:
         if pairing == "interleaved":
             flags = (True,)
         elif pairing == "deinterleave":  # (the kernel takes tables of D: each half-table twice)
-            cos, sin = (insert_call(graph, ctx, aten.cat.default, ([t, t], -1)) for t in (cos, sin))
+            cos, sin = (_doubled(graph, ctx, t, m["last"]) for t in (cos, sin))
             flags = (False, True)
         args = (m["q"], m["k"], cos, sin, False) + flags
         fused = insert_call(graph, ctx, torch.ops.dmfx.rope.default, args)

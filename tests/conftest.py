@@ -67,8 +67,10 @@ def relu_kinks(activations: dict | None = None):
         near.append(bool((m <= 1e-5 * m.amax().clamp_min(1e-30)).any()))
         return relu(h, *args, **kwargs)
 
-    with mock.patch.object(F, "relu", recording), mock.patch.dict(activations if activations is not None else {},
-                                                                   {"relu": recording} if activations else {}):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(F, "relu", recording))
+        if activations:
+            stack.enter_context(mock.patch.dict(activations, {"relu": recording}))
         yield near
 
 

@@ -158,6 +158,25 @@ def test_deepseek_rope_pairs_in_halves_out():
     check_same(apply_rope_deinterleave, gm, q, k, cos, sin, tol=1e-6)
 
 
+def test_deepseek_rope_layers_share_their_doubled_tables():
+    """Two layers rotating with the model's one pair of tables: two fused ops, one cat([c, c]) per table
+    (made at the first site, read again at the second), and the second layer's q depends on the first's."""
+    B, S, D = 2, 6, 8
+
+    def two_layers(q, k, cos, sin):
+        q1, k1 = apply_rope_deinterleave(q, k, cos, sin)
+        return apply_rope_deinterleave(q1 * 2, k1 + 1, cos, sin)
+
+    q, k = torch.randn(B, 4, S, D), torch.randn(B, 1, S, D)
+    cos, sin = torch.randn(B, S, D), torch.randn(B, S, D)
+    gm, ctx = rewrite(two_layers, q, k, cos, sin)
+    assert ctx.fired.get("rope") == 2, ctx.missed
+    ropes = [n for n in gm.graph.nodes if n.target is torch.ops.dmfx.rope.default]
+    assert len(ropes) == 2 and ropes[0].args[2:4] == ropes[1].args[2:4]
+    assert sum(n.target is aten.cat.default for n in gm.graph.nodes) == 2, targets(gm)
+    check_same(two_layers, gm, q, k, cos, sin, tol=1e-6)
+
+
 def test_deepseek_rope_near_misses_are_left_alone():
     B, S, D = 2, 6, 8
     q, k = torch.randn(B, 4, S, D), torch.randn(B, 1, S, D)

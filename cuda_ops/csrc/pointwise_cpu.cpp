@@ -529,28 +529,29 @@ inline void rope_row(const scalar_t* x, const scalar_t* c, const scalar_t* s, sc
                      bool inverse, bool interleaved, bool deinterleave) {
   using acc_t = at::opmath_type<scalar_t>;
   auto f = [](scalar_t v) { return static_cast<acc_t>(v); };
-  if (deinterleave) {
+  if (deinterleave && !inverse) {
     for (int64_t j = 0; j < h; ++j) {
-      if (!inverse) {
-        const acc_t x1 = f(x[2 * j]), x2 = f(x[2 * j + 1]);
-        o[j] = static_cast<scalar_t>(x1 * f(c[j]) - x2 * f(s[j]));
-        o[j + h] = static_cast<scalar_t>(x2 * f(c[j + h]) + x1 * f(s[j + h]));
-      } else {
-        const acc_t x1 = f(x[j]), x2 = f(x[j + h]);
-        o[2 * j] = static_cast<scalar_t>(x1 * f(c[j]) + x2 * f(s[j + h]));
-        o[2 * j + 1] = static_cast<scalar_t>(x2 * f(c[j + h]) - x1 * f(s[j]));
-      }
+      const acc_t x1 = f(x[2 * j]), x2 = f(x[2 * j + 1]);
+      o[j] = static_cast<scalar_t>(x1 * f(c[j]) - x2 * f(s[j]));
+      o[j + h] = static_cast<scalar_t>(x2 * f(c[j + h]) + x1 * f(s[j + h]));
+    }
+  } else if (deinterleave) {
+    for (int64_t j = 0; j < h; ++j) {
+      const acc_t x1 = f(x[j]), x2 = f(x[j + h]);
+      o[2 * j] = static_cast<scalar_t>(x1 * f(c[j]) + x2 * f(s[j + h]));
+      o[2 * j + 1] = static_cast<scalar_t>(x2 * f(c[j + h]) - x1 * f(s[j]));
+    }
+  } else if (interleaved && !inverse) {
+    for (int64_t a = 0; a < 2 * h; a += 2) {
+      const acc_t x1 = f(x[a]), x2 = f(x[a + 1]);
+      o[a] = static_cast<scalar_t>(x1 * f(c[a]) - x2 * f(s[a]));
+      o[a + 1] = static_cast<scalar_t>(x2 * f(c[a + 1]) + x1 * f(s[a + 1]));
     }
   } else if (interleaved) {
     for (int64_t a = 0; a < 2 * h; a += 2) {
       const acc_t x1 = f(x[a]), x2 = f(x[a + 1]);
-      if (!inverse) {
-        o[a] = static_cast<scalar_t>(x1 * f(c[a]) - x2 * f(s[a]));
-        o[a + 1] = static_cast<scalar_t>(x2 * f(c[a + 1]) + x1 * f(s[a + 1]));
-      } else {
-        o[a] = static_cast<scalar_t>(x1 * f(c[a]) + x2 * f(s[a + 1]));
-        o[a + 1] = static_cast<scalar_t>(x2 * f(c[a + 1]) - x1 * f(s[a]));
-      }
+      o[a] = static_cast<scalar_t>(x1 * f(c[a]) + x2 * f(s[a + 1]));
+      o[a + 1] = static_cast<scalar_t>(x2 * f(c[a + 1]) - x1 * f(s[a]));
     }
   } else if (!inverse) {
     for (int64_t j = 0; j < h; ++j) o[j] = static_cast<scalar_t>(f(x[j]) * f(c[j]) - f(x[j + h]) * f(s[j]));
