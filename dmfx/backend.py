@@ -429,14 +429,12 @@ def _run_on_copy(gm: GraphModule, example_inputs: Sequence[Any], opts: Options, 
     joint graph's layout search). On failure with opts.fallback: one warning and None (the caller
     keeps `gm`; a failed forward pipeline marks the record). A graph verifier's violation under
     ``verify="strict"`` (or DMFX_VERIFY=strict, the test suite's setting) raises even then."""
-    from .passes.verify import GraphVerificationError
-
     ctx = pass_context(example_inputs, opts, training)
     work = _copy(gm)
     try:
         run(work, ctx, opts.skip, verify=opts.verify)
     except Exception as e:
-        if not opts.fallback or _dynamo_signal(e) or isinstance(e, GraphVerificationError) and e.strict:
+        if not _may_fall_back(e, opts):
             raise
         name, kind = ctx.current, type(e).__name__
         then = {"": "the graph runs unrewritten", "backward": "the backward runs as AOTAutograd derived it",
@@ -490,7 +488,12 @@ def _compiler(kind: str, record: GraphRecord, opts: Options, rewritten: GraphMod
 
     def compile_fn(gm: GraphModule, example_inputs: Sequence[Any]) -> Callable:
         with record.caches_off():  # (here, as the backward compiles at its first run)
-            compiled = _compile(gm, example_inputs)
+            try:
+                compiled = _compile(gm, example_inputs)
+            except Exception as e:
+                if kind != "backward" or not _may_fall_back(e, opts):
+                    raise  # (a forward or inference failure: the AOTAutograd step leaves the graph to PyTorch)
+                compiled = _backward_as_derived(gm, e, record)
         record.floats_compiled(last=kind != "forward")
         return compiled
 
@@ -517,6 +520,28 @@ def _compiler(kind: str, record: GraphRecord, opts: Options, rewritten: GraphMod
         return compiled
 
     return compile_fn
+
+
+def _may_fall_back(e: BaseException, opts: Options) -> bool:
+    """Whether a failure `e` in dmfx's compile is caught by the fallback: option fallback is on, and it is
+    neither Dynamo's signal nor a strict graph verifier's violation (those are raised)."""
+    from .passes.verify import GraphVerificationError
+
+    return opts.fallback and not _dynamo_signal(e) and not (isinstance(e, GraphVerificationError) and e.strict)
+
+
+def _backward_as_derived(gm: GraphModule, e: Exception, record: GraphRecord) -> Callable:
+    """The backward graph AOTAutograd derived, run as an FX GraphModule, where dmfx's compile of it
+    failed (`e`). It compiles at the first ``backward()``, after the forward already ran dmfx's forward
+    graph, so the graph cannot go back to PyTorch whole; this graph is the one that forward's saved
+    values and dmfx's ops' own derivatives call for. One warning; the record says so."""
+    kind = type(e).__name__
+    _warn_once(f"backward:{kind}", "dmfx: the backward of graph %d failed to compile (%s: %s); it runs as "
+               "AOTAutograd derived it, as an FX GraphModule", record.graph_id, kind, str(e).splitlines()[0][:300] if str(e) else "")
+    record.missed.append(f"compiler: the backward graph failed to compile ({kind}); ran it as AOTAutograd derived it, as FX")
+    record.compiled["backward"] = _count_ops(gm)
+    record.backward_graph = gm
+    return _boxed(gm)
 
 
 def _inductor(gm: GraphModule, example_inputs: Sequence[Any], kind: str, record: GraphRecord, opts: Options,
@@ -681,12 +706,11 @@ def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Opt
     kernels' self-check was deferred and its verdict is not known (_compile_graph): it runs before
     the graph is rewritten (_run_deferred_self_check)."""
     from . import graph_cache
-    from .passes.verify import GraphVerificationError
 
     try:
         aten_gm = lower_to_aten(gm, example_inputs, opts, record)
     except Exception as e:  # metadata mutations, grad-mode regions in training, list inputs, ...
-        if not opts.fallback or _dynamo_signal(e) or isinstance(e, GraphVerificationError) and e.strict:
+        if not _may_fall_back(e, opts):
             raise
         why = f"could not lower to a functional ATen graph: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         return _left_to_pytorch(gm, example_inputs, why, record, opts, start, capture)

@@ -415,6 +415,40 @@ def test_strict_from_the_environment_raises_under_fallback(monkeypatch):
         _step({})
 
 
+def _raising_in_the_backward_compile(monkeypatch):
+    """A failure in dmfx's compile of the backward graph outside its passes (which fall back on their own):
+    the step that carries the forward's fusions onto the backward graph raises."""
+    from dmfx.passes import fusion
+
+    def broken(forward, backward):
+        raise RuntimeError("made up for the test")
+
+    monkeypatch.setattr(fusion, "carry_to_backward", broken)
+    monkeypatch.setattr(backend, "_warned", set())  # (each test sees its warning)
+
+
+@pytest.mark.parametrize("compiler", ["inductor", "fx"])
+def test_a_backward_that_fails_to_compile_runs_as_derived(monkeypatch, caplog, compiler):
+    """The backward compiles at the first backward(), after the forward ran dmfx's forward graph, so it
+    cannot go back to PyTorch whole: with fallback on it runs as AOTAutograd derived it (the graph the
+    forward's saved values and dmfx's ops' derivatives call for), with eager's gradients; the record and
+    the log say so."""
+    _raising_in_the_backward_compile(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="dmfx"):
+        _step({"compiler": compiler, "cache": False, "fuse": "all"})
+    assert "the backward of graph" in caplog.text and "made up for the test" in caplog.text, caplog.text
+    rec = dmfx.records()[-1]
+    assert rec.fallback is None and rec.fired, rec  # (the forward is dmfx's)
+    assert any("the backward graph failed to compile (RuntimeError)" in m for m in rec.missed), rec.missed
+    assert rec.compiled.get("backward") and rec.backward_graph is not None
+
+
+def test_a_backward_that_fails_to_compile_raises_without_the_fallback(monkeypatch):
+    _raising_in_the_backward_compile(monkeypatch)
+    with pytest.raises(Exception, match="made up for the test"):
+        _step({"cache": False, "fuse": "all", "fallback": False})
+
+
 def _wrong_gemm_strides(gm, ctx):
     """A broken forward pass: marks the first GEMM's output column-major, which the op does not write."""
     for n in gm.graph.nodes:
