@@ -972,9 +972,7 @@ def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options
         with graph_cache.tagged(dmfx_tag), record.caches_off():
             compiled = compiler(traced, example_inputs)
     except Exception as e:  # (AOTAutograd's trace of the joint, the joint passes, or the forward's compile failed)
-        from .passes.verify import GraphVerificationError
-
-        if not opts.fallback or _dynamo_signal(e) or isinstance(e, GraphVerificationError) and e.strict:
+        if not _may_fall_back(e, opts):
             raise
         why = f"AOTAutograd could not compile the rewritten graph: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         # (nothing of the rewrite runs: the record keeps only what the graph is and what was missed)
@@ -984,7 +982,10 @@ def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options
         left = replace(opts, cache=False, compiler="fx" if writes else opts.compiler)
         record.unpad, record.scope_skip, record.compiler, record.bytes_saved = {}, (), left.compiler, None
         record.aten_ops_after = record.aten_ops_before
-        return _left_to_pytorch(gm, example_inputs, why, record, left, start, capture)
+        compiled = _left_to_pytorch(gm, example_inputs, why, record, left, start, capture)
+        if (key or whole_key) and record.fallback.startswith("left to Inductor"):  # (a later process goes
+            graph_cache.save_lowered(key or whole_key, record, None, hint, whole_graph=why)  # there at once)
+        return compiled
     if cache is not None:
         if "forward" in record.compiled or "inference" in record.compiled:
             record.cache = "miss"

@@ -319,6 +319,37 @@ def test_a_graph_left_to_inductor_whole_is_remembered(fresh_cache):
     assert torch.allclose(outs[0], outs[1], rtol=0, atol=1e-6)
 
 
+def test_a_rewritten_graph_aotautograd_cannot_compile_is_remembered(fresh_cache, monkeypatch):
+    """Where AOTAutograd's step fails on dmfx's rewritten graph (made to here: a forward compiler that
+    raises), the graph is left to Inductor whole, and a later process goes there at once instead of
+    reading the lowered graph back and failing again; its answers are Inductor's."""
+    from dmfx import backend
+
+    attempts = []
+
+    def compiler_of(kind, *args, **kwargs):
+        def compile_one(gm, example_inputs):
+            attempts.append(kind)
+            raise RuntimeError(f"no {kind} compiler today")
+        return compile_one
+
+    monkeypatch.setattr(backend, "_compiler", compiler_of)
+    f = lambda x, w: torch.nn.functional.layer_norm(x @ w, (w.shape[-1],)) * 2  # noqa: E731
+    x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
+    recs = []
+    for _ in range(2):  # (two processes, as far as Dynamo and dmfx's memory go)
+        torch._dynamo.reset()
+        got = torch.compile(f, backend="dmfx", options={"compiler": "inductor", "fuse": "all"})(x, w)
+        assert rel_err(got, f(x, w)) < 1e-6
+        recs.append(dmfx.records()[-1])
+    assert attempts == ["forward"], attempts
+    assert [r.lowered_from_cache for r in recs] == [False, True]
+    for r in recs:
+        assert r.fallback.startswith("left to Inductor: AOTAutograd could not compile the rewritten graph: "
+                                     "RuntimeError: no forward compiler today"), r.fallback
+        assert not r.fired, r.fired
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_a_dynamic_shape_graph_left_to_inductor_whole_is_remembered(fresh_cache, monkeypatch, dropout):
     """Under symbolic shapes only the decision to leave a graph to Inductor whole is kept (the lowered
