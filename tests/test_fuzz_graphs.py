@@ -906,7 +906,7 @@ def test_graph_fuzz_matches_eager(dtype, autocast, record_property):
     """Every program's outputs, input gradients and parameter gradients equal eager's, in `dtype`
     (under autocast: float32 modules and masks, eager under the same autocast); and most programs fuse
     something. Under autocast, attention over bf16/fp16 scores and a float32 mask (promoted to float32 for
-    the softmax, cast back for the second GEMM) must fuse in some program."""
+    the softmax, cast back for the second GEMM) must fuse in some program, where a program has one."""
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     start = time.perf_counter()
     n = N_AUTOCAST_PROGRAMS[autocast] if autocast else N_PROGRAMS[dtype]
@@ -919,7 +919,7 @@ def test_graph_fuzz_matches_eager(dtype, autocast, record_property):
     assert not failed, (f"{len(failed)} of {len(results)} programs differ from eager:\n"
                         + "\n".join(r.report() for r in failed[:4]))
     _assert_fused_enough(results, summary)
-    if autocast and ONLY is None:
+    if autocast and ONLY is None and any(kind == "attn" for r in results for kind, _ in r.recipe["modules"].values()):
         assert any(r.fired.get("attention_softmax") or r.fired.get("attention") for r in results), summary
 
 
