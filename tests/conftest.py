@@ -74,6 +74,16 @@ def relu_kinks(activations: dict | None = None):
         yield near
 
 
+def compilers_raising(error):
+    """A stand-in for dmfx.backend._compiler whose graph compilers raise ``error(kind)`` (kind: "forward",
+    "backward" or "inference"), for the fallback around AOTAutograd's step."""
+    def compiler_of(kind, *args, **kwargs):
+        def compile_one(gm, example_inputs):
+            raise error(kind)
+        return compile_one
+    return compiler_of
+
+
 def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b|: the backward passes' and their ops' tests compare elementwise."""
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()

@@ -15,7 +15,7 @@ import transformers
 import dmfx
 from dmfx import graph_cache
 from dmfx.options import Options
-from tests.conftest import rel_err
+from tests.conftest import compilers_raising, rel_err
 
 # fuse="all": dmfx rewrites the graph (dropout 0, so eager is the exact reference) and Inductor runs it
 INDUCTOR = {"compiler": "inductor", "fuse": "all", "fallback": False}
@@ -326,14 +326,8 @@ def test_a_rewritten_graph_aotautograd_cannot_compile_is_remembered(fresh_cache,
     from dmfx import backend
 
     attempts = []
-
-    def compiler_of(kind, *args, **kwargs):
-        def compile_one(gm, example_inputs):
-            attempts.append(kind)
-            raise RuntimeError(f"no {kind} compiler today")
-        return compile_one
-
-    monkeypatch.setattr(backend, "_compiler", compiler_of)
+    monkeypatch.setattr(backend, "_compiler", compilers_raising(
+        lambda kind: attempts.append(kind) or RuntimeError(f"no {kind} compiler today")))
     f = lambda x, w: torch.nn.functional.layer_norm(x @ w, (w.shape[-1],)) * 2  # noqa: E731
     x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
     recs = []

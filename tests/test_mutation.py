@@ -20,7 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import dmfx
 from dmfx.functionalize import reinplace_input_writes
 from dmfx.passes import ALL_PASSES
-from tests.conftest import rel_err
+from tests.conftest import compilers_raising, rel_err
 
 NO_FUSIONS = {"skip": list(ALL_PASSES)}
 
@@ -677,23 +677,13 @@ def test_a_copy_of_a_value_that_requires_grad_trains_as_eager(fn, options):
     assert all(r.fallback is None or r.fallback.startswith("left to Inductor: ") for r in dmfx.records())
 
 
-def _compilers_raising(error):
-    """A stand-in for dmfx.backend._compiler whose graph compilers raise ``error(kind)`` (kind: "forward",
-    "backward" or "inference"), for the fallback around AOTAutograd's step."""
-    def compiler_of(kind, *args, **kwargs):
-        def compile_one(gm, example_inputs):
-            raise error(kind)
-        return compile_one
-    return compiler_of
-
-
 def test_a_rewritten_graph_aotautograd_cannot_compile_is_left_to_pytorch(monkeypatch):
     """Where AOTAutograd's trace of dmfx's rewritten graph (or one of dmfx's compilers) fails, the
     default (fallback on) leaves the graph to PyTorch, as a graph dmfx cannot lower is, and the record
     says why; fallback=False raises. (The failure is made here: a forward compiler that raises.)"""
     import dmfx.backend as backend
 
-    monkeypatch.setattr(backend, "_compiler", _compilers_raising(lambda kind: RuntimeError(f"no {kind} compiler today")))
+    monkeypatch.setattr(backend, "_compiler", compilers_raising(lambda kind: RuntimeError(f"no {kind} compiler today")))
     f = lambda x, w: F.layer_norm(x @ w, (w.shape[-1],)) * 2  # noqa: E731
     x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
     want = f(x, w)
@@ -720,7 +710,7 @@ def test_a_strict_verifier_error_in_aotautograds_step_is_not_swallowed_by_the_fa
     import dmfx.backend as backend
     from dmfx.passes.verify import GraphVerificationError
 
-    monkeypatch.setattr(backend, "_compiler", _compilers_raising(
+    monkeypatch.setattr(backend, "_compiler", compilers_raising(
         lambda kind: GraphVerificationError("layout", "mm", "made up for the test", strict=True)))
     f = lambda x, w: F.layer_norm(x @ w, (w.shape[-1],)) * 2  # noqa: E731
     x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
@@ -734,7 +724,7 @@ def test_a_graph_that_writes_an_input_runs_as_dynamo_gave_it_where_aotautograd_f
     judged on the rewritten graph only."""
     import dmfx.backend as backend
 
-    monkeypatch.setattr(backend, "_compiler", _compilers_raising(lambda kind: RuntimeError("no compiler today")))
+    monkeypatch.setattr(backend, "_compiler", compilers_raising(lambda kind: RuntimeError("no compiler today")))
 
     def f(x, w, state):
         state.add_(1.0)
