@@ -493,7 +493,7 @@ def _compiler(kind: str, record: GraphRecord, opts: Options, rewritten: GraphMod
             except Exception as e:
                 if kind != "backward" or not _may_fall_back(e, opts):
                     raise  # (a forward or inference failure: the AOTAutograd step leaves the graph to PyTorch)
-                compiled = _backward_as_derived(gm, e, record)
+                compiled = _backward_as_derived(gm, example_inputs, e, record, opts, rewritten, cudagraphs, dmfx_tag)
         record.floats_compiled(last=kind != "forward")
         return compiled
 
@@ -530,18 +530,35 @@ def _may_fall_back(e: BaseException, opts: Options) -> bool:
     return opts.fallback and not _dynamo_signal(e) and not (isinstance(e, GraphVerificationError) and e.strict)
 
 
-def _backward_as_derived(gm: GraphModule, e: Exception, record: GraphRecord) -> Callable:
-    """The backward graph AOTAutograd derived, run as an FX GraphModule, where dmfx's compile of it
-    failed (`e`). It compiles at the first ``backward()``, after the forward already ran dmfx's forward
-    graph, so the graph cannot go back to PyTorch whole; this graph is the one that forward's saved
-    values and dmfx's ops' own derivatives call for. One warning; the record says so."""
+def _first_line(e: BaseException, n: int = 300) -> str:
+    """The first line of `e`'s message, at most `n` characters ("" for an exception without one, such
+    as a bare ``assert``'s)."""
+    lines = str(e).splitlines()
+    return lines[0][:n] if lines else ""
+
+
+def _backward_as_derived(gm: GraphModule, example_inputs: Sequence[Any], e: Exception, record: GraphRecord,
+                         opts: Options, rewritten: GraphModule, cudagraphs: Any, dmfx_tag: str | None) -> Callable:
+    """The backward graph as AOTAutograd derived it, where dmfx's compile of it failed (`e`): compiled by
+    Inductor under compiler="inductor" (as FX where Inductor fails too), else run as an FX GraphModule.
+    It compiles at the first ``backward()``, after the forward already ran dmfx's forward graph, so the
+    graph cannot go back to PyTorch whole; this graph is the one that forward's saved values and dmfx's
+    ops' own derivatives call for, without the backward passes. One warning; the record says so."""
+    from . import graph_cache
+
     kind = type(e).__name__
-    _warn_once(f"backward:{kind}", "dmfx: the backward of graph %d failed to compile (%s: %s); it runs as "
-               "AOTAutograd derived it, as an FX GraphModule", record.graph_id, kind, str(e).splitlines()[0][:300] if str(e) else "")
-    record.missed.append(f"compiler: the backward graph failed to compile ({kind}); ran it as AOTAutograd derived it, as FX")
     record.compiled["backward"] = _count_ops(gm)
     record.backward_graph = gm
-    return _boxed(gm)
+    compiled = None
+    if opts.compiler == "inductor":
+        with graph_cache.tagged(dmfx_tag):
+            compiled = _inductor(gm, example_inputs, "backward", record, opts, rewritten, cudagraphs)
+    how = "by Inductor" if compiled is not None else "as an FX GraphModule"
+    _warn_once(f"backward:{kind}", "dmfx: the backward of graph %d failed to compile (%s: %s); it runs as "
+               "AOTAutograd derived it, %s", record.graph_id, kind, _first_line(e), how)
+    record.missed.append(f"compiler: the backward graph failed to compile ({kind}); compiled it as AOTAutograd "
+                         f"derived it, {how}")
+    return compiled if compiled is not None else _boxed(gm)
 
 
 def _inductor(gm: GraphModule, example_inputs: Sequence[Any], kind: str, record: GraphRecord, opts: Options,
@@ -556,11 +573,11 @@ def _inductor(gm: GraphModule, example_inputs: Sequence[Any], kind: str, record:
                                  max_autotune=opts.max_autotune, cudagraphs=cudagraphs,
                                  joint_passes=kind == "inference" and uses_inductor_joint(opts))
     except Exception as e:
-        if not opts.fallback or _dynamo_signal(e):
+        if not _may_fall_back(e, opts):
             raise
         _warn_once(f"inductor:{type(e).__name__}", "dmfx: Inductor could not compile graph %d's %s graph (%s: %s); "
                    "it runs as an FX GraphModule (compiler='fx')", record.graph_id, kind, type(e).__name__,
-                   str(e).splitlines()[0][:300] if str(e) else "")
+                   _first_line(e))
         record.missed.append(f"compiler: Inductor failed on the {kind} graph ({type(e).__name__}); ran it as FX")
         record.compiler = "fx"
         if cudagraphs is not None:
@@ -601,10 +618,10 @@ def _whole_graph_to_inductor(gm: GraphModule, example_inputs: Sequence[Any], why
             compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile if record.float_inputs else
                                   compile_fx_inner, config_patches=patches)
     except Exception as e:
-        if not opts.fallback or _dynamo_signal(e):
+        if not _may_fall_back(e, opts):
             raise
         _warn_once(f"inductor-whole:{type(e).__name__}", "dmfx: Inductor could not compile graph %d (%s: %s); dmfx "
-                   "compiles it", record.graph_id, type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
+                   "compiles it", record.graph_id, type(e).__name__, _first_line(e))
         return None
     record.fallback = f"left to Inductor: {why}"
     record.compiler = "inductor"
@@ -712,8 +729,8 @@ def _lower_and_rewrite(gm: GraphModule, example_inputs: Sequence[Any], opts: Opt
     except Exception as e:  # metadata mutations, grad-mode regions in training, list inputs, ...
         if not _may_fall_back(e, opts):
             raise
-        why = f"could not lower to a functional ATen graph: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-        return _left_to_pytorch(gm, example_inputs, why, record, opts, start, capture)
+        why = f"could not lower to a functional ATen graph: {type(e).__name__}: {_first_line(e, 200)}"
+        return _left_to_pytorch(gm, example_inputs, why, record, opts, start, capture, key or whole_key)
     record.aten_ops_before = _count_ops(aten_gm)
     hint = None if opts.unpad else _padding_hint(aten_gm, record, gm)
     if opts.compiler == "inductor" and opts.fuse == "auto" and not opts.unpad:
@@ -803,16 +820,21 @@ def _run_deferred_self_check(example_inputs: Sequence[Any], opts: Options) -> No
 
 
 def _left_to_pytorch(gm: GraphModule, example_inputs: Sequence[Any], why: str, record: GraphRecord, opts: Options,
-                     start: float, capture: bool) -> Callable:
+                     start: float, capture: bool, keep: str | None = None, hint: Any = None) -> Callable:
     """A graph dmfx cannot compile (`why`), under option fallback: under compiler="inductor" it is
     still Inductor's to compile whole (the user chose a compiler: the graph must not run slower than
     under Inductor because dmfx met it); else, or where Inductor fails too, it runs as Dynamo gave it.
-    The log says so."""
+    The log says so. Where Inductor took it and `keep` (a compile-cache key) is given, that decision is
+    kept under it, with the padding `hint`: a later process goes to Inductor at once instead of meeting
+    the same failure first (a stale entry costs speed, never an answer)."""
+    from . import graph_cache
     from .cuda_ops.build import warn
 
     compiled = _whole_graph_to_inductor(gm, example_inputs, why, record, opts, start, capture) \
         if opts.compiler == "inductor" else None
     if compiled is not None:
+        if keep:
+            graph_cache.save_lowered(keep, record, None, hint, whole_graph=why)
         warn("dmfx: %s", record.summary())
         return compiled
     record.fallback = why
@@ -974,7 +996,7 @@ def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options
     except Exception as e:  # (AOTAutograd's trace of the joint, the joint passes, or the forward's compile failed)
         if not _may_fall_back(e, opts):
             raise
-        why = f"AOTAutograd could not compile the rewritten graph: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        why = f"AOTAutograd could not compile the rewritten graph: {type(e).__name__}: {_first_line(e, 200)}"
         # (nothing of the rewrite runs: the record keeps only what the graph is and what was missed)
         record.fired, record.replaced, record.compiled, record.copies, record.attention_forms = {}, {}, {}, [], {}
         # a graph that writes its inputs runs as Dynamo gave it: whether Inductor would miscompile its
@@ -982,10 +1004,7 @@ def _compile_graph(gm: GraphModule, example_inputs: Sequence[Any], opts: Options
         left = replace(opts, cache=False, compiler="fx" if writes else opts.compiler)
         record.unpad, record.scope_skip, record.compiler, record.bytes_saved = {}, (), left.compiler, None
         record.aten_ops_after = record.aten_ops_before
-        compiled = _left_to_pytorch(gm, example_inputs, why, record, left, start, capture)
-        if (key or whole_key) and record.fallback.startswith("left to Inductor"):  # (a later process goes
-            graph_cache.save_lowered(key or whole_key, record, None, hint, whole_graph=why)  # there at once)
-        return compiled
+        return _left_to_pytorch(gm, example_inputs, why, record, left, start, capture, key or whole_key, hint)
     if cache is not None:
         if "forward" in record.compiled or "inference" in record.compiled:
             record.cache = "miss"

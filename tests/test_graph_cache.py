@@ -344,6 +344,33 @@ def test_a_rewritten_graph_aotautograd_cannot_compile_is_remembered(fresh_cache,
         assert not r.fired, r.fired
 
 
+def test_a_graph_that_cannot_be_lowered_is_remembered_as_inductors(fresh_cache, monkeypatch):
+    """Where the lowering to a functional ATen graph fails (here with a bare ``assert``'s AssertionError,
+    which has no message), the graph is left to Inductor whole and the log says why; a later process
+    goes there at once instead of failing the lowering again; its answers are Inductor's."""
+    from dmfx import backend
+
+    def lower_fails(*args, **kwargs):
+        attempts.append(1)
+        raise AssertionError()
+
+    attempts = []
+    monkeypatch.setattr(backend, "lower_to_aten", lower_fails)
+    f = lambda x, w: torch.nn.functional.layer_norm(x @ w, (w.shape[-1],)) * 2  # noqa: E731
+    x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
+    recs = []
+    for _ in range(2):  # (two processes, as far as Dynamo and dmfx's memory go)
+        torch._dynamo.reset()
+        got = torch.compile(f, backend="dmfx", options={"compiler": "inductor", "fuse": "all"})(x, w)
+        assert rel_err(got, f(x, w)) < 1e-6
+        recs.append(dmfx.records()[-1])
+    assert attempts == [1], attempts
+    assert [r.lowered_from_cache for r in recs] == [False, True]
+    for r in recs:
+        assert r.fallback == "left to Inductor: could not lower to a functional ATen graph: AssertionError: ", r.fallback
+        assert r.compiler == "inductor" and not r.fired, (r.compiler, r.fired)
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_a_dynamic_shape_graph_left_to_inductor_whole_is_remembered(fresh_cache, monkeypatch, dropout):
     """Under symbolic shapes only the decision to leave a graph to Inductor whole is kept (the lowered

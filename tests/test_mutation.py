@@ -718,6 +718,34 @@ def test_a_strict_verifier_error_in_aotautograds_step_is_not_swallowed_by_the_fa
         torch.compile(f, backend="dmfx", options={"compiler": "fx", "fuse": "all", "cache": False})(x, w)
 
 
+@pytest.mark.parametrize("where", ["graph", "whole"])
+def test_a_strict_verifier_error_under_inductor_is_not_swallowed_by_the_fallback(monkeypatch, where):
+    """Inductor's compile of a graph dmfx rewrote ("graph") or of a graph left to it whole ("whole")
+    runs dmfx's passes inside it; a strict verifier error there fails the compile even with fallback
+    on, as in the lowering and AOTAutograd's step, instead of running the graph as FX."""
+    import dmfx.backend as backend
+    import dmfx.inductor as inductor
+    from dmfx.passes.verify import GraphVerificationError
+
+    def raises(*args, **kwargs):
+        raise GraphVerificationError("layout", "mm", "made up for the test", strict=True)
+
+    def lowering_fails(*args, **kwargs):
+        raise RuntimeError("no lowering today")
+
+    if where == "graph":
+        monkeypatch.setattr(inductor, "compile_graph", raises)
+    else:  # (a lowering that fails leaves the graph to Inductor whole)
+        import torch._inductor.compile_fx as compile_fx
+
+        monkeypatch.setattr(backend, "lower_to_aten", lowering_fails)
+        monkeypatch.setattr(compile_fx, "compile_fx", raises)
+    f = lambda x, w: F.layer_norm(x @ w, (w.shape[-1],)) * 2  # noqa: E731
+    x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
+    with pytest.raises(Exception, match="made up for the test"):
+        torch.compile(f, backend="dmfx", options={"compiler": "inductor", "fuse": "all", "cache": False})(x, w)
+
+
 def test_a_graph_that_writes_an_input_runs_as_dynamo_gave_it_where_aotautograd_fails(monkeypatch):
     """Where AOTAutograd cannot compile the rewrite of a graph that writes an input, the fallback is not
     Inductor whole even under compiler="inductor": whether Inductor would miscompile the writes was

@@ -431,16 +431,27 @@ def _raising_in_the_backward_compile(monkeypatch):
 def test_a_backward_that_fails_to_compile_runs_as_derived(monkeypatch, caplog, compiler):
     """The backward compiles at the first backward(), after the forward ran dmfx's forward graph, so it
     cannot go back to PyTorch whole: with fallback on it runs as AOTAutograd derived it (the graph the
-    forward's saved values and dmfx's ops' derivatives call for), with eager's gradients; the record and
-    the log say so."""
+    forward's saved values and dmfx's ops' derivatives call for), compiled by the chosen compiler
+    (Inductor, or FX), with eager's gradients; the record and the log say so."""
+    from dmfx import inductor
+
     _raising_in_the_backward_compile(monkeypatch)
+    compiled_by_inductor = []
+    compile_graph = inductor.compile_graph
+    monkeypatch.setattr(inductor, "compile_graph",
+                        lambda gm, inputs, kind, *a, **k: compiled_by_inductor.append(kind) or compile_graph(gm, inputs, kind, *a, **k))
     with caplog.at_level(logging.WARNING, logger="dmfx"):
         _step({"compiler": compiler, "cache": False, "fuse": "all"})
+    how = {"inductor": "by Inductor", "fx": "as an FX GraphModule"}[compiler]
     assert "the backward of graph" in caplog.text and "made up for the test" in caplog.text, caplog.text
+    assert f"AOTAutograd derived it, {how}" in caplog.text, caplog.text
     rec = dmfx.records()[-1]
     assert rec.fallback is None and rec.fired, rec  # (the forward is dmfx's)
-    assert any("the backward graph failed to compile (RuntimeError)" in m for m in rec.missed), rec.missed
+    assert any(f"the backward graph failed to compile (RuntimeError); compiled it as AOTAutograd derived it, {how}" in m
+               for m in rec.missed), rec.missed
     assert rec.compiled.get("backward") and rec.backward_graph is not None
+    assert compiled_by_inductor == (["forward", "backward"] if compiler == "inductor" else []), compiled_by_inductor
+    assert rec.compiler == compiler
 
 
 def test_a_backward_that_fails_to_compile_raises_without_the_fallback(monkeypatch):
