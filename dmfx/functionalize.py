@@ -89,6 +89,12 @@ def functional_body(gm: Callable, example_inputs: Sequence[Any], training: bool)
 
     if isinstance(gm, GraphModule):
         names = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
+        written = written_attributes(gm)
+        if written:
+            more = f" and {len(written) - 1} more" if len(written) > 1 else ""
+            raise UnsupportedGraph(
+                "the graph writes tensors it holds as attributes, not inputs (as a compiled optimizer.step() writes "
+                f"its state); dmfx lowers writes into inputs only: {written[0]}{more}")
         if training:
             gm = _without_no_grad_regions(gm)
     else:  # a function (the pass tests lower plain functions)
@@ -121,6 +127,44 @@ def functional_body(gm: Callable, example_inputs: Sequence[Any], training: bool)
     epilogue = Epilogue(tuple(mutated), aliased, names, requires_grad)
     attach_epilogue(body, epilogue)  # raises here, not after the passes, if a view cannot be replayed
     return body, epilogue
+
+
+#: Python's item write and augmented assignments (operator's functions, and the methods): in place on a tensor.
+_WRITING_OPERATORS = ("setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul", "iand",
+                      "ior", "ixor", "ilshift", "irshift")
+_WRITING_DUNDERS = frozenset((*_WRITING_OPERATORS, *(f"__{op}__" for op in _WRITING_OPERATORS)))
+
+
+def written_attributes(gm: GraphModule) -> list[str]:
+    """The tensors `gm` holds as attributes (``get_attr`` nodes, not inputs) that an in-place op of the
+    graph writes (a method or function whose name ends in one ``_``, ``x[i] = v``, ``x += y``), as Dynamo gives
+    the graph of a compiled ``optimizer.step()``: the parameters and the optimizer's state are the
+    graph's attributes, written by ``_foreach_*_`` ops. AOTAutograd's functionalization (the lowering)
+    sees them as constants and cannot write them."""
+    def attribute(target: str) -> Any:
+        obj: Any = gm
+        for part in target.split("."):
+            obj = getattr(obj, part, None)
+        return obj
+
+    attrs = {n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(attribute(n.target), torch.Tensor)}
+    written: list[str] = []
+    for n in gm.graph.nodes if attrs else ():
+        if n.op not in ("call_function", "call_method") or not n.args:
+            continue
+        if n.op == "call_method":
+            name = n.target
+        else:
+            name = getattr(n.target, "__name__", "")
+            if name in _WRITING_OPERATORS and getattr(operator, name, None) is not n.target:
+                continue  # (a function of another module that happens to share the name)
+        if not isinstance(name, str) or not (name in _WRITING_DUNDERS or (name.endswith("_") and not name.endswith("__"))):
+            continue
+        first = n.args[0]
+        for a in first if isinstance(first, (list, tuple)) else (first,):
+            if a in attrs and a.target not in written:
+                written.append(a.target)
+    return written
 
 
 def differentiable_copies(gm: GraphModule, input_requires_grad: Sequence[bool]) -> int:

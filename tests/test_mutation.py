@@ -766,3 +766,85 @@ def test_a_graph_that_writes_an_input_runs_as_dynamo_gave_it_where_aotautograd_f
     (record,) = dmfx.records()
     assert record.fallback.startswith("AOTAutograd could not compile") and record.compiler == "fx", \
         (record.fallback, record.compiler)
+
+
+class _HoldsState(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("total", torch.zeros(4))
+        self.register_buffer("last", torch.zeros(2, 4))
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x):
+        self.total.add_(x.sum(0))
+        self.last[0] = x[0]
+        scale = self.scale * 2
+        scale += 1  # (a new tensor: not the attribute)
+        return x * scale
+
+
+def test_written_attributes_names_the_tensors_a_graph_holds_and_writes():
+    """In-place methods and functions (``add_``, ``torch._foreach_mul_`` over a list) and item writes
+    (``t[i] = v``, ``t += v``) into a graph's tensor attributes are found; an attribute only read is not."""
+    from dmfx.functionalize import written_attributes
+
+    gm = torch.fx.symbolic_trace(_HoldsState())
+    assert written_attributes(gm) == ["total", "last"], gm.code
+
+    # (as Dynamo gives an optimizer's step: symbolic_trace would run the foreach op on the buffers)
+    graph = torch.fx.Graph()
+    x, a, b = graph.placeholder("x"), graph.get_attr("a"), graph.get_attr("b")
+    graph.call_function(torch._foreach_mul_, ([a, b], 0.5))
+    graph.output(graph.call_function(torch.add, (x, a)))
+    held = torch.nn.Module()
+    held.a, held.b = torch.zeros(3), torch.zeros(3)  # (plain attributes, not buffers)
+    assert written_attributes(torch.fx.GraphModule(held, graph)) == ["a", "b"]
+
+    class Augmented(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("a", torch.zeros(3))
+
+        def forward(self, x):
+            a = self.a
+            a += x
+            return x * 2
+
+    assert written_attributes(torch.fx.symbolic_trace(Augmented())) == ["a"]
+
+
+@pytest.mark.parametrize("compiler", ["inductor", "fx"])
+def test_a_compiled_training_step_with_its_optimizer_is_eagers(compiler):
+    """The training step as PyTorch's tutorials compile it: forward, backward, ``optimizer.step()`` and
+    ``zero_grad()`` in one compiled function. Dynamo gives the optimizer's graph the parameters and
+    the optimizer's state as attributes, which it writes: dmfx leaves that graph to PyTorch (Inductor
+    whole under compiler="inductor") and says why in plain words, not with the lowering's internal
+    error; the model's own graphs are dmfx's. Parameters and losses stay eager's over four steps."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.LayerNorm(32), torch.nn.GELU(),
+                                torch.nn.Linear(32, 8))
+    ours, ref = copy.deepcopy(model), copy.deepcopy(model)
+    opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-2, foreach=True)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=True)
+
+    def step(net, opt, x, r):
+        loss = (net(x) * r).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    compiled = torch.compile(step, backend="dmfx", options={"compiler": compiler, "fuse": "all", "cache": False})
+    for _ in range(4):
+        x, r = torch.randn(8, 32), torch.randn(8, 8)
+        got, want = compiled(ours, opt_ours, x, r), step(ref, opt_ref, x, r)
+        assert rel_err(got, want) < 1e-5
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        assert rel_err(p, q) < 1e-5, name
+    records = dmfx.records()
+    assert any(r.fired.get("layer_norm") for r in records), [(r.graph_id, r.fired) for r in records]
+    held = [r for r in records if r.fallback and "writes tensors it holds as attributes" in r.fallback]
+    assert held, [r.fallback for r in records]
+    for r in held:
+        assert "as a compiled optimizer.step() writes its state" in r.fallback, r.fallback
+        assert r.fallback.startswith("left to Inductor: ") == (compiler == "inductor"), r.fallback
