@@ -39,7 +39,12 @@ mask are promoted to float32 for the softmax and cast back for the second GEMM. 
 the bf16 one (eager's own error times BF16_FACTOR, at least BF16_FLOOR, or FP16_FLOOR under a float16
 autocast), measured against the same module run in float32 without autocast. A float32 case beyond
 FP32_TOL is judged against eager in float64 (arbitrate): it passes where dmfx is within FP32_TOL of
-float64, and runs once more on new data where a ReLU's input sat within rounding of its kink.
+float64, and runs once more on new data where a ReLU's input sat within rounding of its kink. A bf16
+or autocast case beyond its tolerance runs once more on new data, and fails if it fails again. Eager's
+own error on one gradient ranges 30x between draws of one program (seed 6060 program 2, 40 draws of
+one size: 0.007 to 0.23 against float32, dmfx's at or below it in median and mostly in max), so a case
+where eager happened to land close flags dmfx's ordinary rounding (seeds 6060 and 6363: 1.1-7x the
+tolerance). A bug repeats on new data: the aliasing bug was 4-10x its tolerance in every case.
 
 torch.no_grad() regions inside a training graph (HF's rotary embeddings of transformers 4.x have one in
 every LLaMA step): NO_GRAD_PROGRAMS programs add a stop-gradient gate or a module run under no_grad,
@@ -754,10 +759,11 @@ def arbitrate(recipe, names, module_ref, inputs, got, cotangents) -> str:
     eager in float64: "pass" where dmfx's are within FP32_TOL of float64's (eager's float32 was the
     less accurate one), "redraw" where a ReLU's float64 input sat within rounding of its kink at 0 (dmfx
     and eager may round to different sides, and the gradients then differ by the cotangent there: the
-    caller runs the case once more on new data), else "fail". Other dtypes: "fail" (their tolerances
-    are eager's own error already)."""
+    caller runs the case once more on new data), else "fail". Other dtypes: "redraw" (their tolerance
+    is eager's own error in this case, which varies 30x between draws: see the docstring; the caller
+    fails a case that fails again on new data)."""
     if recipe["dtype"] != torch.float32 or recipe.get("autocast"):
-        return "fail"
+        return "redraw"
     module64 = copy.deepcopy(module_ref).double()
     inputs64 = {k: (v.double() if v.is_floating_point() else v) for k, v in inputs.items()}
     with relu_kinks(ACTIVATIONS) as near:
@@ -799,7 +805,7 @@ class ProgramResult:
     worst: float = 0.0
     seconds: float = 0.0
     eager_unusable: str = ""  # (why eager gave nothing to compare with: the rest of the program is not run)
-    redrawn: int = 0  # cases run again on new data: a ReLU input at its kink (arbitrate)
+    redrawn: int = 0  # cases run again on new data: a ReLU input at its kink, or bf16/fp16 noise (arbitrate)
 
     def report(self) -> str:
         return f"{describe(self.recipe)}\n" + "\n".join(f"  {f}" for f in self.failures)
@@ -849,13 +855,16 @@ def run_program(recipe: dict, options: dict | None = None) -> ProgramResult:
             break
         bad, worst = compare(names, got[:2], exp[:2], tolerances(recipe, ref, inputs, exp[:2], exp[2]))
         verdict = arbitrate(recipe, names, ref, inputs, got[:2], exp[2]) if bad else "pass"
-        if verdict == "redraw":  # (a ReLU input at its kink: the same case once more, on new data)
+        if verdict == "redraw":  # (a ReLU input at its kink, or bf16 noise: the same case once more, on new data)
             result.redrawn += 1
+            first = bad
             inputs = make_inputs(recipe, B, L, gen)
             exp = forward_backward(recipe, ref, inputs, gen=gen)
             got = forward_backward(recipe, compiled, inputs, exp[2])
             bad, worst = compare(names, got[:2], exp[:2], tolerances(recipe, ref, inputs, exp[:2], exp[2]))
             verdict = arbitrate(recipe, names, ref, inputs, got[:2], exp[2]) if bad else "pass"
+            if bad:
+                bad = [*first, "and again on new data:", *bad]
         if verdict == "pass":
             worst = min(worst, 1.0)  # (within float64's tolerance where eager's float32 was not)
         result.worst = max(result.worst, worst)
@@ -886,7 +895,7 @@ def fuzz_summary(results: list[ProgramResult], seconds: float) -> str:
     return (f"{cases} cases, {len(results)} programs ({sum(r.graphs for r in results)} graphs compiled) in {seconds:.0f}s, "
             f"seed {SEED}; {fused}/{len(results)} programs fused something; {unusable} stopped where eager gave "
             f"nothing to compare (not differentiable, or not finite); {sum(r.redrawn for r in results)} cases redrawn "
-            f"at a ReLU's kink; programs where each pattern fired: "
+            f"(a ReLU's kink, or bf16/fp16 noise); programs where each pattern fired: "
             f"{dict(sorted(patterns.items(), key=lambda kv: -kv[1]))}; "
             f"worst error {max(r.worst for r in results):.2f} of its tolerance")
 
@@ -1056,6 +1065,41 @@ def test_regression_gemm_residual_is_not_accumulated_into_its_own_operand():
     assert result.fired.get("bias_dropout_residual_norm"), result.fired
 
 
+@pytest.mark.parametrize("bug", ["every draw", "first draw only"])
+def test_a_bf16_case_off_again_on_new_data_fails(monkeypatch, bug):
+    """The redraw of a bf16 case beyond its tolerance (run_program): a gradient 30% off in every draw (as
+    the aliasing bug was, 4-10x its tolerance in every case) fails, reporting both draws; one off in
+    the first draw only (noise) passes on the second."""
+    recipe = fixed_recipe(
+        "harness: LN(Linear1(v) + v), v = Linear0(x), in bf16", 12,
+        {"linear0": ("linear", {"bias": True}), "linear1": ("linear", {"bias": True}), "ln0": ("ln", {"bias": True})},
+        [((2,), "module", "linear0", (0,)), ((3,), "module", "linear1", (2,)), ((4,), "add", None, (3, 2)),
+         ((5,), "module", "ln0", (4,))],
+        [5], [(2, 8)], dtype=torch.bfloat16, x_grad=False)
+    made = {}
+    real_instantiate, real_forward_backward = instantiate, forward_backward
+
+    def instantiating(*args, **kwargs):
+        module, ref, made["compiled"], gen = real_instantiate(*args, **kwargs)
+        return module, ref, made["compiled"], gen
+
+    def off(recipe, module, *args, **kwargs):
+        outs, grads, cotangents = real_forward_backward(recipe, module, *args, **kwargs)
+        if module is made.get("compiled") and (bug == "every draw" or not made.get("off")):
+            made["off"] = True
+            grads = [g * 1.3 if i == 0 else g for i, g in enumerate(grads)]  # (linear0's weight gradient)
+        return outs, grads, cotangents
+
+    monkeypatch.setitem(globals(), "instantiate", instantiating)
+    monkeypatch.setitem(globals(), "forward_backward", off)
+    result = run_program(recipe)
+    assert result.redrawn == 1, result.report()
+    if bug == "every draw":
+        assert len(result.failures) == 1 and "and again on new data:" in result.failures[0], result.report()
+    else:
+        assert not result.failures, result.report()
+
+
 def test_regression_sum_read_before_its_norm():
     """Found by the fuzz (seed 2: fp32 programs 5 and 7, dropout program 0; seed 3: fp32 program 9;
     an earlier version of the generator: seed 1515, dropout program 3): s = Linear(x) + x (or any
@@ -1107,7 +1151,8 @@ def test_regression_flash_attention_backward_is_reproducible():
 
 def test_arbitration_passes_float64s_answer_and_fails_a_wrong_one():
     """arbitrate, which judges a float32 case that differs from eager's: eager's own float32 values pass
-    (within FP32_TOL of float64's), a gradient 1% off fails; an autocast case is never arbitrated."""
+    (within FP32_TOL of float64's), a gradient 1% off fails; an autocast case is never passed by it, only
+    run again on new data."""
     recipe = next(r for r in (make_recipe(i, torch.float32) for i in range(40)) if not r.get("autocast")
                   and not any(spec.get("act") in ("relu", "relu2") for _, spec in r["modules"].values()))
     module, ref, _, gen = instantiate(recipe)
@@ -1119,4 +1164,4 @@ def test_arbitration_passes_float64s_answer_and_fails_a_wrong_one():
     big = max(range(len(grads)), key=lambda i: grads[i].norm().item())
     wrong = [g * 1.01 if i == big else g for i, g in enumerate(grads)]
     assert arbitrate(recipe, names, ref, inputs, (outs, wrong), cotangents) == "fail"
-    assert arbitrate({**recipe, "autocast": torch.bfloat16}, names, ref, inputs, (outs, grads), cotangents) == "fail"
+    assert arbitrate({**recipe, "autocast": torch.bfloat16}, names, ref, inputs, (outs, grads), cotangents) == "redraw"
