@@ -502,33 +502,20 @@ def constant_value(n: Any, max_elements: int = 1 << 24, max_nodes: int = 64) -> 
     return values[n]
 
 
-def topologically_ordered(graph: Graph) -> int:
+def topologically_ordered(graph: Graph) -> bool:
     """Move the nodes of `graph` that come before one of their inputs to after it, keeping every other
-    node where it is (a stable topological sort); returns how many nodes had to wait. A fused op is
-    inserted where its pattern began (an attention before its softmax), and its inputs are usually
-    made before that; in a graph that writes its inputs, functionalization re-derives the views of a
-    written input where each is read (a static cache's values, viewed into heads after the softmax),
-    and the op would read them before they exist. Only for functional graphs (the passes' graphs):
-    the order of writes is not kept."""
+    node where it is (Inductor's stable topological sort); returns whether any node had to move. A
+    fused op is inserted where its pattern began (an attention before its softmax), and its inputs are
+    usually made before that; in a graph that writes its inputs, functionalization re-derives the views
+    of a written input where each is read (a static cache's values, viewed into heads after the
+    softmax), and the op would read them before they exist. Only for functional graphs (the passes'
+    graphs): the order of writes is not kept."""
     if _in_order(graph):
-        return 0
-    pending, ready, cursor, moved = list(reversed(graph.nodes)), set(), None, 0
-    waiting: dict[Node, list[Node]] = {}
-    while pending:
-        n = pending.pop()
-        missing = [a for a in n.all_input_nodes if a not in ready]
-        if missing:
-            waiting.setdefault(missing[-1], []).append(n)
-            moved += 1
-            continue
-        ready.add(n)
-        if cursor is not None and cursor.next is not n:
-            cursor.append(n)
-        cursor = n
-        pending.extend(reversed(waiting.pop(n, ())))
-    if waiting:
-        raise RuntimeError(f"dmfx: the graph has a cycle through {sorted(a.name for a in waiting)}")
-    return moved
+        return False
+    from torch._inductor.pattern_matcher import stable_topological_sort
+
+    stable_topological_sort(graph)  # (raises on a cycle)
+    return True
 
 
 def _in_order(graph: Graph) -> bool:
