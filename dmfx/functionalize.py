@@ -87,6 +87,11 @@ def functional_body(gm: Callable, example_inputs: Sequence[Any], training: bool)
     or a mutated input that requires grad, cannot be kept and raises)."""
     from torch._functorch.aot_autograd import _aot_export_function
 
+    lists = [i for i, a in enumerate(example_inputs) if isinstance(a, (list, tuple))]
+    if lists:  # (the trace would say so too, after tracing the whole graph: _check_flat)
+        raise UnsupportedGraph(f"the graph takes lists as inputs ({len(lists)} of {len(example_inputs)}), as compiled "
+                               "autograd's backward graph does; dmfx lowers graphs of flat inputs (its backward "
+                               "fusions run on the backward AOTAutograd derives)")
     if isinstance(gm, GraphModule):
         names = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
         written = written_attributes(gm)

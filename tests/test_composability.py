@@ -478,6 +478,28 @@ def test_frozen_parameters_train_as_eager(freeze):
     assert fired().get("bias_dropout_residual_norm", 0) >= 4, fired()
 
 
+def test_compiled_autograd_gives_eagers_gradients():
+    """Compiled autograd (which FSDP2 users turn on) hands the backend a backward graph of its own, whose
+    inputs are lists: dmfx leaves that graph to PyTorch (Inductor whole by default) and says why,
+    before tracing it; the forward stays dmfx's and the gradients are eager's."""
+    m = Layer().train()
+    ref = copy.deepcopy(m)
+    x, mask = _inputs(2, 8)
+    compiled = torch.compile(m, backend="dmfx", options={"fuse": "all"})
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="dmfx", options={"fuse": "all"})):
+        out = compiled(x, mask)
+        R = cotangent(out.shape)
+        (out * R).sum().backward()
+    exp = ref(x, mask)
+    (exp * R).sum().backward()
+    assert rel_err(out, exp) < 1e-5
+    grads_close(m, ref, 1e-5)
+    records = dmfx.records()
+    assert any(r.fired for r in records), [r.fallback for r in records]
+    assert any(r.fallback and "the graph takes lists as inputs" in r.fallback for r in records), \
+        [r.fallback for r in records]
+
+
 # ----------------------------------------------------------------------------------------- optimizer + checkpoints
 
 
