@@ -319,6 +319,20 @@ def test_a_graph_left_to_inductor_whole_is_remembered(fresh_cache):
     assert torch.allclose(outs[0], outs[1], rtol=0, atol=1e-6)
 
 
+def _two_processes_of_a_norm_after_a_gemm() -> list:
+    """layer_norm(x @ w) * 2 compiled under compiler="inductor", fuse="all" in two "processes" (as far
+    as Dynamo and dmfx's memory go), each answer checked against eager's: the two graphs' records."""
+    f = lambda x, w: torch.nn.functional.layer_norm(x @ w, (w.shape[-1],)) * 2  # noqa: E731
+    x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
+    recs = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        got = torch.compile(f, backend="dmfx", options={"compiler": "inductor", "fuse": "all"})(x, w)
+        assert rel_err(got, f(x, w)) < 1e-6
+        recs.append(dmfx.records()[-1])
+    return recs
+
+
 def test_a_rewritten_graph_aotautograd_cannot_compile_is_remembered(fresh_cache, monkeypatch):
     """Where AOTAutograd's step fails on dmfx's rewritten graph (made to here: a forward compiler that
     raises), the graph is left to Inductor whole, and a later process goes there at once instead of
@@ -328,14 +342,7 @@ def test_a_rewritten_graph_aotautograd_cannot_compile_is_remembered(fresh_cache,
     attempts = []
     monkeypatch.setattr(backend, "_compiler", compilers_raising(
         lambda kind: attempts.append(kind) or RuntimeError(f"no {kind} compiler today")))
-    f = lambda x, w: torch.nn.functional.layer_norm(x @ w, (w.shape[-1],)) * 2  # noqa: E731
-    x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
-    recs = []
-    for _ in range(2):  # (two processes, as far as Dynamo and dmfx's memory go)
-        torch._dynamo.reset()
-        got = torch.compile(f, backend="dmfx", options={"compiler": "inductor", "fuse": "all"})(x, w)
-        assert rel_err(got, f(x, w)) < 1e-6
-        recs.append(dmfx.records()[-1])
+    recs = _two_processes_of_a_norm_after_a_gemm()
     assert attempts == ["forward"], attempts
     assert [r.lowered_from_cache for r in recs] == [False, True]
     for r in recs:
@@ -356,14 +363,7 @@ def test_a_graph_that_cannot_be_lowered_is_remembered_as_inductors(fresh_cache, 
 
     attempts = []
     monkeypatch.setattr(backend, "lower_to_aten", lower_fails)
-    f = lambda x, w: torch.nn.functional.layer_norm(x @ w, (w.shape[-1],)) * 2  # noqa: E731
-    x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
-    recs = []
-    for _ in range(2):  # (two processes, as far as Dynamo and dmfx's memory go)
-        torch._dynamo.reset()
-        got = torch.compile(f, backend="dmfx", options={"compiler": "inductor", "fuse": "all"})(x, w)
-        assert rel_err(got, f(x, w)) < 1e-6
-        recs.append(dmfx.records()[-1])
+    recs = _two_processes_of_a_norm_after_a_gemm()
     assert attempts == [1], attempts
     assert [r.lowered_from_cache for r in recs] == [False, True]
     for r in recs:
