@@ -9,7 +9,11 @@ with ``dynamic=True`` and called with many *cases*: random shapes (odd sizes, 1s
 inputs of the compiled function, so one compiled graph serves every hidden size. A float32 case whose
 gradients differ from eager's is judged against eager in float64 (_arbitrate): it passes where dmfx is
 within the tolerance of float64, and is drawn again on new data where a ReLU's input sat within
-rounding of its kink (the two may take different sides there).
+rounding of its kink (the two may take different sides there). A bfloat16 case beyond its tolerance
+is drawn again on new data and fails if it fails again, as in the graph fuzz: one bf16 unit of noise
+on an ill-conditioned input (an attention whose scores are hundreds apart by a few units) moves the
+exact output by several percent, so eager and dmfx, both right to rounding, can land 0.17 apart
+(seed 6565); a bug repeats on new data.
 
 Set DMFX_FUZZ_SEED to explore other programs; the failing variant's recipe and case are printed.
 """
@@ -287,14 +291,14 @@ def run_case(f, chain, variant, case, gen):
             out, exp = f(x, mask, hmask, *params), chain(x, mask, hmask, *params)
         assert out.dtype == exp.dtype and out.shape == exp.shape
         assert torch.isfinite(exp).all()
-        return rel_err(out, exp) < tol or exp.norm() == 0, ("forward", rel_err(out, exp))
+        return _forward_verdict(out, exp, tol, variant)
     a = [t.detach().clone().requires_grad_() for t in leaves]
     b = [t.detach().clone().requires_grad_() for t in leaves]
     out = f(a[0], mask, hmask, *a[1:])
     exp = chain(b[0], mask, hmask, *b[1:])
     assert out.dtype == exp.dtype and out.shape == exp.shape
     if rel_err(out, exp) >= tol and exp.norm() > 0:
-        return False, ("forward", rel_err(out, exp))
+        return _forward_verdict(out, exp, tol, variant)
     R = torch.randn(exp.shape, generator=gen).to(exp.dtype)
     ga = torch.autograd.grad(out, a, R, allow_unused=True)
     gb = torch.autograd.grad(exp, b, R, allow_unused=True)
@@ -310,15 +314,24 @@ def run_case(f, chain, variant, case, gen):
     return True, None
 
 
+def _forward_verdict(out, exp, tol, variant):
+    """(ok, why) for an output against eager's: within `tol` (or eager's is zero) passes; beyond it a
+    float32 case fails, a bfloat16 one is inconclusive (None: the caller draws new data once)."""
+    why = ("forward", rel_err(out, exp))
+    if rel_err(out, exp) < tol or exp.norm() == 0:
+        return True, why
+    return (None, ("bf16 noise?", why)) if variant["dtype"] == torch.bfloat16 else (False, why)
+
+
 def _arbitrate(chain, variant, inputs, R, ga, why):
     """A float32 case whose gradients differ from eager's, judged against eager in float64: passed where
     dmfx's gradients are within the tolerance of float64's (eager is the less accurate one: a
     LayerNorm over one feature), inconclusive (None: the caller draws new data for the same shapes)
     where a ReLU's input is within float32 rounding of its kink at 0 (the two may round to different
     sides, and the gradients then differ by the cotangent there, which no tolerance covers); else
-    failed."""
+    failed. A bfloat16 case is inconclusive (see the docstring: drawn again once)."""
     if variant["dtype"] != torch.float32:
-        return False, why
+        return None, ("bf16 noise?", why)
     x, mask, hmask, params = inputs
     leaves = [t.detach().double().requires_grad_() for t in (x, *params)]
     with relu_kinks() as near:
@@ -349,7 +362,7 @@ def test_fuzz_random_chains_match_eager(record_property):
             for j in range(CASES_PER_VARIANT):
                 case = make_case(rng, variant, j)
                 ok, why = run_case(f, chain, variant, case, gen)
-                if ok is None:  # inconclusive at a ReLU's kink: the same case on new data
+                if ok is None:  # inconclusive (a ReLU's kink, bf16 noise): the same case on new data, once
                     redrawn += 1
                     ok, why = run_case(f, chain, variant, case, gen)
                 cases += 1
@@ -368,7 +381,7 @@ def test_fuzz_random_chains_match_eager(record_property):
             with_norm_fired += bool(fired_v)
             torch._dynamo.reset()
     seconds = time.perf_counter() - start
-    summary = (f"{cases} cases ({N_VARIANTS} variants) in {seconds:.1f}s, seed {SEED}, {redrawn} redrawn at a ReLU's kink; "
+    summary = (f"{cases} cases ({N_VARIANTS} variants) in {seconds:.1f}s, seed {SEED}, {redrawn} redrawn (a ReLU's kink, bf16 noise); "
                f"fired {fired_total}")
     print("\ndmfx fuzz:", summary)
     record_property("fuzz", summary)
@@ -382,7 +395,7 @@ def test_fuzz_random_chains_match_eager(record_property):
 def test_arbitration_passes_only_float64s_answer_and_redraws_only_at_a_kink():
     """_arbitrate, which judges a float32 case whose gradients differ from eager's: a gradient within
     the tolerance of float64's passes, a wrong one fails, and a wrong one next to a ReLU's kink (an
-    input exactly at 0) is inconclusive."""
+    input exactly at 0) is inconclusive; so is a bfloat16 case beyond its tolerance (drawn again once)."""
     variant = {"dtype": torch.float32}
     x, w = torch.randn(3, 4, 5), torch.randn(5)
     mask, hmask = torch.zeros(3, 4, 4), torch.zeros(5)
@@ -399,4 +412,8 @@ def test_arbitration_passes_only_float64s_answer_and_redraws_only_at_a_kink():
     x0 = x.clone()
     x0[0, 0, 0] = 0.0  # at the kink: float64 takes ReLU's zero side
     assert _arbitrate(chain, variant, (x0, mask, hmask, [w]), R, wrong, why) == (None, ("near a ReLU kink", why))
-    assert _arbitrate(chain, {"dtype": torch.bfloat16}, (x, mask, hmask, [w]), R, exact, why) == (False, why)
+    assert _arbitrate(chain, {"dtype": torch.bfloat16}, (x, mask, hmask, [w]), R, exact, why) == (None, ("bf16 noise?", why))
+    out = torch.randn(3, 4, 5)
+    assert _forward_verdict(out * 1.001, out, 4e-2, {"dtype": torch.bfloat16})[0] is True
+    assert _forward_verdict(out * 1.2, out, 4e-2, {"dtype": torch.bfloat16})[0] is None
+    assert _forward_verdict(out * 1.2, out, 1e-4, {"dtype": torch.float32})[0] is False
