@@ -146,13 +146,9 @@ def written_attributes(gm: GraphModule) -> list[str]:
     the graph of a compiled ``optimizer.step()``: the parameters and the optimizer's state are the
     graph's attributes, written by ``_foreach_*_`` ops. AOTAutograd's functionalization (the lowering)
     sees them as constants and cannot write them."""
-    def attribute(target: str) -> Any:
-        obj: Any = gm
-        for part in target.split("."):
-            obj = getattr(obj, part, None)
-        return obj
+    from .passes.graph_utils import held_attribute
 
-    attrs = {n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(attribute(n.target), torch.Tensor)}
+    attrs = {n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(held_attribute(gm, n.target), torch.Tensor)}
     written: list[str] = []
     for n in gm.graph.nodes if attrs else ():
         if n.op not in ("call_function", "call_method") or not n.args:

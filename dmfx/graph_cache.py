@@ -102,12 +102,14 @@ def constants_digest(gm: torch.fx.GraphModule) -> str:
     hashes a tensor attribute by its metadata only (PyTorch then reads constants from the graph at
     hand); dmfx keys their values too rather than rely on that. A value it cannot read gives a key
     of its own (a miss, never a wrong hit)."""
+    from .passes.graph_utils import held_attribute
+
     h = hashlib.sha256()
     for n in gm.graph.nodes:
         if n.op != "get_attr":
             continue
         try:
-            obj = _attr(gm, str(n.target))
+            obj = held_attribute(gm, str(n.target))
             if isinstance(obj, torch.Tensor) and not isinstance(obj, torch.nn.Parameter):
                 t = obj.detach().to("cpu").contiguous().reshape(-1)
                 h.update(f"{n.target}:{t.dtype}:{tuple(obj.shape)}".encode())
@@ -533,11 +535,13 @@ def _hook_caches() -> bool:
 def lowered_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Any) -> str | None:
     """The key of the Dynamo graph `gm`'s lowered, rewritten graph under `opts`, or None where that
     graph is not cached (see above)."""
+    from .passes.graph_utils import held_attribute
+
     if any(_symbolic(x) for x in example_inputs) or any(isinstance(x, (list, tuple, dict)) for x in example_inputs):
         return None
     for mod in gm.modules():
         if isinstance(mod, torch.fx.GraphModule) and any(
-                n.op == "get_attr" and isinstance(_attr(mod, str(n.target)), torch.Tensor) for n in mod.graph.nodes):
+                n.op == "get_attr" and isinstance(held_attribute(mod, str(n.target)), torch.Tensor) for n in mod.graph.nodes):
             return None  # (a parameter, a buffer the graph may write, a constant: Dynamo makes them inputs)
     return _key("L", gm, example_inputs, opts, _described)
 
@@ -589,13 +593,6 @@ def _modes() -> str:
     return ";".join(out)
 
 
-def _attr(gm: Any, target: str) -> Any:
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-    return obj
-
-
 def _lowered_dir() -> Path:
     from .cuda_ops.build import cache_root
 
@@ -635,6 +632,8 @@ def load_graph(data: bytes) -> torch.fx.GraphModule:
 def same_graph(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> str | None:
     """Why `b` is not the graph `a` is (None: the same nodes, calls, arguments, tensor attributes and
     the node metadata a cached graph keeps)."""
+    from .passes.graph_utils import held_attribute
+
     if a.graph.python_code("self").src != b.graph.python_code("self").src:
         return "its code differs"
     for x, y in zip(a.graph.nodes, b.graph.nodes):
@@ -643,7 +642,7 @@ def same_graph(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> str | None:
                 return f"node {x.name}'s {k!r} metadata differs"
     for n in a.graph.nodes:
         if n.op == "get_attr":
-            x, y = _attr(a, str(n.target)), _attr(b, str(n.target))
+            x, y = held_attribute(a, str(n.target)), held_attribute(b, str(n.target))
             if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor) or isinstance(x, torch.Tensor) and not (
                     x.dtype == y.dtype and x.shape == y.shape and x.device == y.device and torch.equal(x, y)):
                 return f"attribute {n.target} differs"

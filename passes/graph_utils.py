@@ -63,6 +63,14 @@ def is_op(n: Any, *targets: Any) -> bool:
     return False
 
 
+def held_attribute(gm: Any, target: str) -> Any:
+    """What a ``get_attr`` node of `gm` with this dotted `target` reads (None where a part is missing)."""
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
 def val(n: Any) -> Any:
     return n.meta.get("val") if isinstance(n, Node) else n
 
