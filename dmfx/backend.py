@@ -493,7 +493,7 @@ def _compiler(kind: str, record: GraphRecord, opts: Options, rewritten: GraphMod
             except Exception as e:
                 if kind != "backward" or not _may_fall_back(e, opts):
                     raise  # (a forward or inference failure: the AOTAutograd step leaves the graph to PyTorch)
-                compiled = _backward_as_derived(gm, example_inputs, e, record, opts, rewritten, cudagraphs, dmfx_tag)
+                compiled = _backward_as_derived(gm, example_inputs, e)
         record.floats_compiled(last=kind != "forward")
         return compiled
 
@@ -519,6 +519,27 @@ def _compiler(kind: str, record: GraphRecord, opts: Options, rewritten: GraphMod
             graph_cache.save_record(cache[1], record)
         return compiled
 
+    def _backward_as_derived(gm: GraphModule, example_inputs: Sequence[Any], e: Exception) -> Callable:
+        """The backward graph as AOTAutograd derived it, where dmfx's compile of it failed (`e`): compiled
+        by Inductor under compiler="inductor" (as FX where Inductor fails too), else run as an FX
+        GraphModule. It compiles at the first ``backward()``, after the forward already ran dmfx's
+        forward graph, so the graph cannot go back to PyTorch whole; this graph is the one that
+        forward's saved values and dmfx's ops' own derivatives call for, without the backward passes.
+        One warning; the record says so."""
+        name = type(e).__name__
+        record.compiled["backward"] = _count_ops(gm)
+        record.backward_graph = gm
+        compiled = None
+        if opts.compiler == "inductor":
+            with graph_cache.tagged(dmfx_tag):
+                compiled = _inductor(gm, example_inputs, "backward", record, opts, rewritten, cudagraphs)
+        how = "by Inductor" if compiled is not None else "as an FX GraphModule"
+        _warn_once(f"backward:{name}", "dmfx: the backward of graph %d failed to compile (%s: %s); it runs as "
+                   "AOTAutograd derived it, %s", record.graph_id, name, _first_line(e), how)
+        record.missed.append(f"compiler: the backward graph failed to compile ({name}); compiled it as AOTAutograd "
+                             f"derived it, {how}")
+        return compiled if compiled is not None else _boxed(gm)
+
     return compile_fn
 
 
@@ -535,30 +556,6 @@ def _first_line(e: BaseException, n: int = 300) -> str:
     as a bare ``assert``'s)."""
     lines = str(e).splitlines()
     return lines[0][:n] if lines else ""
-
-
-def _backward_as_derived(gm: GraphModule, example_inputs: Sequence[Any], e: Exception, record: GraphRecord,
-                         opts: Options, rewritten: GraphModule, cudagraphs: Any, dmfx_tag: str | None) -> Callable:
-    """The backward graph as AOTAutograd derived it, where dmfx's compile of it failed (`e`): compiled by
-    Inductor under compiler="inductor" (as FX where Inductor fails too), else run as an FX GraphModule.
-    It compiles at the first ``backward()``, after the forward already ran dmfx's forward graph, so the
-    graph cannot go back to PyTorch whole; this graph is the one that forward's saved values and dmfx's
-    ops' own derivatives call for, without the backward passes. One warning; the record says so."""
-    from . import graph_cache
-
-    kind = type(e).__name__
-    record.compiled["backward"] = _count_ops(gm)
-    record.backward_graph = gm
-    compiled = None
-    if opts.compiler == "inductor":
-        with graph_cache.tagged(dmfx_tag):
-            compiled = _inductor(gm, example_inputs, "backward", record, opts, rewritten, cudagraphs)
-    how = "by Inductor" if compiled is not None else "as an FX GraphModule"
-    _warn_once(f"backward:{kind}", "dmfx: the backward of graph %d failed to compile (%s: %s); it runs as "
-               "AOTAutograd derived it, %s", record.graph_id, kind, _first_line(e), how)
-    record.missed.append(f"compiler: the backward graph failed to compile ({kind}); compiled it as AOTAutograd "
-                         f"derived it, {how}")
-    return compiled if compiled is not None else _boxed(gm)
 
 
 def _inductor(gm: GraphModule, example_inputs: Sequence[Any], kind: str, record: GraphRecord, opts: Options,

@@ -144,14 +144,25 @@ def written_attributes(gm: GraphModule) -> list[str]:
     """The tensors `gm` holds as attributes (``get_attr`` nodes, not inputs) that an in-place op of the
     graph writes (a method or function whose name ends in one ``_``, ``x[i] = v``, ``x += y``), as Dynamo gives
     the graph of a compiled ``optimizer.step()``: the parameters and the optimizer's state are the
-    graph's attributes, written by ``_foreach_*_`` ops. AOTAutograd's functionalization (the lowering)
-    sees them as constants and cannot write them."""
+    graph's attributes, written by ``_foreach_*_`` ops. An ATen ``OpOverload`` (an ATen-level graph)
+    is read by its schema instead: the arguments it marks as written (``out=`` among them). AOTAutograd's
+    functionalization (the lowering) sees the attributes as constants and cannot write them."""
     from .passes.graph_utils import held_attribute
 
     attrs = {n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(held_attribute(gm, n.target), torch.Tensor)}
     written: list[str] = []
     for n in gm.graph.nodes if attrs else ():
-        if n.op not in ("call_function", "call_method") or not n.args:
+        if n.op not in ("call_function", "call_method"):
+            continue
+        if isinstance(n.target, torch._ops.OpOverload):  # (an ATen-level graph: the schema says what it writes)
+            for i, arg in enumerate(n.target._schema.arguments):
+                a = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    for t in a if isinstance(a, (list, tuple)) else (a,):
+                        if t in attrs and t.target not in written:
+                            written.append(t.target)
+            continue
+        if not n.args:
             continue
         if n.op == "call_method":
             name = n.target

@@ -812,6 +812,20 @@ def test_written_attributes_names_the_tensors_a_graph_holds_and_writes():
 
     assert written_attributes(torch.fx.symbolic_trace(Augmented())) == ["a"]
 
+    # (an ATen-level graph: OpOverloads are read by their schemas, whatever their names; ``out=``
+    # is a write too, and an argument only read is not one)
+    graph = torch.fx.Graph()
+    x, a, b, c = graph.placeholder("x"), graph.get_attr("a"), graph.get_attr("b"), graph.get_attr("c")
+    graph.call_function(torch.ops.aten.add_.Tensor, (a, x))
+    graph.call_function(torch.ops.aten.mul.out, (x, c), {"out": b})
+    graph.call_function(torch.ops.aten.index_put_.default, (c, [x], a))
+    graph.output(graph.call_function(torch.ops.aten.mul.Tensor, (x, c)))
+    held = torch.nn.Module()
+    held.a, held.b, held.c = torch.zeros(3), torch.zeros(3), torch.zeros(3)
+    assert written_attributes(torch.fx.GraphModule(held, graph)) == ["a", "b", "c"]
+    graph.erase_node(next(n for n in graph.nodes if n.target is torch.ops.aten.index_put_.default))
+    assert written_attributes(torch.fx.GraphModule(held, graph)) == ["a", "b"]  # (c only read)
+
 
 @pytest.mark.parametrize("compiler", ["inductor", "fx"])
 def test_a_compiled_training_step_with_its_optimizer_is_eagers(compiler):
