@@ -334,6 +334,53 @@ def test_no_grad_and_inference_mode_on_a_model_compiled_for_training():
     assert all(r.fallback is None for r in dmfx.records())
 
 
+@pytest.mark.parametrize("options", [{"fuse": "all"}, {"fuse": "all", "compiler": "fx"}, {"unpad": True, "fuse": "all"}],
+                         ids=["inductor", "fx", "unpad"])
+def test_one_compiled_model_served_from_several_threads_at_once(options):
+    """A server's pattern: one compiled model called from four Python threads at once, each with its
+    own padded batches (dmfx's kernels and the compiled code release the GIL, so the calls overlap).
+    Every output is eager's on the real tokens (under unpad the padding rows are zeros, as its
+    contract says)."""
+    import threading
+
+    torch.manual_seed(0)
+    model = bert().eval()
+    f = torch.compile(model, backend="dmfx", options={**options, "fallback": False})
+
+    def batch(seed):
+        g = torch.Generator().manual_seed(seed)
+        ids, mask = torch.randint(0, 500, (3, 12), generator=g), torch.ones(3, 12, dtype=torch.long)
+        for b, n in enumerate(torch.randint(6, 13, (3,), generator=g).tolist()):
+            mask[b, n:] = 0
+        return ids, mask
+
+    with torch.no_grad():
+        f(*batch(0))  # (compiled before the threads start)
+        expected = {s: model(*batch(s)).last_hidden_state for s in range(16)}
+    errors, worst = [], []
+
+    def serve(t):
+        try:
+            with torch.no_grad():
+                for s in [(t * 4 + r) % 16 for r in range(12)]:
+                    ids, mask = batch(s)
+                    real = mask.bool()[..., None]
+                    worst.append(rel_err(f(ids, mask).last_hidden_state * real, expected[s] * real))
+        except Exception as e:  # noqa: BLE001  (reported below, with the thread's number)
+            errors.append(f"thread {t}: {e!r}")
+
+    threads = [threading.Thread(target=serve, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(worst) == 48 and max(worst) < 1e-5, max(worst)
+    assert fired().get("bias_dropout_residual_norm", 0) >= 2, fired()
+    assert fired().get("unpad", 0) >= (1 if options.get("unpad") else 0), fired()
+    assert all(r.fallback is None for r in dmfx.records())
+
+
 # ----------------------------------------------------------------------------------------- checkpointing
 
 
