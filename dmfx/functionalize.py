@@ -151,16 +151,19 @@ def written_attributes(gm: GraphModule) -> list[str]:
 
     attrs = {n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(held_attribute(gm, n.target), torch.Tensor)}
     written: list[str] = []
+
+    def write_to(value: Any) -> None:  # (a tensor or a list of them: the attributes among them are written)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if t in attrs and t.target not in written:
+                written.append(t.target)
+
     for n in gm.graph.nodes if attrs else ():
         if n.op not in ("call_function", "call_method"):
             continue
         if isinstance(n.target, torch._ops.OpOverload):  # (an ATen-level graph: the schema says what it writes)
             for i, arg in enumerate(n.target._schema.arguments):
-                a = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
                 if arg.alias_info is not None and arg.alias_info.is_write:
-                    for t in a if isinstance(a, (list, tuple)) else (a,):
-                        if t in attrs and t.target not in written:
-                            written.append(t.target)
+                    write_to(n.args[i] if i < len(n.args) else n.kwargs.get(arg.name))
             continue
         if not n.args:
             continue
@@ -172,10 +175,7 @@ def written_attributes(gm: GraphModule) -> list[str]:
                 continue  # (a function of another module that happens to share the name)
         if not isinstance(name, str) or not (name in _WRITING_DUNDERS or (name.endswith("_") and not name.endswith("__"))):
             continue
-        first = n.args[0]
-        for a in first if isinstance(first, (list, tuple)) else (first,):
-            if a in attrs and a.target not in written:
-                written.append(a.target)
+        write_to(n.args[0])
     return written
 
 
